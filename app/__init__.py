@@ -1,0 +1,38 @@
+"""The model server: `create_app()` reads as its start-up sequence."""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Flask
+
+from app.settings import Settings
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    from app import api, errors, registry, runtime
+
+    settings = settings or Settings.from_env()
+    configure_logging(settings.log_level)
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
+    app.extensions["settings"] = settings
+    runtime.configure(settings)
+    registry.init_app(app, settings)
+    api.init_app(app)
+    errors.init_app(app)
+    return app
+
+
+def shutdown_app(app: Flask, *, timeout_s: float | None = None) -> None:
+    """Stop accepting predictions and answer every accepted one (Gunicorn's worker_exit)."""
+    from app.registry import get_registry
+
+    get_registry(app).close(drain=True, timeout_s=timeout_s)
+
+
+def configure_logging(level: str) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s")
+    logging.getLogger("app").setLevel(level)

@@ -1,0 +1,69 @@
+"""HTTP routes: predict (a shortcut and TensorFlow Serving's URLs) and health."""
+
+from __future__ import annotations
+
+from flask import Blueprint, Flask, Response, current_app, request
+from werkzeug.routing import BaseConverter
+
+from app import codec
+from app.errors import UnsupportedMediaType
+from app.registry import Servable, get_registry
+from app.settings import MODEL_NAME_PATTERN
+
+bp = Blueprint("api", __name__)
+
+
+class ModelNameConverter(BaseConverter):
+    # Stops at ':' so that '/v1/models/<name>:predict' parses; the name never reaches a path.
+    regex = MODEL_NAME_PATTERN.pattern.strip("^$")
+
+
+def _json(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(body, status=status, mimetype="application/json", headers=headers)
+
+
+def _predict(servable: Servable) -> Response:
+    if request.mimetype != "application/json":
+        raise UnsupportedMediaType(
+            f"send the body as JSON with 'Content-Type: application/json' (got {request.mimetype or 'none'!r})"
+        )
+    inputs, fmt = codec.decode_request(request.get_data(cache=False), servable.model)
+    settings = current_app.extensions["settings"]
+    result = servable.batcher.predict(inputs, timeout_s=settings.request_timeout_ms / 1000.0)
+    body = codec.encode_response(result.outputs, servable.model, fmt)
+    return _json(body, headers={"X-Batch-Size": str(result.batch_rows), "X-Batch-Requests": str(result.batch_requests)})
+
+
+@bp.post("/predict")
+def predict_default() -> Response:
+    return _predict(get_registry(current_app).get())
+
+
+@bp.post("/v1/models/<model_name:name>:predict")
+def predict_model(name: str) -> Response:
+    return _predict(get_registry(current_app).get(name))
+
+
+@bp.post("/v1/models/<model_name:name>/versions/<int:version>:predict")
+def predict_version(name: str, version: int) -> Response:
+    return _predict(get_registry(current_app).get(name, version))
+
+
+@bp.get("/healthz")
+def healthz() -> Response:
+    return _json(b'{"status":"alive"}')
+
+
+@bp.get("/readyz")
+def readyz() -> Response:
+    import orjson
+
+    registry = get_registry(current_app)
+    ready = registry.ready
+    body = {"ready": ready, "models": {name: servable.status() for name, servable in registry.items()}}
+    return _json(orjson.dumps(body), status=200 if ready else 503)
+
+
+def init_app(app: Flask) -> None:
+    app.url_map.converters["model_name"] = ModelNameConverter
+    app.register_blueprint(bp)

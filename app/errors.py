@@ -1,0 +1,131 @@
+"""One exception tree for everything the server answers with an error.
+
+    ServingError (500)
+    ├── BadRequest (400)
+    │   └── InvalidInput (400)          body parsed, but not what the model takes
+    ├── NotFound (404)
+    ├── MethodNotAllowed (405)
+    ├── PayloadTooLarge (413)
+    ├── UnsupportedMediaType (415)
+    ├── PredictFailed (500)             the model raised; carries the cause's class and message
+    ├── Unavailable (503)               carries Retry-After
+    │   ├── QueueFull (503)
+    │   ├── ShuttingDown (503)
+    │   └── BatcherBroken (503)
+    └── DeadlineExceeded (504)
+
+The batching engine raises these too, so a request thread re-raises whatever its future
+holds and the one handler at the bottom answers it, as it answers Werkzeug's 404, 405 and
+413: every error leaves as {"error": "..."} with its status.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from flask import Flask, Response
+from werkzeug.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ServingError(Exception):
+    status_code = 500
+    reason = "internal"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": self.message}
+
+
+class BadRequest(ServingError):
+    status_code = 400
+    reason = "bad_request"
+
+
+class InvalidInput(BadRequest):
+    reason = "invalid_input"
+
+
+class NotFound(ServingError):
+    status_code = 404
+    reason = "not_found"
+
+
+class MethodNotAllowed(ServingError):
+    status_code = 405
+    reason = "method_not_allowed"
+
+
+class PayloadTooLarge(ServingError):
+    status_code = 413
+    reason = "payload_too_large"
+
+
+class UnsupportedMediaType(ServingError):
+    status_code = 415
+    reason = "unsupported_media_type"
+
+
+class PredictFailed(ServingError):
+    status_code = 500
+    reason = "predict_failed"
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> PredictFailed:
+        return cls(f"model raised {type(exc).__name__}: {exc}")
+
+
+class Unavailable(ServingError):
+    status_code = 503
+    reason = "unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
+class QueueFull(Unavailable):
+    reason = "queue_full"
+
+
+class ShuttingDown(Unavailable):
+    reason = "shutting_down"
+
+
+class BatcherBroken(Unavailable):
+    reason = "batcher_broken"
+
+
+class DeadlineExceeded(ServingError):
+    status_code = 504
+    reason = "deadline"
+
+
+def _answer(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps({"error": message}), status=status, mimetype="application/json", headers=headers)
+
+
+def handle_serving_error(exc: ServingError) -> Response:
+    return _answer(exc.status_code, exc.message, exc.headers)
+
+
+def handle_http_error(exc: HTTPException) -> Response:
+    headers = {key: value for key, value in exc.get_headers() if key.lower() == "allow"}
+    return _answer(exc.code or 500, exc.description or exc.name, headers)
+
+
+def handle_unexpected(exc: Exception) -> Response:
+    log.exception("unhandled error")
+    return _answer(500, f"internal error: {type(exc).__name__}")
+
+
+def init_app(app: Flask) -> None:
+    app.register_error_handler(ServingError, handle_serving_error)
+    app.register_error_handler(HTTPException, handle_http_error)
+    app.register_error_handler(Exception, handle_unexpected)

@@ -1,0 +1,58 @@
+"""TensorFlow's process set-up: thread pools and GPU memory, before the first TF op.
+
+Gunicorn's post_fork hook calls `configure()` in each worker with the worker count, so
+that N workers share the cores instead of each starting pools as wide as the machine.
+`create_app()` calls it again; the second call changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_configured: dict[str, Any] | None = None
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def configure(settings: Settings, *, workers: int = 1) -> dict[str, Any]:
+    """Size TF's pools to cores / workers and cap GPU memory; idempotent per process."""
+    global _configured
+    with _lock:
+        if _configured is not None:
+            return _configured
+        import tensorflow as tf
+
+        share = max(1, available_cores() // max(1, workers))
+        intra = settings.tf_intra_op_threads or share
+        inter = settings.tf_inter_op_threads or share
+        tf.config.threading.set_intra_op_parallelism_threads(intra)
+        tf.config.threading.set_inter_op_parallelism_threads(inter)
+        gpus = tf.config.list_physical_devices("GPU")
+        for gpu in gpus:
+            if settings.gpu_memory_limit_mb:
+                tf.config.set_logical_device_configuration(
+                    gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=settings.gpu_memory_limit_mb)]
+                )
+            else:
+                tf.config.experimental.set_memory_growth(gpu, True)
+        _configured = {
+            "intra_op_threads": intra,
+            "inter_op_threads": inter,
+            "gpus": len(gpus),
+            "gpu_memory_limit_mb": settings.gpu_memory_limit_mb or None,
+        }
+        log.info("tensorflow configured in pid %d: %s", os.getpid(), _configured)
+        return _configured

@@ -1,0 +1,161 @@
+"""Settings: read once from the environment, validated, frozen.
+
+Each setting names its environment variable, its default and a small pure validator,
+as Gunicorn's config does. A bad value stops start-up with a message that names the
+variable, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+class SettingsError(ValueError):
+    pass
+
+
+def validate_pos_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise ValueError
+    return number
+
+
+def validate_non_neg_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise ValueError
+    return number
+
+
+def validate_non_neg_float(value: str) -> float:
+    number = float(value)
+    if not number >= 0 or number == float("inf"):
+        raise ValueError
+    return number
+
+
+def validate_pos_float(value: str) -> float:
+    number = float(value)
+    if not 0 < number < float("inf"):
+        raise ValueError
+    return number
+
+
+def validate_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError
+
+
+def validate_choice(*choices: str) -> Callable[[str], str]:
+    def validate(value: str) -> str:
+        if value not in choices:
+            raise ValueError
+        return value
+
+    validate.allowed = " or ".join(repr(choice) for choice in choices)  # type: ignore[attr-defined]
+    return validate
+
+
+MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def validate_model_name(value: str) -> str:
+    if not MODEL_NAME_PATTERN.match(value):
+        raise ValueError
+    return value
+
+
+def validate_optional_path(value: str) -> str | None:
+    return value or None
+
+
+def validate_log_level(value: str) -> str:
+    upper = value.upper()
+    if upper not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError
+    return upper
+
+
+_ALLOWED = {
+    validate_pos_int: "a whole number of 1 or more",
+    validate_non_neg_int: "a whole number of 0 or more",
+    validate_non_neg_float: "a number of 0 or more",
+    validate_pos_float: "a number above 0",
+    validate_bool: "true or false (1/0, yes/no, on/off)",
+    validate_model_name: "letters, digits, '_', '.' or '-', starting with a letter or digit, at most 64",
+    validate_optional_path: "a path",
+    validate_log_level: "DEBUG, INFO, WARNING, ERROR or CRITICAL",
+}
+
+
+def _env(name: str, validator: Callable[[str], Any], default: Any, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"env": name, "validate": validator, "help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    model_path: str | None = _env(
+        "MODEL_PATH", validate_optional_path, None,
+        "A .keras or .h5 file, a SavedModel folder, or a base folder of numbered versions. "
+        "Unset: the built-in default model.")
+    model_name: str = _env("MODEL_NAME", validate_model_name, "default", "Name the model is served under.")
+    max_batch_size: int = _env("MAX_BATCH_SIZE", validate_pos_int, 32, "Most rows in one predict call.")
+    batch_timeout_ms: float = _env(
+        "BATCH_TIMEOUT_MS", validate_non_neg_float, 0.0,
+        "How long a batch may wait for more rows, counted from its oldest request. "
+        "0: dispatch as soon as the model is free.")
+    max_queue_rows: int = _env(
+        "MAX_QUEUE_ROWS", validate_pos_int, 128,
+        "Rows that may wait per model and worker; beyond, 503 with Retry-After.")
+    request_timeout_ms: float = _env(
+        "REQUEST_TIMEOUT_MS", validate_pos_float, 30000.0,
+        "Deadline of a request; a request still queued at its deadline is dropped, and answered 504.")
+    max_request_bytes: int = _env("MAX_REQUEST_BYTES", validate_pos_int, 16 * 1024 * 1024, "Largest body; beyond, 413.")
+    batching: bool = _env(
+        "BATCHING", validate_bool, True, "false: every request gets its own predict call (the naive server).")
+    predict_method: str = _env(
+        "PREDICT_METHOD", validate_choice("function", "keras_predict"), "function",
+        "function: a compiled tf.function; keras_predict: Keras model.predict (slow, for comparison).")
+    tf_intra_op_threads: int = _env(
+        "TF_INTRA_OP_THREADS", validate_non_neg_int, 0, "TensorFlow intra-op threads; 0: cores / workers.")
+    tf_inter_op_threads: int = _env(
+        "TF_INTER_OP_THREADS", validate_non_neg_int, 0, "TensorFlow inter-op threads; 0: cores / workers.")
+    gpu_memory_limit_mb: int = _env(
+        "GPU_MEMORY_LIMIT_MB", validate_non_neg_int, 0,
+        "GPU memory per worker process; 0: grow as needed.")
+    log_level: str = _env("LOG_LEVEL", validate_log_level, "INFO", "Logging level.")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        environ = os.environ if environ is None else environ
+        values = {}
+        for field in dataclasses.fields(cls):
+            name = field.metadata["env"]
+            if name in environ:
+                values[field.name] = parse(name, environ[name], field.metadata["validate"])
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+def parse(name: str, raw: str, validator: Callable[[str], Any]) -> Any:
+    try:
+        return validator(raw.strip())
+    except (ValueError, TypeError):
+        allowed = getattr(validator, "allowed", None) or _ALLOWED.get(validator, "a valid value")
+        raise SettingsError(f"{name}={raw!r} is not valid: expected {allowed}") from None
+
+
+def documented() -> list[tuple[str, Any, str]]:
+    """(variable, default, help) for every setting: the README's table is checked against it."""
+    return [(f.metadata["env"], f.default, f.metadata["help"]) for f in dataclasses.fields(Settings)]

@@ -1,0 +1,46 @@
+"""Gunicorn settings, all from the environment; command-line flags still override them.
+
+The master never imports TensorFlow: the app is loaded in each worker after the fork
+(no preload_app), and post_fork sizes TensorFlow's thread pools and GPU memory in the
+worker before the model loads.
+"""
+
+import os
+
+from app.settings import Settings, parse, validate_pos_int
+
+# Validated here, in the master, so a bad value stops start-up once with a clear message.
+_settings = Settings.from_env()
+
+
+def _env(name, default, validator=validate_pos_int):
+    return parse(name, os.environ[name], validator) if name in os.environ else default
+
+
+bind = os.environ.get("BIND", "0.0.0.0:8000")
+workers = _env("WORKERS", 1)
+worker_class = "gthread"
+# A batch can only hold as many requests as there are threads waiting on it.
+threads = _env("THREADS", 2 * _settings.max_batch_size)
+timeout = _env("TIMEOUT", 120)
+graceful_timeout = _env("GRACEFUL_TIMEOUT", 30)
+keepalive = _env("KEEPALIVE", 5)
+preload_app = False
+# Gunicorn 27's control socket lives at one fixed path per user: two servers on a machine
+# would fight over it, and nothing here uses it.
+control_socket_disable = True
+loglevel = _settings.log_level.lower()
+
+
+def post_fork(server, worker):
+    from app import runtime
+
+    runtime.configure(_settings, workers=server.cfg.workers)
+
+
+def worker_exit(server, worker):
+    app = getattr(worker, "wsgi", None)
+    if app is not None and "models" in getattr(app, "extensions", {}):
+        from app import shutdown_app
+
+        shutdown_app(app, timeout_s=server.cfg.graceful_timeout)
