@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 from werkzeug.routing import BaseConverter
 
-from app import codec
+from app import codec, metadata
 from app.errors import UnsupportedMediaType
 from app.registry import Servable, get_registry
 from app.settings import MODEL_NAME_PATTERN
@@ -49,6 +52,24 @@ def predict_version(name: str, version: int) -> Response:
     return _predict(get_registry(current_app).get(name, version))
 
 
+@bp.get("/v1/models/<model_name:name>")
+@bp.get("/v1/models/<model_name:name>/versions/<int:version>")
+def model_status(name: str, version: int | None = None) -> Response:
+    servable = get_registry(current_app).get(name, version)
+    status = {
+        "version": str(servable.model.version),
+        "state": "AVAILABLE" if servable.batcher.alive else "UNKNOWN",
+        "status": {"error_code": "OK", "error_message": ""},
+    }
+    return _json(orjson.dumps({"model_version_status": [status]}))
+
+
+@bp.get("/v1/models/<model_name:name>/metadata")
+@bp.get("/v1/models/<model_name:name>/versions/<int:version>/metadata")
+def model_metadata(name: str, version: int | None = None) -> Response:
+    return _json(orjson.dumps(metadata.describe(get_registry(current_app).get(name, version).model)))
+
+
 @bp.get("/healthz")
 def healthz() -> Response:
     return _json(b'{"status":"alive"}')
@@ -56,11 +77,9 @@ def healthz() -> Response:
 
 @bp.get("/readyz")
 def readyz() -> Response:
-    import orjson
-
     registry = get_registry(current_app)
     ready = registry.ready
-    body = {"ready": ready, "models": {name: servable.status() for name, servable in registry.items()}}
+    body = {"ready": ready, "pid": os.getpid(), "models": {name: servable.status() for name, servable in registry.items()}}
     return _json(orjson.dumps(body), status=200 if ready else 503)
 
 
