@@ -141,11 +141,13 @@ def available_versions(path: str) -> list[int]:
 
 def _dtype_info(dtype: Any) -> tuple[np.dtype, str]:
     import tensorflow as tf
+    from tensorflow.core.framework import types_pb2
 
     tf_dtype = tf.as_dtype(dtype)
+    enum_name = types_pb2.DataType.Name(tf_dtype.as_datatype_enum)  # DT_FLOAT, as TF Serving names it
     if tf_dtype == tf.string:
-        return STRING, "DT_STRING"
-    return np.dtype(tf_dtype.as_numpy_dtype), "DT_" + tf_dtype.name.upper()
+        return STRING, enum_name
+    return np.dtype(tf_dtype.as_numpy_dtype), enum_name
 
 
 def _info(name: str, shape: Sequence[int | None], dtype: Any) -> TensorInfo:
