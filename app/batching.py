@@ -92,7 +92,7 @@ def row_count(inputs: Tensors) -> int:
 class _Pending:
     """One submitted request: its rows, its future, and how far the batch thread got."""
 
-    __slots__ = ("inputs", "future", "rows", "key", "enqueued_at", "deadline", "next_row", "parts")
+    __slots__ = ("inputs", "future", "rows", "key", "enqueued_at", "deadline", "next_row", "parts", "started")
 
     def __init__(self, inputs: Tensors, rows: int, enqueued_at: float, deadline: float | None):
         self.inputs = inputs
@@ -103,6 +103,7 @@ class _Pending:
         self.enqueued_at = enqueued_at
         self.deadline = deadline
         self.next_row = 0
+        self.started = False
         self.parts: list[Mapping[str, np.ndarray]] = []
 
     @property
@@ -337,7 +338,11 @@ class Batcher:
         if pending.key != batch.key or (batch.slices and not self.batching):
             skipped.append(pending)
             return False
-        if pending.next_row == 0:
+        if not pending.started:
+            pending.started = True
+            if not pending.future.set_running_or_notify_cancel():
+                self._release(pending.remaining)
+                return False
             self.observer.queue_wait(self._clock() - pending.enqueued_at)
         taken = batch.take(pending)
         self._release(taken)
@@ -346,7 +351,7 @@ class Batcher:
         return True
 
     def _is_live(self, pending: _Pending) -> bool:
-        """Drop requests nobody waits for: cancelled, expired or already failed."""
+        """Drop requests nobody waits for any more: cancelled, expired or already failed."""
         if pending.future.done():
             self._release(pending.remaining)
             return False
@@ -354,9 +359,6 @@ class Batcher:
             self._release(pending.remaining)
             self.observer.rejected("deadline")
             _settle(pending.future, exception=DeadlineExceeded("the request's deadline passed while it was queued"))
-            return False
-        if pending.next_row == 0 and not pending.future.set_running_or_notify_cancel():
-            self._release(pending.remaining)
             return False
         return True
 

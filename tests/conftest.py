@@ -110,7 +110,7 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def signal(self, signum: int) -> None:
+    def send(self, signum: int) -> None:
         self.proc.send_signal(signum)
 
     def stop(self, *, signum: int = signal.SIGTERM, within_s: float = 60) -> int:
