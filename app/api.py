@@ -8,7 +8,7 @@ import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 from werkzeug.routing import BaseConverter
 
-from app import codec, metadata
+from app import codec, metadata, runtime
 from app.errors import UnsupportedMediaType
 from app.registry import Servable, get_registry
 from app.settings import MODEL_NAME_PATTERN
@@ -79,7 +79,12 @@ def healthz() -> Response:
 def readyz() -> Response:
     registry = get_registry(current_app)
     ready = registry.ready
-    body = {"ready": ready, "pid": os.getpid(), "models": {name: servable.status() for name, servable in registry.items()}}
+    body = {
+        "ready": ready,
+        "pid": os.getpid(),
+        "tensorflow": runtime.configured(),
+        "models": {name: servable.status() for name, servable in registry.items()},
+    }
     return _json(orjson.dumps(body), status=200 if ready else 503)
 
 

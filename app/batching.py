@@ -292,10 +292,14 @@ class Batcher:
                 self._backlog.append(item)
             batch, stopping = self._gather(stopping)
             if batch.slices:
-                self._in_flight = batch.slices
-                self._execute(batch.slices)
-                self._in_flight = []
-                self.batches_run += 1
+                # Rows count as queued until their predict call starts: a forming batch waits too.
+                self._release(batch.rows)
+                slices = [piece for piece in batch.slices if self._start(piece.pending)]
+                if slices:
+                    self._in_flight = slices
+                    self._execute(slices)
+                    self._in_flight = []
+                    self.batches_run += 1
 
     def _gather(self, stopping: bool) -> tuple[_Batch, bool]:
         batch = _Batch(self.max_batch_size)
@@ -331,35 +335,38 @@ class Batcher:
 
     def _offer(self, pending: _Pending, batch: _Batch, skipped: list[_Pending]) -> bool:
         """Put the pending request's rows in the batch if it may join; True if it did."""
-        if not self._is_live(pending):
+        if self._abandoned(pending):
+            self._release(pending.remaining)
             return False
         if batch.key is None:
             batch.key = pending.key
         if pending.key != batch.key or (batch.slices and not self.batching):
             skipped.append(pending)
             return False
-        if not pending.started:
-            pending.started = True
-            if not pending.future.set_running_or_notify_cancel():
-                self._release(pending.remaining)
-                return False
-            self.observer.queue_wait(self._clock() - pending.enqueued_at)
-        taken = batch.take(pending)
-        self._release(taken)
+        batch.take(pending)
         if pending.remaining:
             skipped.append(pending)
         return True
 
-    def _is_live(self, pending: _Pending) -> bool:
-        """Drop requests nobody waits for any more: cancelled, expired or already failed."""
+    def _abandoned(self, pending: _Pending) -> bool:
+        """True for requests nobody waits for any more: cancelled, failed, or past their deadline."""
         if pending.future.done():
-            self._release(pending.remaining)
-            return False
+            return True
         if pending.deadline is not None and self._clock() >= pending.deadline:
-            self._release(pending.remaining)
             self.observer.rejected("deadline")
             _settle(pending.future, exception=DeadlineExceeded("the request's deadline passed while it was queued"))
+            return True
+        return False
+
+    def _start(self, pending: _Pending) -> bool:
+        """Last check before the predict call: a request cancelled while its batch formed is left out."""
+        if self._abandoned(pending):
             return False
+        if not pending.started:
+            pending.started = True
+            if not pending.future.set_running_or_notify_cancel():
+                return False
+            self.observer.queue_wait(self._clock() - pending.enqueued_at)
         return True
 
     def _release(self, rows: int) -> None:

@@ -56,3 +56,7 @@ def configure(settings: Settings, *, workers: int = 1) -> dict[str, Any]:
         }
         log.info("tensorflow configured in pid %d: %s", os.getpid(), _configured)
         return _configured
+
+
+def configured() -> dict[str, Any]:
+    return dict(_configured or {})

@@ -96,9 +96,11 @@ class Server:
                     raise TimeoutError(f"gunicorn not ready within {within_s} s:\n{self.log()}")
                 try:
                     # A fresh connection each time, so that the kernel may hand it to any worker.
-                    answer = session.get(self.url + "/readyz", timeout=5, headers={"Connection": "close"})
+                    answer = session.get(self.url + "/readyz", timeout=10, headers={"Connection": "close"})
                     if answer.status_code == 200:
                         seen.add(answer.json()["pid"])
+                except requests.Timeout:
+                    pass  # accepted into the backlog while every worker was still loading
                 except requests.ConnectionError:
                     time.sleep(0.1)  # nothing listens yet: there is no event to wait on
         return seen

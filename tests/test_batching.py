@@ -254,6 +254,17 @@ def test_predict_answers_deadline_exceeded_and_the_request_never_runs(make_batch
     assert all(7.0 not in call["x"] for call in fake.calls)
 
 
+def test_request_expiring_while_its_batch_forms_is_left_out(make_batcher, fake):
+    batcher = make_batcher(max_batch_size=4, batch_timeout_ms=60_000)
+    with pytest.raises(DeadlineExceeded):
+        batcher.predict(rows(7.0), timeout_s=0.05)
+    # Three more rows fill the batch of four, which then goes without the expired one.
+    result = batcher.submit(rows(1.0, 2.0, 3.0)).result(WAIT_S)
+    assert result.batch_requests == 1
+    assert fake.batch_rows == [4]
+    assert fake.calls[0]["x"][:, 0].tolist() == [1.0, 2.0, 3.0, 3.0]
+
+
 def test_cancelled_request_is_skipped(make_batcher, fake):
     batcher = make_batcher()
     first, release = occupy(batcher, fake)

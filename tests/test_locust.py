@@ -1,0 +1,192 @@
+"""The locustfile against a real server, and its step shape.
+
+Locust monkey-patches the standard library with gevent when imported, so it never runs
+inside the pytest process: the load test is a `locust` subprocess, and the shape is
+imported in a short-lived Python subprocess.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+LOCUST_TIMEOUT_S = 90
+
+
+def locust_env(**overrides: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("LOCUST_")}
+    env.update(overrides)
+    return env
+
+
+def aggregated_row(csv_prefix: Path) -> dict[str, str]:
+    with open(f"{csv_prefix}_stats.csv", newline="") as file:
+        return next(row for row in csv.DictReader(file) if row["Name"] == "Aggregated")
+
+
+def run_headless_locust(url: str, csv_prefix: Path, env: dict[str, str], *, seconds: int = 5) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py"), "--headless",
+               "-u", "5", "-r", "5", "-t", f"{seconds}s", "--host", url, "--csv", str(csv_prefix),
+               "--only-summary"]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=LOCUST_TIMEOUT_S)
+
+
+def test_locust_run_sends_requests_and_none_fail(start_server, exact_model_path, tmp_path):
+    server = start_server({"MODEL_PATH": str(exact_model_path)})
+    summary = tmp_path / "batches.json"
+    env = locust_env(LOCUST_WAIT_MIN="0.01", LOCUST_WAIT_MAX="0.05", LOCUST_SUMMARY_FILE=str(summary))
+
+    run = run_headless_locust(server.url, tmp_path / "run", env)
+
+    assert run.returncode == 0, run.stdout + run.stderr
+    row = aggregated_row(tmp_path / "run")
+    assert int(row["Failure Count"]) == 0, run.stdout + run.stderr
+    assert int(row["Request Count"]) > 50, row
+    batches = json.loads(summary.read_text())
+    assert batches["answers_with_batch_headers"] > 0
+    assert batches["mean_batch_rows"] >= 1
+
+
+class FakeServer(ThreadingHTTPServer):
+    """Serves the default model's metadata and a canned answer to every predict."""
+
+    def __init__(self, status: int, body: dict) -> None:
+        super().__init__(("127.0.0.1", 0), FakeHandler)
+        self.status, self.body = status, body
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class FakeHandler(BaseHTTPRequestHandler):
+    METADATA = {"metadata": {"signature_def": {"signature_def": {"serving_default": {"inputs": {
+        "features": {"dtype": "DT_FLOAT", "tensor_shape": {"dim": [{"size": "-1"}, {"size": "4"}]}}}}}}}}
+
+    def do_GET(self) -> None:
+        self.answer(200, self.METADATA)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.answer(self.server.status, self.server.body)
+
+    def answer(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def start(status: int, body: dict) -> FakeServer:
+        server = FakeServer(status, body)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("status, body", [
+    (200, {"predictions": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]}),  # two predictions for one row
+    (200, {"outputs": [[1.0, 2.0, 3.0]]}),                          # no predictions at all
+    (503, {"error": "queue full"}),
+], ids=["wrong-count", "no-predictions", "status-503"])
+def test_locust_counts_a_bad_answer_as_a_failure(fake_server, tmp_path, status, body):
+    server = fake_server(status, body)
+    env = locust_env(LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1")
+
+    run = run_headless_locust(server.url, tmp_path / "run", env, seconds=2)
+
+    assert run.returncode != 0
+    row = aggregated_row(tmp_path / "run")
+    assert int(row["Failure Count"]) == int(row["Request Count"]) > 0
+
+
+def test_locust_sends_the_rows_asked_for(start_server, exact_model_path, tmp_path):
+    server = start_server({"MODEL_PATH": str(exact_model_path)})
+    env = locust_env(LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1", LOCUST_ROWS="3")
+
+    run = run_headless_locust(server.url, tmp_path / "run", env, seconds=2)
+
+    assert run.returncode == 0, run.stdout + run.stderr
+    row = aggregated_row(tmp_path / "run")
+    assert int(row["Failure Count"]) == 0 and int(row["Request Count"]) > 0
+
+
+def shape_script(body: str, env: dict[str, str] | None = None) -> dict:
+    """Run `body` with locustfile imported as `lf`; it prints one JSON value."""
+    code = f"import json, locustfile as lf\n{body}"
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=locust_env(**(env or {})),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_step_shape_adds_one_user_per_step_then_holds_then_stops():
+    ticks = shape_script(
+        "shape = lf.StepShape(step_seconds=10, max_users=3, hold_seconds=5)\n"
+        "out = {}\n"
+        "for t in (0, 9.9, 10, 19.9, 20, 29.9, 30, 34.9, 35, 100):\n"
+        "    shape.get_run_time = lambda t=t: t\n"
+        "    out[str(t)] = shape.tick()\n"
+        "print(json.dumps(out))"
+    )
+    assert ticks == {
+        "0": [1, 3.0], "9.9": [1, 3.0], "10": [2, 3.0], "19.9": [2, 3.0], "20": [3, 3.0],
+        "29.9": [3, 3.0], "30": [3, 3.0], "34.9": [3, 3.0], "35": None, "100": None,
+    }
+
+
+def test_step_shape_reads_its_settings_from_the_environment():
+    settings = shape_script(
+        "shape = lf.StepShape()\n"
+        "print(json.dumps([shape.step_seconds, shape.max_users, shape.hold_seconds]))",
+        env={"LOCUST_STEP_SECONDS": "2.5", "LOCUST_STEP_USERS_MAX": "7"},
+    )
+    assert settings == [2.5, 7, 2.5]
+
+
+@pytest.mark.parametrize("shape, locust_sees_it", [("", False), ("step", True)])
+def test_step_shape_takes_over_only_when_asked(shape, locust_sees_it):
+    # Locust runs the first non-abstract shape class it finds in the locustfile.
+    seen = shape_script(
+        "from locust.util.load_locustfile import is_shape_class\n"
+        "print(json.dumps(is_shape_class(lf.StepShape)))",
+        env={"LOCUST_SHAPE": shape},
+    )
+    assert seen is locust_sees_it
+
+
+def test_random_instances_follow_the_metadata():
+    body = shape_script(
+        "import numpy as np\n"
+        "metadata = {'metadata': {'signature_def': {'signature_def': {'serving_default': {'inputs': {\n"
+        "    'features': {'dtype': 'DT_FLOAT', 'tensor_shape': {'dim': [{'size': '-1'}, {'size': '6'}]}},\n"
+        "    'ids': {'dtype': 'DT_INT64', 'tensor_shape': {'dim': [{'size': '-1'}, {'size': '-1'}]}}}}}}}}\n"
+        "specs = lf.input_specs(metadata)\n"
+        "print(json.dumps(lf.random_instances(specs, 2, np.random.default_rng(0))))"
+    )
+    assert len(body) == 2
+    for row in body:
+        assert set(row) == {"features", "ids"}
+        assert len(row["features"]) == 6 and all(isinstance(value, float) for value in row["features"])
+        assert len(row["ids"]) == 1 and isinstance(row["ids"][0], int)

@@ -1,0 +1,162 @@
+"""Integration: real `gunicorn -c gunicorn.conf.py wsgi:app` processes, real Keras models, real HTTP."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import requests
+
+from tests.conftest import integer_rows
+
+CLIENT_TIMEOUT_S = 60
+
+
+def _post_all(server, bodies, *, barrier: bool = True) -> list[requests.Response]:
+    """Send every body at once from its own thread (and connection)."""
+    start = threading.Barrier(len(bodies)) if barrier else None
+
+    def send(rows):
+        if start is not None:
+            start.wait(CLIENT_TIMEOUT_S)
+        return server.predict(rows, timeout=CLIENT_TIMEOUT_S)
+
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(send, bodies))
+
+
+def _status(server) -> dict:
+    return requests.get(server.url + "/readyz", timeout=CLIENT_TIMEOUT_S).json()
+
+
+def _wait_queued(server, rows: int, within_s: float = 60) -> None:
+    """Poll the (single) worker until exactly `rows` rows wait in its queue."""
+    deadline = time.monotonic() + within_s
+    with requests.Session() as session:
+        while session.get(server.url + "/readyz", timeout=10).json()["models"]["default"]["queued_rows"] != rows:
+            assert time.monotonic() < deadline, f"{rows} rows never queued"
+
+
+def test_concurrent_requests_get_the_models_own_output_in_fewer_calls(start_server, exact_model_path, exact_model):
+    # A batch window makes batch formation certain; the default (0) batches too, but only
+    # as much as requests happen to overlap.
+    server = start_server({"MODEL_PATH": str(exact_model_path), "BATCH_TIMEOUT_MS": "1000"})
+    bodies = [integer_rows(1 + i % 3, seed=i) for i in range(32)]
+    answers = _post_all(server, bodies)
+    for rows, answer in zip(bodies, answers):
+        assert answer.status_code == 200, answer.text
+        expected = exact_model(rows).numpy()
+        np.testing.assert_array_equal(np.asarray(answer.json()["predictions"], dtype=np.float32), expected)
+    batch_requests = [int(answer.headers["X-Batch-Requests"]) for answer in answers]
+    batches_run = _status(server)["models"]["default"]["batches_run"]
+    assert max(batch_requests) > 1
+    assert batches_run < len(bodies)
+
+
+def test_columnar_and_row_formats_agree(start_server, exact_model_path, exact_model):
+    server = start_server({"MODEL_PATH": str(exact_model_path)})
+    rows = integer_rows(5, seed=3)
+    columnar = requests.post(server.url + "/predict", json={"inputs": rows.tolist()}, timeout=CLIENT_TIMEOUT_S)
+    tf_serving = requests.post(server.url + "/v1/models/default:predict", json={"instances": rows.tolist()},
+                               timeout=CLIENT_TIMEOUT_S)
+    assert columnar.status_code == tf_serving.status_code == 200
+    expected = exact_model(rows).numpy().tolist()
+    assert columnar.json() == {"outputs": expected}
+    assert tf_serving.json() == {"predictions": expected}
+
+
+def test_readme_command_serves_the_default_model_on_two_workers(start_server):
+    from app.models import build_default_model
+
+    server = start_server(args=("--threads=20",), workers=2)
+    status = _status(server)
+    cores = len(os.sched_getaffinity(0))
+    assert status["tensorflow"]["intra_op_threads"] == max(1, cores // 2)
+    rows = np.array([[0.1, 0.2, 0.3, 0.4], [1.0, -1.0, 0.5, 2.0]], dtype=np.float32)
+    answer = server.predict(rows)
+    assert answer.status_code == 200, answer.text
+    served = np.asarray(answer.json()["predictions"], dtype=np.float32)
+    assert served.shape == (2, 3)
+    # The default model is rebuilt here from the same seeds. The server's worker uses fewer
+    # TensorFlow threads than this process, and a 4096-wide float sum may round differently
+    # when split differently; the weights themselves are identical.
+    np.testing.assert_allclose(served, build_default_model()(rows).numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_master_never_imports_tensorflow(start_server, exact_model_path):
+    server = start_server({"MODEL_PATH": str(exact_model_path)}, workers=2)
+    with open(f"/proc/{server.proc.pid}/maps") as maps:
+        master_libraries = maps.read()
+    worker_pid = _status(server)["pid"]
+    with open(f"/proc/{worker_pid}/maps") as maps:
+        worker_libraries = maps.read()
+    assert "tensorflow" in worker_libraries
+    assert "tensorflow" not in master_libraries
+
+
+def test_full_queue_answers_503_at_once_and_queued_requests_still_succeed(start_server, exact_model_path,
+                                                                         exact_model):
+    server = start_server({"MODEL_PATH": str(exact_model_path), "MAX_QUEUE_ROWS": "4",
+                           "BATCH_TIMEOUT_MS": "3000", "MAX_BATCH_SIZE": "64"})
+    bodies = [integer_rows(2, seed=1), integer_rows(2, seed=2)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pending = [pool.submit(server.predict, rows, timeout=CLIENT_TIMEOUT_S) for rows in bodies]
+        _wait_queued(server, 4)
+        rejected = server.predict(integer_rows(1, seed=3))
+        assert rejected.status_code == 503
+        assert rejected.headers["Retry-After"] == "1"
+        assert "overloaded" in rejected.json()["error"]
+        for rows, future in zip(bodies, pending):
+            answer = future.result(CLIENT_TIMEOUT_S)
+            assert answer.status_code == 200
+            np.testing.assert_array_equal(np.asarray(answer.json()["predictions"], np.float32),
+                                          exact_model(rows).numpy())
+
+
+def test_request_past_its_deadline_answers_504_and_never_runs(start_server, exact_model_path):
+    # The batch window (1 s) outlasts the deadline (300 ms): the request expires while its
+    # batch forms, and must be left out when the batch goes.
+    server = start_server({"MODEL_PATH": str(exact_model_path), "REQUEST_TIMEOUT_MS": "300",
+                           "BATCH_TIMEOUT_MS": "1000", "MAX_BATCH_SIZE": "64"})
+    answer = server.predict(integer_rows(1))
+    assert answer.status_code == 504
+    assert "300 ms" in answer.json()["error"]
+    _wait_queued(server, 0)
+    assert _status(server)["models"]["default"]["batches_run"] == 0
+
+
+def test_sigterm_answers_every_accepted_request(start_server, exact_model_path, exact_model):
+    # Requests wait in the queue (batch window 2 s) when the master gets SIGTERM: each must
+    # still be answered, from the model, before the worker exits.
+    server = start_server({"MODEL_PATH": str(exact_model_path), "BATCH_TIMEOUT_MS": "2000",
+                           "MAX_BATCH_SIZE": "64"})
+    bodies = [integer_rows(1, seed=i) for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        pending = [pool.submit(server.predict, rows, timeout=CLIENT_TIMEOUT_S) for rows in bodies]
+        _wait_queued(server, len(bodies))
+        server.send(signal.SIGTERM)
+        answers = [future.result(CLIENT_TIMEOUT_S) for future in pending]
+    for rows, answer in zip(bodies, answers):
+        assert answer.status_code == 200, answer.text
+        np.testing.assert_array_equal(np.asarray(answer.json()["predictions"], np.float32), exact_model(rows).numpy())
+    assert server.proc.wait(CLIENT_TIMEOUT_S) == 0
+    with pytest.raises(requests.ConnectionError):
+        server.predict(integer_rows(1), timeout=5)
+
+
+def test_bad_setting_stops_start_up_naming_variable_and_value(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, SERVER_COMMAND
+
+    env = {**os.environ, "MAX_BATCH_SIZE": "lots", "BIND": "127.0.0.1:0"}
+    done = subprocess.run([sys.executable, "-m", *SERVER_COMMAND], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert "MAX_BATCH_SIZE='lots' is not valid: expected a whole number of 1 or more" in done.stderr
