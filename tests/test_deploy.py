@@ -25,7 +25,7 @@ import pytest
 import yaml
 from flask import Flask
 
-from conftest import REPO, SERVER_COMMAND
+from tests.conftest import REPO, SERVER_COMMAND
 
 KUBERNETES_VERSION = "1.33.0"
 MANIFESTS = sorted((REPO / "deploy" / "kubernetes").glob("*.yaml"))
