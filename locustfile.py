@@ -1,0 +1,213 @@
+"""Load test: each user POSTs random instances to /predict, shaped from the model's metadata.
+
+    locust -f locustfile.py --host http://localhost:8000            # dashboard on :8089
+    locust -f locustfile.py --host URL --headless -u 20 -r 5 -t 60s --csv out/run
+
+The input names, per-row shapes and dtypes come from GET /v1/models/<model>/metadata,
+fetched once per host, so the same file loads any served model. A response fails on a
+status other than 200 and on a number of predictions other than the rows sent.
+
+Environment knobs:
+    LOCUST_MODEL            model whose metadata shapes the input (default "default")
+    LOCUST_PATH             predict route (default /predict)
+    LOCUST_ROWS             rows per request (default 1)
+    LOCUST_WAIT_MIN/MAX     think time between requests, seconds (default 1 and 3; 0 0 = closed loop)
+    LOCUST_SHAPE=step       ramp one user every LOCUST_STEP_SECONDS (default 10) up to
+                            LOCUST_STEP_USERS_MAX (default 50), hold LOCUST_STEP_HOLD_SECONDS
+                            (default one step), then stop. Unset: the plain -u/-r/-t run.
+    LOCUST_SUMMARY_FILE     if set, a JSON file written at exit with the mean X-Batch-Size and
+                            X-Batch-Requests the answers reported (scripts/benchmark.py reads it)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+# Locust first: it monkey-patches ssl and sockets with gevent, which must precede requests' imports.
+from locust import FastHttpUser, LoadTestShape, between, events, task  # isort: skip
+
+import numpy as np
+import requests
+
+
+def _env_number(name: str, default: float, *, kind: type = float, minimum: float = 0) -> Any:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return kind(default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a {kind.__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r} must be {minimum} or more")
+    return value
+
+
+MODEL = os.environ.get("LOCUST_MODEL", "default")
+PREDICT_PATH = os.environ.get("LOCUST_PATH", "/predict")
+ROWS = _env_number("LOCUST_ROWS", 1, kind=int, minimum=1)
+WAIT_MIN = _env_number("LOCUST_WAIT_MIN", 1.0)
+WAIT_MAX = _env_number("LOCUST_WAIT_MAX", 3.0)
+if WAIT_MAX < WAIT_MIN:
+    raise ValueError(f"LOCUST_WAIT_MAX={WAIT_MAX} is below LOCUST_WAIT_MIN={WAIT_MIN}")
+SHAPE = os.environ.get("LOCUST_SHAPE", "").strip().lower()
+if SHAPE not in ("", "step"):
+    raise ValueError(f"LOCUST_SHAPE={SHAPE!r}: expected 'step' or nothing")
+
+# TensorFlow's DataType names, as the metadata gives them, to numpy dtypes.
+NUMPY_DTYPES = {
+    "DT_FLOAT": np.float32, "DT_DOUBLE": np.float64, "DT_HALF": np.float16, "DT_BFLOAT16": np.float32,
+    "DT_INT8": np.int8, "DT_INT16": np.int16, "DT_INT32": np.int32, "DT_INT64": np.int64,
+    "DT_UINT8": np.uint8, "DT_UINT16": np.uint16, "DT_UINT32": np.uint32, "DT_UINT64": np.uint64,
+    "DT_BOOL": np.bool_, "DT_STRING": np.str_,
+}
+
+
+def input_specs(metadata: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{input name: (per-row shape, DataType name)} from TensorFlow Serving's metadata JSON.
+
+    The batch dimension is dropped; any other unknown dimension (-1) is given size 1.
+    """
+    signature = metadata["metadata"]["signature_def"]["signature_def"]["serving_default"]
+    specs = {}
+    for name, tensor in signature["inputs"].items():
+        dims = [int(dim["size"]) for dim in tensor["tensor_shape"]["dim"][1:]]
+        specs[name] = (tuple(1 if size < 0 else size for size in dims), tensor["dtype"])
+    return specs
+
+
+def random_value(shape: tuple[int, ...], dtype_name: str, rng: np.random.Generator) -> Any:
+    dtype = NUMPY_DTYPES.get(dtype_name)
+    if dtype is None:
+        raise ValueError(f"no random input for dtype {dtype_name}")
+    if dtype is np.str_:
+        return np.array(["load-test"], dtype=object).repeat(int(np.prod(shape))).reshape(shape).tolist()
+    if dtype is np.bool_:
+        return rng.integers(0, 2, shape).astype(bool).tolist()
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(0, 10, shape).astype(dtype).tolist()
+    return rng.standard_normal(shape).astype(dtype).tolist()
+
+
+def random_instances(specs: dict[str, tuple[tuple[int, ...], str]], rows: int, rng: np.random.Generator) -> list:
+    """TensorFlow Serving's row format: bare values for one input, objects keyed by name for several."""
+    if len(specs) == 1:
+        ((shape, dtype_name),) = specs.values()
+        return [random_value(shape, dtype_name, rng) for _ in range(rows)]
+    return [{name: random_value(shape, dtype_name, rng) for name, (shape, dtype_name) in specs.items()}
+            for _ in range(rows)]
+
+
+_specs_by_host: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
+_specs_lock = threading.Lock()  # a gevent lock once Locust has patched threading
+
+
+def specs_for(host: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The model's input specs, fetched once per host, outside Locust's request statistics."""
+    with _specs_lock:
+        if host not in _specs_by_host:
+            url = f"{host.rstrip('/')}/v1/models/{MODEL}/metadata"
+            answer = requests.get(url, timeout=30)
+            if answer.status_code != 200:
+                raise RuntimeError(f"GET {url} answered {answer.status_code}: {answer.text[:200]}")
+            _specs_by_host[host] = input_specs(answer.json())
+        return _specs_by_host[host]
+
+
+class BatchTally:
+    """Sums of the batch headers over successful answers: how big the batches that served them were."""
+
+    def __init__(self) -> None:
+        self.answers = 0
+        self.batch_rows = 0
+        self.batch_requests = 0
+
+    def add(self, headers: Any) -> None:
+        try:
+            rows, requests_in_batch = int(headers["X-Batch-Size"]), int(headers["X-Batch-Requests"])
+        except (KeyError, TypeError, ValueError):
+            return  # a server without the headers: nothing to tally
+        self.answers += 1
+        self.batch_rows += rows
+        self.batch_requests += requests_in_batch
+
+    def summary(self) -> dict[str, Any]:
+        def mean(total: int) -> float | None:
+            return total / self.answers if self.answers else None
+
+        return {"answers_with_batch_headers": self.answers, "mean_batch_rows": mean(self.batch_rows),
+                "mean_batch_requests": mean(self.batch_requests)}
+
+
+batch_tally = BatchTally()
+
+
+@events.quitting.add_listener
+def write_summary(environment: Any, **_: Any) -> None:
+    path = os.environ.get("LOCUST_SUMMARY_FILE")
+    if path:
+        with open(path, "w") as file:
+            json.dump(batch_tally.summary(), file)
+
+
+class PredictUser(FastHttpUser):
+    # FastHttpUser: a cheaper client, so that one load-generator process can drive more users.
+    wait_time = between(WAIT_MIN, WAIT_MAX)
+
+    def on_start(self) -> None:
+        self.specs = specs_for(self.host)
+        self.rng = np.random.default_rng()
+
+    @task
+    def predict(self) -> None:
+        body = json.dumps({"instances": random_instances(self.specs, ROWS, self.rng)})
+        with self.client.post(PREDICT_PATH, data=body, headers={"Content-Type": "application/json"},
+                              name=PREDICT_PATH, catch_response=True) as response:
+            if response.status_code != 200:
+                response.failure(f"status {response.status_code}: {(response.text or '')[:200]}")
+                return
+            try:
+                predictions = response.json()["predictions"]
+            except (ValueError, KeyError, TypeError) as exc:
+                response.failure(f"no predictions in the answer: {type(exc).__name__}: {exc}")
+                return
+            if len(predictions) != ROWS:
+                response.failure(f"{len(predictions)} predictions for {ROWS} rows")
+                return
+            batch_tally.add(response.headers)
+
+
+def step_users(run_time: float, *, step_seconds: float, max_users: int, hold_seconds: float) -> int | None:
+    """Users wanted `run_time` seconds into a step ramp; None once the ramp and hold are over."""
+    if run_time >= step_seconds * max_users + hold_seconds:
+        return None
+    return min(max_users, int(run_time // step_seconds) + 1)
+
+
+class StepShape(LoadTestShape):
+    """One more user every `step_seconds`, up to `max_users`; hold for `hold_seconds`; stop.
+
+    Locust lets a shape class found in the locustfile take over every run, so this one
+    is abstract (invisible to Locust) unless LOCUST_SHAPE=step.
+    """
+
+    abstract = SHAPE != "step"
+
+    def __init__(self, *, step_seconds: float | None = None, max_users: int | None = None,
+                 hold_seconds: float | None = None) -> None:
+        super().__init__()
+        self.step_seconds = (step_seconds if step_seconds is not None
+                             else _env_number("LOCUST_STEP_SECONDS", 10.0, minimum=0.001))
+        self.max_users = max_users if max_users is not None else _env_number(
+            "LOCUST_STEP_USERS_MAX", 50, kind=int, minimum=1)
+        self.hold_seconds = (hold_seconds if hold_seconds is not None
+                             else _env_number("LOCUST_STEP_HOLD_SECONDS", self.step_seconds))
+
+    def tick(self) -> tuple[int, float] | None:
+        users = step_users(self.get_run_time(), step_seconds=self.step_seconds,
+                           max_users=self.max_users, hold_seconds=self.hold_seconds)
+        # Each step adds one user: spawn it at once rather than spreading it over the step.
+        return None if users is None else (users, float(self.max_users))
