@@ -1,0 +1,795 @@
+"""Reproduce the experiment: the model alone, then real servers under real Locust load.
+
+    python scripts/benchmark.py                        # full run (about 20 min): docs/benchmarks.md, .png
+    python scripts/benchmark.py --quick --out /tmp/b   # a minute or two, for CI: never overwrites docs/
+    python scripts/benchmark.py --configs naive,default --users 1,20 --duration 10
+
+1. The model alone: time and CPU per call at batch sizes 1, 2, 4, ... with Keras'
+   model.predict and with the server's predict path (a compiled tf.function).
+2. Each server configuration as a real `gunicorn -c gunicorn.conf.py wsgi:app`, loaded by a
+   real headless Locust (locustfile.py) at several user counts with 1-3 s think time, then
+   in a closed loop (no think time) for throughput. Locust's own CPU use is measured too,
+   so that a saturated load generator is not mistaken for a slow server.
+3. Ratios, tables and a plot.
+
+The built-in default model is used unless --model-path is given. Nothing here asserts a
+timing: the numbers are whatever this machine gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from importlib import metadata as package_metadata
+from pathlib import Path
+from typing import Any
+
+import psutil
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from app.settings import documented  # noqa: E402  (after the path is set; imports no TensorFlow)
+
+LOCUSTFILE = REPO / "locustfile.py"
+SERVER_COMMAND = ("gunicorn", "-c", "gunicorn.conf.py", "wsgi:app")
+# Server knobs that would leak from the caller's environment into every configuration.
+SERVER_VARIABLES = {name for name, _, _ in documented()} | {
+    "WORKERS", "THREADS", "BIND", "TIMEOUT", "GRACEFUL_TIMEOUT", "KEEPALIVE", "GUNICORN_CMD_ARGS"}
+LOCUST_VARIABLES = {"LOCUST_SHAPE", "LOCUST_ROWS", "LOCUST_PATH", "LOCUST_MODEL", "LOCUST_WAIT_MIN",
+                    "LOCUST_WAIT_MAX", "LOCUST_SUMMARY_FILE"}
+THINK_TIME_S = (1.0, 3.0)
+CLOSED_LOOP_LABEL = "closed loop"
+# A load generator above this share of one core may itself have limited the load.
+LOCUST_BUSY_SHARE = 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    workers: int
+    env: dict[str, str]
+    what: str
+    baseline: bool  # a configuration the default is compared against
+
+
+CONFIGS = [
+    Config("naive", 1, {"PREDICT_METHOD": "keras_predict", "BATCHING": "false"},
+           "Keras model.predict per request, no batching: the article's starting point", True),
+    Config("unbatched-1w", 1, {"BATCHING": "false"},
+           "our compiled predict path, one request per call, 1 worker", True),
+    Config("unbatched-2w", 2, {"BATCHING": "false"},
+           "our compiled predict path, one request per call, 2 workers", True),
+    Config("timeout-500ms", 1, {"BATCH_TIMEOUT_MS": "500"},
+           "batching that waits up to 500 ms for a batch to fill, as the article did", True),
+    Config("timeout-20ms", 1, {"BATCH_TIMEOUT_MS": "20"},
+           "batching that waits up to 20 ms for a batch to fill", True),
+    Config("default", 1, {}, "the shipped default: batch as soon as the model is free, 1 worker", False),
+    Config("default-2w", 2, {}, "the shipped default with 2 workers", False),
+]
+CONFIGS_BY_NAME = {config.name: config for config in CONFIGS}
+REFERENCE = "default"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The model alone
+
+
+def model_alone(model_path: str | None, batch_sizes: Sequence[int], *, budget_s: float) -> list[dict[str, Any]]:
+    """Time per call, items/s and CPU per row of both predict paths; run in a child process."""
+    import numpy as np
+
+    from app.models import example_batch, load_model
+
+    model = load_model(model_path, name="default")
+    keras_model = model.keras_model
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch_size in batch_sizes:
+        batch = {name: rng.standard_normal(array.shape).astype(array.dtype)
+                 for name, array in example_batch(model, batch_size).items()}
+        keras_input = batch[model.inputs[0].name] if len(model.inputs) == 1 else batch
+        row: dict[str, Any] = {"batch": batch_size}
+        paths = {"function": lambda: model.predict(batch)}
+        if keras_model is not None:
+            # batch_size: one call runs the whole batch, as the server's own naive path does for one row.
+            paths["keras_predict"] = lambda: keras_model.predict(keras_input, verbose=0, batch_size=batch_size)
+        for label, call in paths.items():
+            row[label] = _time_calls(call, budget_s=budget_s, batch_size=batch_size)
+        rows.append(row)
+    return rows
+
+
+def _time_calls(call: Any, *, budget_s: float, batch_size: int, max_calls: int = 200) -> dict[str, float]:
+    for _ in range(2):  # the first calls of a shape trace and allocate
+        call()
+    wall: list[float] = []
+    cpu_started = time.process_time()
+    stop_at = time.perf_counter() + budget_s
+    while len(wall) < max_calls and (len(wall) < 3 or time.perf_counter() < stop_at):
+        started = time.perf_counter()
+        call()
+        wall.append(time.perf_counter() - started)
+    cpu_s = time.process_time() - cpu_started
+    wall.sort()
+    median_s = wall[len(wall) // 2]
+    return {"calls": len(wall), "median_ms": median_s * 1000, "mean_ms": sum(wall) / len(wall) * 1000,
+            "items_per_s": batch_size / median_s, "cpu_ms_per_row": cpu_s / len(wall) / batch_size * 1000}
+
+
+def run_model_alone(args: argparse.Namespace, work_dir: Path) -> list[dict[str, Any]]:
+    out = work_dir / "model_alone.json"
+    command = [sys.executable, __file__, "--model-alone-json", str(out), "--batch-sizes",
+               ",".join(map(str, args.batch_sizes)), "--call-budget", str(args.call_budget)]
+    if args.model_path:
+        command += ["--model-path", args.model_path]
+    env = {key: value for key, value in os.environ.items() if key not in SERVER_VARIABLES}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    log(f"model alone: batch sizes {args.batch_sizes}")
+    with open(work_dir / "model_alone.log", "wb") as output:
+        subprocess.run(command, cwd=REPO, env=env, check=True, timeout=args.model_alone_timeout,
+                       stdout=output, stderr=subprocess.STDOUT)
+    return json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Servers under load
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """A real gunicorn on a free loopback port.
+
+    It stays in this script's process group, so that whoever stops the script as a group
+    (a test's timeout) stops the servers too.
+    """
+
+    def __init__(self, config: Config, *, model_path: str | None, log_path: Path) -> None:
+        self.config = config
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.env = {key: value for key, value in os.environ.items()
+                    if key not in SERVER_VARIABLES and key not in LOCUST_VARIABLES}
+        self.env.update({"BIND": f"127.0.0.1:{self.port}", "TF_CPP_MIN_LOG_LEVEL": "2", "LOG_LEVEL": "WARNING",
+                         **config.env})
+        if model_path:
+            self.env["MODEL_PATH"] = model_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, *, ready_within_s: float) -> float:
+        started = time.monotonic()
+        command = [sys.executable, "-m", *SERVER_COMMAND, f"--workers={self.config.workers}"]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(command, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        self._wait_ready(within_s=ready_within_s)
+        return time.monotonic() - started
+
+    def _wait_ready(self, *, within_s: float) -> None:
+        """Poll /readyz until every worker has answered ready (fresh connections reach any worker)."""
+        seen: set[int] = set()
+        deadline = time.monotonic() + within_s
+        while len(seen) < self.config.workers:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gunicorn exited with {self.proc.returncode}; see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gunicorn not ready within {within_s} s; see {self.log_path}")
+            try:
+                answer = requests.get(self.url + "/readyz", timeout=5, headers={"Connection": "close"})
+                if answer.status_code == 200:
+                    seen.add(answer.json()["pid"])
+                    continue
+            except (requests.ConnectionError, requests.Timeout):
+                pass  # a worker that still loads its model answers nothing yet
+            time.sleep(0.2)  # nothing listens, or a worker still loads: there is no event to wait on
+
+    def processes(self) -> list[psutil.Process]:
+        try:
+            master = psutil.Process(self.proc.pid)
+            return [master, *master.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the master and every worker, alive now."""
+        total = 0.0
+        for process in self.processes():
+            try:
+                times = process.cpu_times()
+                total += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def wait_quiet(self, *, within_s: float, idle_share: float = 0.05, window_s: float = 0.5) -> float:
+        """Wait until the server uses under `idle_share` of a core: the last load's backlog is done."""
+        started = time.monotonic()
+        before = self.cpu_seconds()
+        while time.monotonic() - started < within_s:
+            time.sleep(window_s)  # a CPU rate needs a window; there is no event for "idle"
+            now = self.cpu_seconds()
+            if now - before < idle_share * window_s:
+                break
+            before = now
+        return time.monotonic() - started
+
+    def stop(self, *, within_s: float = 60) -> None:
+        """SIGTERM (gunicorn drains and stops its workers); SIGKILL to all of it past `within_s`."""
+        if self.proc is None:
+            return
+        try:
+            if self.proc.poll() is None:
+                processes = self.processes()
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(within_s)
+                except subprocess.TimeoutExpired:
+                    for process in processes:
+                        try:
+                            process.kill()
+                        except psutil.NoSuchProcess:
+                            pass
+                    self.proc.wait(10)
+        finally:
+            self._log.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    label: str
+    users: int
+    think_s: tuple[float, float]
+
+    @property
+    def closed_loop(self) -> bool:
+        return self.think_s == (0.0, 0.0)
+
+
+def run_locust(url: str, load: Load, *, duration_s: int, prefix: Path) -> dict[str, Any]:
+    """One headless Locust run; its stats, and its own CPU use (measured, not guessed)."""
+    summary_path = prefix.with_name(prefix.name + "_batches.json")
+    env = {key: value for key, value in os.environ.items() if key not in LOCUST_VARIABLES}
+    env.update({"LOCUST_WAIT_MIN": str(load.think_s[0]), "LOCUST_WAIT_MAX": str(load.think_s[1]),
+                "LOCUST_SUMMARY_FILE": str(summary_path)})
+    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+               "-u", str(load.users), "-r", str(load.users), "-t", f"{duration_s}s", "--host", url,
+               "--csv", str(prefix), "--json-file", str(prefix), "--only-summary", "--loglevel", "WARNING"]
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
+    with open(prefix.with_name(prefix.name + ".log"), "wb") as output:
+        proc = psutil.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
+        peak_share = 0.0
+        try:
+            proc.cpu_percent()
+            while proc.poll() is None and time.monotonic() - started < duration_s + 60:
+                time.sleep(1.0)  # sampling Locust's CPU once a second
+                try:
+                    peak_share = max(peak_share, proc.cpu_percent() / 100)
+                except psutil.NoSuchProcess:
+                    break
+            if proc.poll() is None:
+                proc.terminate()  # past its run time and a minute's grace: let it write its stats
+            returncode = proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    wall_s = time.monotonic() - started
+    children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # RUSAGE_CHILDREN grows only when a child is reaped: between the two reads, only Locust was.
+    locust_cpu_s = (children_after.ru_utime - children_before.ru_utime) + (
+        children_after.ru_stime - children_before.ru_stime)
+    stats = parse_locust_stats(prefix)
+    # Over the run time, not Locust's "first to last request", which says little for a few requests.
+    stats["rps"] = stats.get("requests", 0) / duration_s
+    stats.update(locust_exit_code=returncode, locust_wall_s=wall_s, locust_cpu_s=locust_cpu_s,
+                 locust_cpu_share=locust_cpu_s / wall_s if wall_s else 0.0, locust_peak_share=peak_share)
+    if summary_path.exists():
+        stats.update(json.loads(summary_path.read_text()))
+    return stats
+
+
+def parse_locust_stats(prefix: Path) -> dict[str, Any]:
+    """Percentiles from the Aggregated row of <prefix>_stats.csv; counts and mean from the JSON.
+
+    Locust rewrites the CSV once a second, so it may miss the last second's requests; the
+    JSON file is written once, at exit, with every request counted.
+    """
+    stats: dict[str, Any] = {}
+    csv_path = Path(f"{prefix}_stats.csv")
+    if csv_path.exists():
+        with open(csv_path, newline="") as file:
+            for row in csv.DictReader(file):
+                if row["Name"] == "Aggregated":
+                    stats.update(
+                        requests=int(row["Request Count"]), failures=int(row["Failure Count"]),
+                        mean_ms=float(row["Average Response Time"]), p50_ms=_number(row["50%"]),
+                        p95_ms=_number(row["95%"]), p99_ms=_number(row["99%"]), max_ms=_number(row["100%"]),
+                        rps=float(row["Requests/s"]))
+    json_path = Path(f"{prefix}.json")
+    if json_path.exists():
+        entries = json.loads(json_path.read_text())
+        stats["requests"] = sum(entry["num_requests"] for entry in entries)
+        stats["failures"] = sum(entry["num_failures"] for entry in entries)
+        if stats["requests"]:
+            stats["mean_ms"] = sum(entry["total_response_time"] for entry in entries) / stats["requests"]
+    return stats
+
+
+def _number(text: str) -> float | None:
+    return None if text in ("", "N/A") else float(text)
+
+
+def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
+    server = Server(config, model_path=args.model_path, log_path=work_dir / f"gunicorn-{config.name}.log")
+    result: dict[str, Any] = {"config": config.name, "loads": {}}
+    try:
+        result["start_s"] = server.start(ready_within_s=args.server_start_timeout)
+        log(f"{config.name}: ready in {result['start_s']:.1f} s")
+        for load in loads:
+            server.wait_quiet(within_s=60)
+            cpu_before = server.cpu_seconds()
+            stats = run_locust(server.url, load, duration_s=args.duration,
+                               prefix=work_dir / f"{config.name}-{load.label.replace(' ', '_')}")
+            server_cpu_s = server.cpu_seconds() - cpu_before
+            stats["server_cpu_s"] = server_cpu_s
+            stats["server_cpu_ms_per_request"] = (server_cpu_s / stats["requests"] * 1000
+                                                  if stats.get("requests") else None)
+            stats["server_cpu_share"] = server_cpu_s / stats["locust_wall_s"]
+            result["loads"][load.label] = stats
+            log(f"{config.name} {load.label}: {stats.get('requests', 0)} requests, "
+                f"{stats.get('failures', 0)} failed, mean {_fmt(stats.get('mean_ms'))} ms, "
+                f"{_fmt(stats.get('rps'))} req/s, locust {stats['locust_cpu_share']:.0%} of a core")
+    except Exception as exc:  # one configuration failing should not lose the others' numbers
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        log(f"{config.name}: {result['error']}")
+    finally:
+        server.stop()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Report
+
+
+def machine_facts() -> dict[str, str]:
+    cpu_model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory_gib = psutil.virtual_memory().total / 2**30
+    return {
+        "CPU": cpu_model,
+        "cores": f"{psutil.cpu_count(logical=True)} logical, {psutil.cpu_count(logical=False)} physical",
+        "memory": f"{memory_gib:.1f} GiB",
+        "OS": platform.platform(),
+        "GPU": "none used (TensorFlow CPU build)",
+        "load average at start (1, 5, 15 min)": ", ".join(f"{value:.2f}" for value in os.getloadavg()),
+    }
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    distributions = {"tensorflow": ("tensorflow-cpu", "tensorflow"), "keras": ("keras",), "gunicorn": ("gunicorn",),
+                     "locust": ("locust",), "flask": ("flask",), "numpy": ("numpy",)}
+    for label, names in distributions.items():
+        found[label] = "not installed"
+        for name in names:
+            try:
+                version = package_metadata.version(name)
+            except package_metadata.PackageNotFoundError:
+                continue
+            found[label] = version if name == label else f"{version} ({name})"
+            break
+    return found
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return lines
+
+
+def _load_name(label: str) -> str:
+    if label == CLOSED_LOOP_LABEL:
+        return "the closed loop"
+    return f"{label} user" if label == "1" else f"{label} users"
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> str:
+    if not numerator or not denominator:
+        return "–"
+    return f"{numerator / denominator:.1f}×" if numerator / denominator < 100 else f"{numerator / denominator:,.0f}×"
+
+
+def best_function_throughput(alone: list[dict[str, Any]]) -> tuple[float, int] | None:
+    if not alone:
+        return None
+    best = max(alone, key=lambda row: row["function"]["items_per_s"])
+    return best["function"]["items_per_s"], best["batch"]
+
+
+def nearest_row(alone: list[dict[str, Any]], batch_rows: float | None) -> dict[str, Any] | None:
+    if not alone or not batch_rows:
+        return None
+    return min(alone, key=lambda row: abs(row["batch"] - batch_rows))
+
+
+def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, Any]], results: list[dict[str, Any]],
+                 loads: Sequence[Load], machine: dict[str, str], started: datetime.datetime,
+                 elapsed_s: float) -> Path:
+    loads_by_label = {load.label: load for load in loads}
+    open_loads = [load for load in loads if not load.closed_loop]
+    closed = next((load for load in loads if load.closed_loop), None)
+    by_config = {result["config"]: result for result in results}
+    lines = ["# Benchmarks", ""]
+    lines += [f"Generated by `{_command_line(args)}` on {started:%Y-%m-%d %H:%M} UTC; the run took "
+              f"{elapsed_s / 60:.1f} min. Nothing is asserted about these numbers: they are what this "
+              "machine gave, once. Re-run the command to reproduce them on yours.", ""]
+    if args.quick:
+        lines += ["**A quick run**: seconds per load point, a few configurations. Its numbers are a smoke "
+                  "test of the benchmark, not measurements.", ""]
+
+    lines += ["## Machine", ""] + _table(["", ""], machine.items()) + [""]
+    lines += ["## Versions", ""] + _table(["package", "version"], versions().items()) + [""]
+    lines += ["## Settings", "",
+              f"- Model: {args.model_path or 'the built-in default model (4 → 4096 ×5 → 3 dense, ~268 MB of float32 weights)'}.",
+              f"- Each load point runs {args.duration} s of headless Locust (`locustfile.py`, one process, "
+              "FastHttpUser), all users spawned in the first second, one random row per request.",
+              f"- Think time {THINK_TIME_S[0]:g}–{THINK_TIME_S[1]:g} s per user for "
+              + ", ".join(str(load.users) for load in open_loads) + " users"
+              + (f"; then a closed loop: {closed.users} users, no think time." if closed else "."),
+              "- Between load points the server is left to finish any backlog (its CPU falls idle).",
+              "- Server CPU is the user + system time of the gunicorn master and workers, from psutil, "
+              "across each load point. Locust's CPU is its own, measured the same way.",
+              "- Other settings are the server's defaults (MAX_BATCH_SIZE 32, THREADS 64, "
+              "TF threads = cores ÷ workers).", ""]
+    config_rows = [(f"`{name}`", CONFIGS_BY_NAME[name].workers,
+                    " ".join(f"{k}={v}" for k, v in CONFIGS_BY_NAME[name].env.items()) or "(defaults)",
+                    CONFIGS_BY_NAME[name].what) for name in by_config]
+    lines += _table(["configuration", "workers", "environment", "what it is"], config_rows) + [""]
+
+    lines += ["## 1. The model alone", "",
+              "One process, no server: median wall time per call, rows per second, and the process's "
+              "CPU time per row (`time.process_time` around the calls, all threads). `model.predict` is "
+              "Keras' own (called with batch_size = the batch); the predict path is the server's compiled "
+              "`tf.function`, the one the batcher calls.", ""]
+    alone_rows = []
+    for row in alone:
+        keras_row = row.get("keras_predict")
+        function_row = row["function"]
+        alone_rows.append((row["batch"], _fmt(keras_row["median_ms"]) if keras_row else "–",
+                           _fmt(keras_row["items_per_s"]) if keras_row else "–",
+                           _fmt(function_row["median_ms"]), _fmt(function_row["items_per_s"]),
+                           _fmt(function_row["cpu_ms_per_row"], 2),
+                           _ratio(keras_row["median_ms"], function_row["median_ms"]) if keras_row else "–"))
+    lines += _table(["batch", "model.predict ms/call", "model.predict rows/s", "predict path ms/call",
+                     "predict path rows/s", "predict path CPU ms/row", "model.predict ÷ predict path"],
+                    alone_rows) + [""]
+    ceiling = best_function_throughput(alone)
+    if ceiling:
+        lines += [f"Ceiling: **{ceiling[0]:,.0f} rows/s** at batch {ceiling[1]} (best of the predict path).", ""]
+
+    lines += ["## 2. Servers under load", "",
+              "Latencies in ms as Locust measured them (client side, including HTTP and JSON); "
+              "percentiles are Locust's (rounded to 2 significant digits above 100 ms); req/s is requests "
+              "÷ run time. "
+              "`batch rows` is the mean X-Batch-Size the answers reported: the rows in the predict call "
+              "that served them. `server CPU` is in cores (1.0 = one core busy all the time).", ""]
+    load_header = ["configuration", "users", "requests", "failures", "mean", "p50", "p95", "p99", "req/s",
+                   "batch rows", "server CPU", "Locust CPU"]
+    load_rows = []
+    for name, result in by_config.items():
+        if "error" in result and not result["loads"]:
+            load_rows.append((f"`{name}`", "failed: " + result["error"], *["–"] * (len(load_header) - 2)))
+            continue
+        for label, stats in result["loads"].items():
+            load_rows.append((f"`{name}`", label, stats.get("requests", "–"), stats.get("failures", "–"),
+                              _fmt(stats.get("mean_ms")), _fmt(stats.get("p50_ms")), _fmt(stats.get("p95_ms")),
+                              _fmt(stats.get("p99_ms")), _fmt(stats.get("rps")),
+                              _fmt(stats.get("mean_batch_rows")), _fmt(stats.get("server_cpu_share"), 2),
+                              f"{stats['locust_cpu_share']:.0%}"))
+    lines += _table(load_header, load_rows) + [""]
+
+    if closed:
+        lines += [f"## 3. Throughput and CPU in the closed loop ({closed.users} users, no think time)", "",
+                  "CPU per request: all the server's CPU (HTTP, JSON, batching and the model) over the "
+                  "requests served. Beside it, the model's own CPU per row from part 1 at batch 1 and at "
+                  "the batch size nearest the mean batch the server ran.", ""]
+        cpu_rows = []
+        batch_one = alone[0] if alone else None
+        for name, result in by_config.items():
+            stats = result["loads"].get(closed.label)
+            if not stats:
+                continue
+            near = nearest_row(alone, stats.get("mean_batch_rows"))
+            cpu_rows.append((f"`{name}`", _fmt(stats.get("rps")), _fmt(stats.get("mean_ms")),
+                             _fmt(stats.get("p99_ms")), _fmt(stats.get("mean_batch_rows")),
+                             _fmt(stats.get("server_cpu_ms_per_request"), 2),
+                             _fmt(batch_one["function"]["cpu_ms_per_row"], 2) if batch_one else "–",
+                             f"{_fmt(near['function']['cpu_ms_per_row'], 2)} (batch {near['batch']})" if near else "–",
+                             f"{stats['locust_cpu_share']:.0%}"))
+        lines += _table(["configuration", "req/s", "mean ms", "p99 ms", "batch rows", "server CPU ms/request",
+                         "model CPU ms/row, batch 1", "model CPU ms/row, near that batch", "Locust CPU"],
+                        cpu_rows) + [""]
+
+    lines += ["## 4. Ratios", ""] + ratio_lines(by_config, open_loads, closed, ceiling) + [""]
+    lines += ["## 5. The load generator", ""] + load_generator_lines(by_config) + [""]
+    lines += ["## Plot", "", "![Mean latency against users, and closed-loop throughput](benchmarks.png)", ""]
+    lines += ["## Reproduce", "", "```", "python scripts/benchmark.py            # this report, about 20 min",
+              "python scripts/benchmark.py --quick --out /tmp/bench", "```", "",
+              "Add `--work-dir DIR` to keep the raw Locust CSV and JSON, the server logs and `results.json`.", ""]
+    path = out / "benchmarks.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def ratio_lines(by_config: dict[str, dict[str, Any]], open_loads: Sequence[Load], closed: Load | None,
+                ceiling: tuple[float, int] | None) -> list[str]:
+    reference = by_config.get(REFERENCE)
+    if not reference or not reference["loads"]:
+        return [f"No ratios: the `{REFERENCE}` configuration was not run."]
+    labels = [load.label for load in open_loads] + ([closed.label] if closed else [])
+    lines = [f"Mean latency of each configuration ÷ mean latency of `{REFERENCE}` "
+             "(above 1×: the default answered faster).", ""]
+    rows = []
+    for name, result in by_config.items():
+        if name == REFERENCE:
+            continue
+        rows.append((f"`{name}`", *(_ratio(result["loads"].get(label, {}).get("mean_ms"),
+                                           reference["loads"].get(label, {}).get("mean_ms")) for label in labels)))
+    lines += _table(["configuration", *(_load_name(label) for label in labels)], rows) + [""]
+    for load in open_loads:
+        ref_mean = reference["loads"].get(load.label, {}).get("mean_ms")
+        parts = []
+        for name, result in by_config.items():
+            mean = result["loads"].get(load.label, {}).get("mean_ms")
+            if name != REFERENCE and CONFIGS_BY_NAME[name].baseline and mean and ref_mean:
+                parts.append(f"`{name}` {_fmt(mean)} ms ({_ratio(mean, ref_mean)})")
+        if parts and ref_mean:
+            lines.append(f"- {_load_name(load.label)}: `{REFERENCE}` {_fmt(ref_mean)} ms mean; " + ", ".join(parts) + ".")
+    if closed:
+        ref_rps = reference["loads"].get(closed.label, {}).get("rps")
+        parts = []
+        for name, result in by_config.items():
+            rps = result["loads"].get(closed.label, {}).get("rps")
+            if name != REFERENCE and rps and ref_rps:
+                parts.append(f"`{name}` {_fmt(rps)} req/s (the default serves {_ratio(ref_rps, rps)} as many)")
+        if ref_rps:
+            lines += ["", f"- Closed-loop throughput: `{REFERENCE}` {_fmt(ref_rps)} req/s; " + ", ".join(parts) + "."]
+            if ceiling:
+                lines.append(f"- The model alone peaks at {ceiling[0]:,.0f} rows/s (batch {ceiling[1]}): "
+                             f"`{REFERENCE}` serves {ref_rps / ceiling[0]:.0%} of that ceiling over HTTP, "
+                             "with the load generator on the same cores.")
+    return lines
+
+
+def load_generator_lines(by_config: dict[str, dict[str, Any]]) -> list[str]:
+    busiest = None
+    for name, result in by_config.items():
+        for label, stats in result["loads"].items():
+            if busiest is None or stats["locust_cpu_share"] > busiest[2]["locust_cpu_share"]:
+                busiest = (name, label, stats)
+    if busiest is None:
+        return ["No load was run."]
+    name, label, stats = busiest
+    lines = [f"Locust ran as one process (one core at most). Its busiest run was `{name}`, {_load_name(label)}: "
+             f"{stats['locust_cpu_share']:.0%} of a core on average, {stats['locust_peak_share']:.0%} in its "
+             "busiest second."]
+    limited = [(n, l) for n, r in by_config.items() for l, s in r["loads"].items()
+               if s["locust_cpu_share"] >= LOCUST_BUSY_SHARE]
+    if limited:
+        lines.append("**The load generator was near saturation** (≥ "
+                     f"{LOCUST_BUSY_SHARE:.0%} of a core) in: " + ", ".join(f"`{n}` {_load_name(l)}" for n, l in limited)
+                     + ". There, throughput is a floor for the server's, not its limit; run Locust with "
+                     "`--processes` or from another machine to push further.")
+    else:
+        lines.append(f"It stayed under {LOCUST_BUSY_SHARE:.0%} of a core everywhere, so it was not the bottleneck; "
+                     "but on a small machine it shares the cores with the server, and its CPU is CPU the "
+                     "server did not get.")
+    return lines
+
+
+def write_plot(out: Path, results: list[dict[str, Any]], loads: Sequence[Load]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from matplotlib.ticker import FuncFormatter
+
+    open_loads = [load for load in loads if not load.closed_loop]
+    closed = next((load for load in loads if load.closed_loop), None)
+    figure, (latency_axes, throughput_axes) = plt.subplots(1, 2, figsize=(12, 4.8),
+                                                           gridspec_kw={"width_ratios": [3, 2]})
+    colours = {result["config"]: f"C{index}" for index, result in enumerate(results)}
+    for result in results:
+        points = [(load.users, result["loads"][load.label]["mean_ms"]) for load in open_loads
+                  if result["loads"].get(load.label, {}).get("mean_ms")]
+        if points:
+            latency_axes.plot(*zip(*points), marker="o", label=result["config"], color=colours[result["config"]])
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    latency_axes.set_xlabel(f"users ({THINK_TIME_S[0]:g}–{THINK_TIME_S[1]:g} s think time; log scale)")
+    latency_axes.set_ylabel("mean latency, ms (log scale)")
+    latency_axes.set_xscale("log")
+    latency_axes.set_yscale("log")
+    latency_axes.set_xticks([load.users for load in open_loads])
+    latency_axes.xaxis.set_major_formatter(plain)
+    latency_axes.xaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
+    latency_axes.yaxis.set_major_formatter(plain)
+    latency_axes.grid(True, which="both", alpha=0.3)
+    latency_axes.legend(fontsize="small")
+    latency_axes.set_title("Mean latency against users")
+    if closed:
+        names = [result["config"] for result in results if result["loads"].get(closed.label, {}).get("rps")]
+        values = [next(r for r in results if r["config"] == name)["loads"][closed.label]["rps"] for name in names]
+        bars = throughput_axes.barh(names, values, color=[colours[name] for name in names])
+        throughput_axes.bar_label(bars, labels=[f"{value:,.0f}" for value in values], padding=3, fontsize="small")
+        throughput_axes.margins(x=0.15)
+        throughput_axes.invert_yaxis()
+        throughput_axes.set_xlabel("requests/s")
+        throughput_axes.set_title(f"Closed loop, {closed.users} users")
+        throughput_axes.grid(True, axis="x", alpha=0.3)
+    else:
+        throughput_axes.set_axis_off()
+    figure.tight_layout()
+    path = out / "benchmarks.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The command as run, less the flags that only name local folders."""
+    shown, skip = [], False
+    for part in args.argv_shown:
+        if skip:
+            skip = False
+        elif part in ("--out", "--work-dir", "--model-path"):
+            skip = True
+        elif not part.startswith(("--out=", "--work-dir=", "--model-path=")):
+            shown.append(part)
+    if args.model_path:
+        shown.append(f"--model-path {Path(args.model_path).name}")
+    return " ".join(["python scripts/benchmark.py", *shown])
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected whole numbers of 1 or more, got {text!r}")
+    return values
+
+
+def _config_list(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in CONFIGS_BY_NAME]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS_BY_NAME)}")
+    return names
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds, not minutes: 2 configurations, users 1 and 5, 3 s each, batch sizes 1..8")
+    parser.add_argument("--out", type=Path, default=REPO / "docs",
+                        help="folder for benchmarks.md and benchmarks.png (default docs/)")
+    parser.add_argument("--duration", type=int, help="seconds per load point (default 25; quick 3)")
+    parser.add_argument("--configs", type=_config_list,
+                        help=f"comma-separated subset of: {', '.join(CONFIGS_BY_NAME)} (default all; quick naive,default)")
+    parser.add_argument("--users", type=_int_list, help="user counts with think time (default 1,5,20,50; quick 1,5)")
+    parser.add_argument("--closed-loop-users", type=int,
+                        help="users of the closed loop, 0 to skip it (default 64; quick 16)")
+    parser.add_argument("--max-batch", type=int, help="largest batch size of part 1 (default 64; quick 8)")
+    parser.add_argument("--model-path", help="serve and time this model instead of the built-in default")
+    parser.add_argument("--work-dir", type=Path, help="keep raw Locust output and server logs here (default: a temp folder)")
+    parser.add_argument("--server-start-timeout", type=float, default=300)
+    # Internal: part 1 runs in a child process, so that TensorFlow is not loaded in this one.
+    parser.add_argument("--model-alone-json", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--batch-sizes", type=_int_list, help=argparse.SUPPRESS)
+    parser.add_argument("--call-budget", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv_shown = list(argv)
+    quick = args.quick
+    args.duration = args.duration or (3 if quick else 25)
+    args.configs = args.configs or (["naive", "default"] if quick else list(CONFIGS_BY_NAME))
+    args.users = args.users or ([1, 5] if quick else [1, 5, 20, 50])
+    if args.closed_loop_users is None:
+        args.closed_loop_users = 16 if quick else 64
+    args.max_batch = args.max_batch or (8 if quick else 64)
+    if args.batch_sizes is None:
+        args.batch_sizes = [size for size in (2**power for power in range(16)) if size <= args.max_batch]
+    args.call_budget = args.call_budget or (0.5 if quick else 3.0)
+    args.model_alone_timeout = 300 if quick else 900
+    if args.model_path:
+        args.model_path = str(Path(args.model_path).resolve())
+    return args
+
+
+def log(message: str) -> None:
+    print(f"[{datetime.datetime.now():%H:%M:%S}] {message}", flush=True)
+
+
+@contextmanager
+def working_folder(path: Path | None) -> Iterator[Path]:
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="benchmark-") as folder:
+        yield Path(folder)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    # SIGTERM as SystemExit, so that the finally blocks stop the servers and Locust.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.model_alone_json:
+        rows = model_alone(args.model_path, args.batch_sizes, budget_s=args.call_budget)
+        args.model_alone_json.write_text(json.dumps(rows))
+        return 0
+
+    started_at = datetime.datetime.now(datetime.timezone.utc)
+    started = time.monotonic()
+    machine = machine_facts()
+    loads = [Load(str(users), users, THINK_TIME_S) for users in args.users]
+    if args.closed_loop_users:
+        loads.append(Load(CLOSED_LOOP_LABEL, args.closed_loop_users, (0.0, 0.0)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    with working_folder(args.work_dir) as work_dir:
+        log(f"working folder {work_dir}; configurations {args.configs}; loads {[l.label for l in loads]}; "
+            f"{args.duration} s each")
+        alone = run_model_alone(args, work_dir)
+        results = [run_config(CONFIGS_BY_NAME[name], loads, args, work_dir) for name in args.configs]
+        (work_dir / "results.json").write_text(json.dumps({"model_alone": alone, "servers": results}, indent=1))
+        report = write_report(args.out, args=args, alone=alone, results=results, loads=loads, machine=machine,
+                              started=started_at, elapsed_s=time.monotonic() - started)
+        plot = write_plot(args.out, results, loads)
+    log(f"wrote {report} and {plot} in {(time.monotonic() - started) / 60:.1f} min")
+    print(report.read_text())
+    return 1 if any("error" in result for result in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
