@@ -38,6 +38,8 @@ def parse_json(body: bytes) -> Any:
 def decode_request(body: bytes, model: LoadedModel) -> tuple[dict[str, np.ndarray], str]:
     """Parse a predict body into one array per model input, and say which format it used."""
     payload = parse_json(body)
+    # numpy reads [true, 2] as [1, 2]: look for booleans only when the body could hold one.
+    booleans = b"true" in body or b"false" in body
     if not isinstance(payload, dict):
         raise BadRequest(f"the request body must be a JSON object, not {_json_type(payload)}")
     has_rows, has_columns = "instances" in payload, "inputs" in payload
@@ -49,11 +51,11 @@ def decode_request(body: bytes, model: LoadedModel) -> tuple[dict[str, np.ndarra
     if signature_name != "serving_default":
         raise BadRequest(f"unknown signature_name {signature_name!r}; this model serves 'serving_default'")
     if has_rows:
-        return _decode_rows(payload["instances"], model), ROW
-    return _decode_columns(payload["inputs"], model), COLUMNAR
+        return _decode_rows(payload["instances"], model, booleans), ROW
+    return _decode_columns(payload["inputs"], model, booleans), COLUMNAR
 
 
-def _decode_rows(instances: Any, model: LoadedModel) -> dict[str, np.ndarray]:
+def _decode_rows(instances: Any, model: LoadedModel, booleans: bool) -> dict[str, np.ndarray]:
     if not isinstance(instances, list):
         raise BadRequest(f"'instances' must be a list of rows, not {_json_type(instances)}")
     if not instances:
@@ -63,7 +65,7 @@ def _decode_rows(instances: Any, model: LoadedModel) -> dict[str, np.ndarray]:
         names = ", ".join(repr(spec.name) for spec in model.inputs)
         raise BadRequest(f"this model takes several inputs ({names}): each instance must be an object keyed by name")
     if not keyed:
-        return {model.inputs[0].name: _to_array(instances, model.inputs[0], "instances")}
+        return {model.inputs[0].name: _to_array(instances, model.inputs[0], "instances", booleans)}
     columns: dict[str, list[Any]] = {spec.name: [] for spec in model.inputs}
     for index, row in enumerate(instances):
         if not isinstance(row, dict) or _is_b64(row):
@@ -71,13 +73,13 @@ def _decode_rows(instances: Any, model: LoadedModel) -> dict[str, np.ndarray]:
         _check_names(row.keys(), model, f"instances[{index}]")
         for name, value in row.items():
             columns[name].append(value)
-    return {spec.name: _to_array(columns[spec.name], spec, f"instances[*].{spec.name}") for spec in model.inputs}
+    return {spec.name: _to_array(columns[spec.name], spec, f"instances[*].{spec.name}", booleans) for spec in model.inputs}
 
 
-def _decode_columns(inputs: Any, model: LoadedModel) -> dict[str, np.ndarray]:
+def _decode_columns(inputs: Any, model: LoadedModel, booleans: bool) -> dict[str, np.ndarray]:
     if isinstance(inputs, dict) and not _is_b64(inputs):
         _check_names(inputs.keys(), model, "inputs")
-        return {spec.name: _to_array(inputs[spec.name], spec, f"inputs.{spec.name}") for spec in model.inputs}
+        return {spec.name: _to_array(inputs[spec.name], spec, f"inputs.{spec.name}", booleans) for spec in model.inputs}
     if len(model.inputs) > 1:
         names = ", ".join(repr(spec.name) for spec in model.inputs)
         raise BadRequest(f"this model takes several inputs ({names}): 'inputs' must be an object keyed by name")
@@ -85,7 +87,7 @@ def _decode_columns(inputs: Any, model: LoadedModel) -> dict[str, np.ndarray]:
         raise BadRequest(f"'inputs' must be a list (a batch of rows), not {_json_type(inputs)}")
     if not inputs:
         raise BadRequest("'inputs' is empty; send at least one row")
-    return {model.inputs[0].name: _to_array(inputs, model.inputs[0], "inputs")}
+    return {model.inputs[0].name: _to_array(inputs, model.inputs[0], "inputs", booleans)}
 
 
 def _check_names(names: Any, model: LoadedModel, where: str) -> None:
@@ -101,7 +103,7 @@ def _check_names(names: Any, model: LoadedModel, where: str) -> None:
         raise BadRequest(f"{where}: {' and '.join(parts)}; the model's inputs are {sorted(expected)}")
 
 
-def _to_array(value: Any, spec: TensorInfo, where: str) -> np.ndarray:
+def _to_array(value: Any, spec: TensorInfo, where: str, booleans: bool = True) -> np.ndarray:
     if not isinstance(value, list) or not value:
         raise InvalidInput(f"{where} must be a non-empty list of rows for input '{spec.name}'")
     if spec.dtype == STRING:
@@ -111,6 +113,8 @@ def _to_array(value: Any, spec: TensorInfo, where: str) -> np.ndarray:
     except (ValueError, TypeError, OverflowError):
         raise InvalidInput(_describe_bad_rows(value, spec, where)) from None
     kind = raw.dtype.kind
+    if booleans and kind in "iuf" and isinstance(_first_non_number(value), bool):
+        kind = "b"
     if kind == "b" and spec.dtype.kind != "b":
         raise InvalidInput(f"{where}: true/false where input '{spec.name}' takes numbers ({spec.tf_dtype})")
     if spec.dtype.kind == "b" and kind != "b":
@@ -144,7 +148,7 @@ def _describe_bad_rows(rows: list[Any], spec: TensorInfo, where: str) -> str:
     first_shape = None
     for index, row in enumerate(rows):
         bad = _first_non_number(row)
-        if bad is not None:
+        if bad is not _NOTHING:
             return f"{where}[{index}]: {_json_type(bad)} {_preview(bad)} where input '{spec.name}' takes numbers"
         try:
             shape = np.shape(row)
@@ -158,7 +162,11 @@ def _describe_bad_rows(rows: list[Any], spec: TensorInfo, where: str) -> str:
     return f"{where}: cannot read the rows of input '{spec.name}' as {spec.tf_dtype}"
 
 
+_NOTHING = object()
+
+
 def _first_non_number(value: Any) -> Any:
+    """The first leaf that is not a JSON number (booleans included), or _NOTHING."""
     stack = [value]
     while stack:
         item = stack.pop()
@@ -166,9 +174,7 @@ def _first_non_number(value: Any) -> Any:
             stack.extend(reversed(item))
         elif isinstance(item, bool) or not isinstance(item, (int, float)):
             return item
-        elif isinstance(item, int) and not -(2**63) <= item < 2**64:
-            return item
-    return None
+    return _NOTHING
 
 
 def _to_string_array(rows: list[Any], spec: TensorInfo, where: str) -> np.ndarray:

@@ -25,7 +25,7 @@ import logging
 from typing import Any
 
 import orjson
-from flask import Flask, Response
+from flask import Flask, Response, current_app
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,11 @@ def handle_serving_error(exc: ServingError) -> Response:
 
 def handle_http_error(exc: HTTPException) -> Response:
     headers = {key: value for key, value in exc.get_headers() if key.lower() == "allow"}
-    return _answer(exc.code or 500, exc.description or exc.name, headers)
+    message = exc.description or exc.name
+    if exc.code == 413:
+        limit = current_app.config.get("MAX_CONTENT_LENGTH")
+        message = f"the request body is larger than {limit} bytes (MAX_REQUEST_BYTES)"
+    return _answer(exc.code or 500, message, headers)
 
 
 def handle_unexpected(exc: Exception) -> Response:

@@ -1,0 +1,63 @@
+"""Settings: defaults, parsing, and start-up errors that name the variable and the value."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from app.settings import Settings, SettingsError, documented
+from tests.conftest import REPO
+
+
+def test_defaults_without_environment():
+    settings = Settings.from_env({})
+    assert settings.model_path is None
+    assert (settings.max_batch_size, settings.batch_timeout_ms, settings.max_queue_rows) == (32, 0.0, 128)
+    assert settings.batching is True
+    assert settings.predict_method == "function"
+
+
+def test_values_are_parsed_from_the_environment():
+    settings = Settings.from_env({
+        "MODEL_PATH": "/models/m.keras", "MAX_BATCH_SIZE": " 64 ", "BATCH_TIMEOUT_MS": "2.5",
+        "BATCHING": "off", "PREDICT_METHOD": "keras_predict", "LOG_LEVEL": "debug", "GPU_MEMORY_LIMIT_MB": "2048",
+    })
+    assert settings.model_path == "/models/m.keras"
+    assert settings.max_batch_size == 64
+    assert settings.batch_timeout_ms == 2.5
+    assert settings.batching is False
+    assert settings.predict_method == "keras_predict"
+    assert settings.log_level == "DEBUG"
+    assert settings.gpu_memory_limit_mb == 2048
+
+
+@pytest.mark.parametrize(
+    "name,value,allowed",
+    [
+        ("MAX_BATCH_SIZE", "0", "a whole number of 1 or more"),
+        ("MAX_BATCH_SIZE", "lots", "a whole number of 1 or more"),
+        ("MAX_QUEUE_ROWS", "-5", "a whole number of 1 or more"),
+        ("BATCH_TIMEOUT_MS", "-1", "a number of 0 or more"),
+        ("BATCH_TIMEOUT_MS", "nan", "a number of 0 or more"),
+        ("REQUEST_TIMEOUT_MS", "0", "a number above 0"),
+        ("BATCHING", "maybe", "true or false"),
+        ("PREDICT_METHOD", "fast", "'function' or 'keras_predict'"),
+        ("MODEL_NAME", "../etc", "letters, digits"),
+        ("LOG_LEVEL", "loud", "DEBUG, INFO"),
+        ("TF_INTRA_OP_THREADS", "-1", "a whole number of 0 or more"),
+    ],
+)
+def test_bad_value_names_variable_value_and_what_is_allowed(name, value, allowed):
+    with pytest.raises(SettingsError) as error:
+        Settings.from_env({name: value})
+    assert str(error.value) == f"{name}={value!r} is not valid: expected {allowed}" or (
+        str(error.value).startswith(f"{name}={value!r} is not valid: expected {allowed}")
+    )
+
+
+def test_readme_documents_every_setting():
+    readme = (REPO / "README.md").read_text()
+    table = set(re.findall(r"^\| `([A-Z_]+)` \|", readme, flags=re.MULTILINE))
+    names = {name for name, _, _ in documented()}
+    assert names <= table, f"not in the README's settings table: {sorted(names - table)}"
