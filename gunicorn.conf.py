@@ -6,6 +6,8 @@ worker before the model loads.
 """
 
 import os
+import shutil
+import tempfile
 
 from app.settings import Settings, parse, validate_pos_int
 
@@ -32,6 +34,20 @@ control_socket_disable = True
 loglevel = _settings.log_level.lower()
 
 
+# prometheus_client's multiprocess mode: each worker writes its values to files in this
+# directory and /metrics adds them up. It must be set before any worker starts, and
+# start empty, or counts from an earlier run would be added in.
+_own_metrics_dir = "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+if _own_metrics_dir:
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="model-server-metrics-")
+else:
+    _dir = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    os.makedirs(_dir, exist_ok=True)
+    for _name in os.listdir(_dir):
+        if _name.endswith(".db"):
+            os.remove(os.path.join(_dir, _name))
+
+
 def post_fork(server, worker):
     from app import runtime
 
@@ -44,3 +60,15 @@ def worker_exit(server, worker):
         from app import shutdown_app
 
         shutdown_app(app, timeout_s=server.cfg.graceful_timeout)
+
+
+def child_exit(server, worker):
+    # Gauges of a dead worker (queue rows, requests in flight) stop counting.
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server):
+    if _own_metrics_dir:
+        shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)

@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import logging
-
 from flask import Flask
 
 from app.settings import Settings
 
 
 def create_app(settings: Settings | None = None) -> Flask:
-    from app import api, errors, registry, runtime
+    from app import api, errors, logs, metrics, registry, runtime
 
     settings = settings or Settings.from_env()
-    configure_logging(settings.log_level)
+    logs.configure_logging(settings.log_level, settings.log_format)
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.extensions["settings"] = settings
     runtime.configure(settings)
-    registry.init_app(app, settings)
+    logs.init_app(app, access=settings.access_log)
+    serving_metrics = metrics.init_app(app)
+    registry.init_app(app, settings, serving_metrics)
     api.init_app(app)
     errors.init_app(app)
     return app
@@ -29,10 +29,3 @@ def shutdown_app(app: Flask, *, timeout_s: float | None = None) -> None:
     from app.registry import get_registry
 
     get_registry(app).close(drain=True, timeout_s=timeout_s)
-
-
-def configure_logging(level: str) -> None:
-    root = logging.getLogger()
-    if not root.handlers:
-        logging.basicConfig(format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s")
-    logging.getLogger("app").setLevel(level)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import orjson
-from flask import Blueprint, Flask, Response, current_app, request
+from flask import Blueprint, Flask, Response, current_app, g, request
 from werkzeug.routing import BaseConverter
 
 from app import codec, metadata, runtime
@@ -30,9 +30,12 @@ def _predict(servable: Servable) -> Response:
         raise UnsupportedMediaType(
             f"send the body as JSON with 'Content-Type: application/json' (got {request.mimetype or 'none'!r})"
         )
+    g.model = servable.model.name
     inputs, fmt = codec.decode_request(request.get_data(cache=False), servable.model)
+    g.rows = next(iter(inputs.values())).shape[0]
     settings = current_app.extensions["settings"]
     result = servable.batcher.predict(inputs, timeout_s=settings.request_timeout_ms / 1000.0)
+    g.batch_rows, g.batch_requests = result.batch_rows, result.batch_requests
     body = codec.encode_response(result.outputs, servable.model, fmt)
     return _json(body, headers={"X-Batch-Size": str(result.batch_rows), "X-Batch-Requests": str(result.batch_requests)})
 

@@ -9,8 +9,9 @@ from typing import Any
 from flask import Flask
 
 from app import models
-from app.batching import Batcher, BatchObserver, bucket_sizes
+from app.batching import Batcher, bucket_sizes
 from app.errors import NotFound
+from app.metrics import Metrics
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -62,10 +63,12 @@ class ModelRegistry:
             servable.batcher.close(drain=drain, timeout_s=timeout_s)
 
 
-def load_servable(settings: Settings, *, name: str, path: str | None, observer: BatchObserver | None = None) -> Servable:
+def load_servable(settings: Settings, *, name: str, path: str | None, metrics: Metrics) -> Servable:
     model = models.load_model(path, name=name, method=settings.predict_method)
     buckets = bucket_sizes(settings.max_batch_size)
     models.warm_up(model, buckets)
+    metrics.load_seconds.labels(name).set(model.load_s)
+    metrics.warmup_seconds.labels(name).set(model.warmup_s)
     batcher = Batcher(
         model.predict,
         name=name,
@@ -74,15 +77,15 @@ def load_servable(settings: Settings, *, name: str, path: str | None, observer: 
         max_queue_rows=settings.max_queue_rows,
         batching=settings.batching,
         buckets=buckets,
-        observer=observer,
+        observer=metrics.observer(name),
     )
     log.info("model '%s' v%d from %s loaded in %.2f s", name, model.version, model.source, model.load_s)
     return Servable(model, batcher)
 
 
-def init_app(app: Flask, settings: Settings) -> ModelRegistry:
+def init_app(app: Flask, settings: Settings, metrics: Metrics) -> ModelRegistry:
     registry = ModelRegistry(settings.model_name)
-    registry.add(load_servable(settings, name=settings.model_name, path=settings.model_path))
+    registry.add(load_servable(settings, name=settings.model_name, path=settings.model_path, metrics=metrics))
     app.extensions["models"] = registry
     return registry
 

@@ -8,6 +8,7 @@ that N workers share the cores instead of each starting pools as wide as the mac
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from typing import Any
@@ -21,10 +22,28 @@ _configured: dict[str, Any] | None = None
 
 
 def available_cores() -> int:
+    """Cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota.
+
+    In a container with a CPU limit the affinity still lists every core of the node;
+    the quota (cpu.max) is what the limit really allows.
+    """
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    return max(1, min(cores, quota)) if quota else cores
+
+
+def cgroup_cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
+    try:
+        with open(path) as limits:
+            quota, period = limits.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    return max(1, math.ceil(int(quota) / int(period)))
 
 
 def configure(settings: Settings, *, workers: int = 1) -> dict[str, Any]:

@@ -133,6 +133,8 @@ class Settings:
         "GPU_MEMORY_LIMIT_MB", validate_non_neg_int, 0,
         "GPU memory per worker process; 0: grow as needed.")
     log_level: str = _env("LOG_LEVEL", validate_log_level, "INFO", "Logging level.")
+    log_format: str = _env("LOG_FORMAT", validate_choice("text", "json"), "text", "text or json (one object a line).")
+    access_log: bool = _env("ACCESS_LOG", validate_bool, True, "One log line per request.")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -33,8 +33,6 @@ DEPLOYMENTS = ["deployment.yaml", "deployment-gpu.yaml"]
 SERVER_TARGETS = ["cpu", "gpu"]
 # MiB of CUDA context and kernels each worker process holds outside TensorFlow's limit.
 CUDA_CONTEXT_MIB = 512
-# The dashboard JSON is another change's file, checked by that change's own test.
-MOUNTS_OWNED_ELSEWHERE = {"deploy/grafana/dashboards"}
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -367,8 +365,7 @@ def test_compose_mounts_exist():
     assert mounts, "prometheus and grafana mount their configuration"
     for host, container_path, *_ in mounts:
         relative = Path(host).as_posix().removeprefix("./")
-        if relative not in MOUNTS_OWNED_ELSEWHERE:
-            assert (REPO / relative).exists(), f"{host} (mounted at {container_path})"
+        assert (REPO / relative).exists(), f"{host} (mounted at {container_path})"
 
 
 def test_prometheus_scrapes_the_api_metrics_every_5_seconds(default_port):

@@ -1,0 +1,134 @@
+"""Prometheus metrics, correct under several Gunicorn workers.
+
+Under Gunicorn, gunicorn.conf.py points PROMETHEUS_MULTIPROC_DIR at a fresh directory
+before any worker starts: each worker's values go to files there and /metrics adds them
+up across workers (prometheus_client's multiprocess mode). Without it (tests, a plain
+`flask run`) the metrics live in the registry given to `Metrics`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from flask import Flask, Response, current_app, g, request
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import multiprocess
+
+from app.batching import BatchObserver
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # In multiprocess mode values are files; registering them would only duplicate them.
+        self.registry = registry if registry is not None else CollectorRegistry()
+        reg = None if multiprocess_dir() else self.registry
+        self.requests = Counter("model_server_requests", "HTTP requests answered.",
+                                ["route", "method", "status"], registry=reg)
+        self.request_seconds = Histogram("model_server_request_duration_seconds", "Time to answer a request.",
+                                         ["route"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.in_flight = Gauge("model_server_requests_in_flight", "Requests being handled.",
+                               registry=reg, multiprocess_mode="livesum")
+        self.queue_wait = Histogram("model_server_queue_wait_seconds", "Time from queueing to the predict call.",
+                                    ["model"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.batch_rows = Histogram("model_server_batch_size_rows", "Real rows per predict call.",
+                                    ["model"], buckets=SIZE_BUCKETS, registry=reg)
+        self.batch_requests = Histogram("model_server_batch_size_requests", "Requests per predict call.",
+                                        ["model"], buckets=SIZE_BUCKETS, registry=reg)
+        self.padding_rows = Counter("model_server_padding_rows", "Rows added to reach a bucket size.",
+                                    ["model"], registry=reg)
+        self.predict_seconds = Histogram("model_server_predict_duration_seconds", "Time of one predict call.",
+                                         ["model"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.queue_rows = Gauge("model_server_queue_rows", "Rows waiting for a predict call.",
+                                ["model"], registry=reg, multiprocess_mode="livesum")
+        self.rejections = Counter("model_server_rejections", "Requests refused or dropped, by reason.",
+                                  ["model", "reason"], registry=reg)
+        self.load_seconds = Gauge("model_server_model_load_seconds", "Time to load the model.",
+                                  ["model"], registry=reg, multiprocess_mode="max")
+        self.warmup_seconds = Gauge("model_server_model_warmup_seconds", "Time to warm every bucket size.",
+                                    ["model"], registry=reg, multiprocess_mode="max")
+
+    def observer(self, model: str) -> BatchObserver:
+        return _ModelObserver(self, model)
+
+    def exposition(self) -> bytes:
+        if multiprocess_dir():
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
+        return generate_latest(self.registry)
+
+
+class _ModelObserver(BatchObserver):
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self._queue_rows = metrics.queue_rows.labels(model)
+        self._queue_wait = metrics.queue_wait.labels(model)
+        self._batch_rows = metrics.batch_rows.labels(model)
+        self._batch_requests = metrics.batch_requests.labels(model)
+        self._padding = metrics.padding_rows.labels(model)
+        self._predict = metrics.predict_seconds.labels(model)
+        self._rejections = metrics.rejections
+        self._model = model
+
+    def queue_depth(self, rows: int) -> None:
+        self._queue_rows.set(rows)
+
+    def queue_wait(self, seconds: float) -> None:
+        self._queue_wait.observe(seconds)
+
+    def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
+        self._batch_rows.observe(rows)
+        self._batch_requests.observe(requests)
+        self._padding.inc(padded_rows)
+        self._predict.observe(predict_s)
+
+    def rejected(self, reason: str) -> None:
+        self._rejections.labels(self._model, reason).inc()
+
+
+def get_metrics(app: Flask) -> Metrics:
+    return app.extensions["metrics"]
+
+
+def _route() -> str:
+    # The URL rule, not the path: unknown paths must not grow a series each.
+    return request.url_rule.rule if request.url_rule is not None else "unmatched"
+
+
+def _before() -> None:
+    g.started = time.perf_counter()
+    get_metrics(current_app).in_flight.inc()
+
+
+def _after(response: Response) -> Response:
+    metrics = get_metrics(current_app)
+    route = _route()
+    metrics.requests.labels(route, request.method, str(response.status_code)).inc()
+    metrics.request_seconds.labels(route).observe(time.perf_counter() - g.started)
+    return response
+
+
+def _teardown(_exc: BaseException | None) -> None:
+    if "started" in g:
+        get_metrics(current_app).in_flight.dec()
+
+
+def metrics_view() -> Response:
+    return Response(get_metrics(current_app).exposition(), content_type=CONTENT_TYPE_LATEST)
+
+
+def init_app(app: Flask, metrics: Metrics | None = None) -> Metrics:
+    metrics = metrics or Metrics()
+    app.extensions["metrics"] = metrics
+    app.before_request(_before)
+    app.after_request(_after)
+    app.teardown_request(_teardown)
+    app.add_url_rule("/metrics", "metrics", metrics_view, methods=["GET"])
+    return metrics
