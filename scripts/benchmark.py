@@ -1,6 +1,6 @@
 """Reproduce the experiment: the model alone, then real servers under real Locust load.
 
-    python scripts/benchmark.py                        # full run (about 20 min): docs/benchmarks.md, .png
+    python scripts/benchmark.py                        # full run (about 21 min): docs/benchmarks.md, .png
     python scripts/benchmark.py --quick --out /tmp/b   # a minute or two, for CI: never overwrites docs/
     python scripts/benchmark.py --configs naive,default --users 1,20 --duration 10
 
@@ -49,7 +49,8 @@ from app.settings import documented  # noqa: E402  (after the path is set; impor
 LOCUSTFILE = REPO / "locustfile.py"
 SERVER_COMMAND = ("gunicorn", "-c", "gunicorn.conf.py", "wsgi:app")
 # Server knobs that would leak from the caller's environment into every configuration.
-SERVER_VARIABLES = {name for name, _, _ in documented()} | {
+SERVER_DEFAULTS = {name: default for name, default, _ in documented()}
+SERVER_VARIABLES = set(SERVER_DEFAULTS) | {
     "WORKERS", "THREADS", "BIND", "TIMEOUT", "GRACEFUL_TIMEOUT", "KEEPALIVE", "GUNICORN_CMD_ARGS"}
 LOCUST_VARIABLES = {"LOCUST_SHAPE", "LOCUST_ROWS", "LOCUST_PATH", "LOCUST_MODEL", "LOCUST_WAIT_MIN",
                     "LOCUST_WAIT_MAX", "LOCUST_SUMMARY_FILE"}
@@ -107,7 +108,7 @@ def model_alone(model_path: str | None, batch_sizes: Sequence[int], *, budget_s:
         row: dict[str, Any] = {"batch": batch_size}
         paths = {"function": lambda: model.predict(batch)}
         if keras_model is not None:
-            # batch_size: one call runs the whole batch, as the server's own naive path does for one row.
+            # batch_size = the batch: one step per call (Keras' default of 32 would split 64 rows in two).
             paths["keras_predict"] = lambda: keras_model.predict(keras_input, verbose=0, batch_size=batch_size)
         for label, call in paths.items():
             row[label] = _time_calls(call, budget_s=budget_s, batch_size=batch_size)
@@ -295,6 +296,8 @@ def run_locust(url: str, load: Load, *, duration_s: int, prefix: Path) -> dict[s
                 proc.kill()
                 proc.wait()
     wall_s = time.monotonic() - started
+    if returncode not in (0, 1):  # 1: some requests failed, counted below; anything else: Locust itself
+        log(f"locust exited with {returncode}; see {prefix.name}.log in the working folder")
     children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     # RUSAGE_CHILDREN grows only when a child is reaped: between the two reads, only Locust was.
     locust_cpu_s = (children_after.ru_utime - children_before.ru_utime) + (
@@ -324,8 +327,7 @@ def parse_locust_stats(prefix: Path) -> dict[str, Any]:
                     stats.update(
                         requests=int(row["Request Count"]), failures=int(row["Failure Count"]),
                         mean_ms=float(row["Average Response Time"]), p50_ms=_number(row["50%"]),
-                        p95_ms=_number(row["95%"]), p99_ms=_number(row["99%"]), max_ms=_number(row["100%"]),
-                        rps=float(row["Requests/s"]))
+                        p95_ms=_number(row["95%"]), p99_ms=_number(row["99%"]), max_ms=_number(row["100%"]))
     json_path = Path(f"{prefix}.json")
     if json_path.exists():
         entries = json.loads(json_path.read_text())
@@ -450,7 +452,6 @@ def nearest_row(alone: list[dict[str, Any]], batch_rows: float | None) -> dict[s
 def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, Any]], results: list[dict[str, Any]],
                  loads: Sequence[Load], machine: dict[str, str], started: datetime.datetime,
                  elapsed_s: float) -> Path:
-    loads_by_label = {load.label: load for load in loads}
     open_loads = [load for load in loads if not load.closed_loop]
     closed = next((load for load in loads if load.closed_loop), None)
     by_config = {result["config"]: result for result in results}
@@ -464,8 +465,10 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, A
 
     lines += ["## Machine", ""] + _table(["", ""], machine.items()) + [""]
     lines += ["## Versions", ""] + _table(["package", "version"], versions().items()) + [""]
+    default_model = "the built-in default model (4 → 4096 ×5 → 3 dense, ~268 MB of float32 weights)"
+    max_batch_size = SERVER_DEFAULTS["MAX_BATCH_SIZE"]
     lines += ["## Settings", "",
-              f"- Model: {args.model_path or 'the built-in default model (4 → 4096 ×5 → 3 dense, ~268 MB of float32 weights)'}.",
+              f"- Model: {Path(args.model_path).name if args.model_path else default_model}.",
               f"- Each load point runs {args.duration} s of headless Locust (`locustfile.py`, one process, "
               "FastHttpUser), all users spawned in the first second, one random row per request.",
               f"- Think time {THINK_TIME_S[0]:g}–{THINK_TIME_S[1]:g} s per user for "
@@ -473,9 +476,10 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, A
               + (f"; then a closed loop: {closed.users} users, no think time." if closed else "."),
               "- Between load points the server is left to finish any backlog (its CPU falls idle).",
               "- Server CPU is the user + system time of the gunicorn master and workers, from psutil, "
-              "across each load point. Locust's CPU is its own, measured the same way.",
-              "- Other settings are the server's defaults (MAX_BATCH_SIZE 32, THREADS 64, "
-              "TF threads = cores ÷ workers).", ""]
+              "across each load point. Locust's CPU is its own user + system time (getrusage of the "
+              "finished process), with psutil sampling its busiest second.",
+              f"- Other settings are the server's defaults (MAX_BATCH_SIZE {max_batch_size}, "
+              f"THREADS {2 * max_batch_size}, TF threads = cores ÷ workers).", ""]
     config_rows = [(f"`{name}`", CONFIGS_BY_NAME[name].workers,
                     " ".join(f"{k}={v}" for k, v in CONFIGS_BY_NAME[name].env.items()) or "(defaults)",
                     CONFIGS_BY_NAME[name].what) for name in by_config]
@@ -539,7 +543,8 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, A
                              _fmt(stats.get("p99_ms")), _fmt(stats.get("mean_batch_rows")),
                              _fmt(stats.get("server_cpu_ms_per_request"), 2),
                              _fmt(batch_one["function"]["cpu_ms_per_row"], 2) if batch_one else "–",
-                             f"{_fmt(near['function']['cpu_ms_per_row'], 2)} (batch {near['batch']})" if near else "–",
+                             (f"{_fmt(near['function']['cpu_ms_per_row'], 2)} (batch {near['batch']})"
+                              if near else "–"),
                              f"{stats['locust_cpu_share']:.0%}"))
         lines += _table(["configuration", "req/s", "mean ms", "p99 ms", "batch rows", "server CPU ms/request",
                          "model CPU ms/row, batch 1", "model CPU ms/row, near that batch", "Locust CPU"],
@@ -548,9 +553,11 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, A
     lines += ["## 4. Ratios", ""] + ratio_lines(by_config, open_loads, closed, ceiling) + [""]
     lines += ["## 5. The load generator", ""] + load_generator_lines(by_config) + [""]
     lines += ["## Plot", "", "![Mean latency against users, and closed-loop throughput](benchmarks.png)", ""]
-    lines += ["## Reproduce", "", "```", "python scripts/benchmark.py            # this report, about 20 min",
+    lines += ["## Reproduce", "", "```",
+              "python scripts/benchmark.py            # the full report, about 21 min",
               "python scripts/benchmark.py --quick --out /tmp/bench", "```", "",
-              "Add `--work-dir DIR` to keep the raw Locust CSV and JSON, the server logs and `results.json`.", ""]
+              "Add `--work-dir DIR` to keep the raw Locust CSV and JSON, the server logs and `results.json`.",
+              ""]
     path = out / "benchmarks.md"
     path.write_text("\n".join(lines))
     return path
@@ -649,6 +656,7 @@ def write_plot(out: Path, results: list[dict[str, Any]], loads: Sequence[Load]) 
     latency_axes.xaxis.set_major_formatter(plain)
     latency_axes.xaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
     latency_axes.yaxis.set_major_formatter(plain)
+    latency_axes.yaxis.set_minor_formatter(plain)
     latency_axes.grid(True, which="both", alpha=0.3)
     latency_axes.legend(fontsize="small")
     latency_axes.set_title("Mean latency against users")
@@ -715,7 +723,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="seconds, not minutes: 2 configurations, users 1 and 5, 3 s each, batch sizes 1..8")
     parser.add_argument("--out", type=Path, default=REPO / "docs",
                         help="folder for benchmarks.md and benchmarks.png (default docs/)")
-    parser.add_argument("--duration", type=int, help="seconds per load point (default 25; quick 3)")
+    parser.add_argument("--duration", type=int, help="seconds per load point (default 30; quick 3)")
     parser.add_argument("--configs", type=_config_list,
                         help=f"comma-separated subset of: {', '.join(CONFIGS_BY_NAME)} (default all; quick naive,default)")
     parser.add_argument("--users", type=_int_list, help="user counts with think time (default 1,5,20,50; quick 1,5)")
@@ -732,7 +740,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.argv_shown = list(argv)
     quick = args.quick
-    args.duration = args.duration or (3 if quick else 25)
+    args.duration = args.duration or (3 if quick else 30)
     args.configs = args.configs or (["naive", "default"] if quick else list(CONFIGS_BY_NAME))
     args.users = args.users or ([1, 5] if quick else [1, 5, 20, 50])
     if args.closed_loop_users is None:
@@ -745,6 +753,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.model_path:
         args.model_path = str(Path(args.model_path).resolve())
     return args
+
+
+def expected_minutes(args: argparse.Namespace, loads: Sequence[Load]) -> float:
+    """A rough forecast from runs on a 2-core machine: Locust's own start and the idle wait add ~2 s a load."""
+    model_alone_s = len(args.batch_sizes) * (2 * args.call_budget + 1) + 10
+    per_config_s = 10 + len(loads) * (args.duration + 2)
+    return (model_alone_s + len(args.configs) * per_config_s) / 60
 
 
 def log(message: str) -> None:
@@ -779,7 +794,7 @@ def main(argv: Sequence[str]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with working_folder(args.work_dir) as work_dir:
         log(f"working folder {work_dir}; configurations {args.configs}; loads {[l.label for l in loads]}; "
-            f"{args.duration} s each")
+            f"{args.duration} s each; expect about {expected_minutes(args, loads):.0f} min")
         alone = run_model_alone(args, work_dir)
         results = [run_config(CONFIGS_BY_NAME[name], loads, args, work_dir) for name in args.configs]
         (work_dir / "results.json").write_text(json.dumps({"model_alone": alone, "servers": results}, indent=1))

@@ -34,7 +34,8 @@ def aggregated_row(csv_prefix: Path) -> dict[str, str]:
         return next(row for row in csv.DictReader(file) if row["Name"] == "Aggregated")
 
 
-def run_headless_locust(url: str, csv_prefix: Path, env: dict[str, str], *, seconds: int = 5) -> subprocess.CompletedProcess:
+def run_headless_locust(url: str, csv_prefix: Path, env: dict[str, str], *,
+                        seconds: int = 5) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py"), "--headless",
                "-u", "5", "-r", "5", "-t", f"{seconds}s", "--host", url, "--csv", str(csv_prefix),
                "--only-summary"]
