@@ -656,7 +656,9 @@ def write_plot(out: Path, results: list[dict[str, Any]], loads: Sequence[Load]) 
     latency_axes.xaxis.set_major_formatter(plain)
     latency_axes.xaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
     latency_axes.yaxis.set_major_formatter(plain)
-    latency_axes.yaxis.set_minor_formatter(plain)
+    # Minor ticks of a log axis: label 2s and 5s only (20, 50, 200 ...), or they crowd.
+    latency_axes.yaxis.set_minor_formatter(FuncFormatter(
+        lambda value, _: f"{value:g}" if f"{value:g}"[0] in "25" else ""))
     latency_axes.grid(True, which="both", alpha=0.3)
     latency_axes.legend(fontsize="small")
     latency_axes.set_title("Mean latency against users")
