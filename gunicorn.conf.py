@@ -9,10 +9,11 @@ import os
 import shutil
 import tempfile
 
-from app.settings import Settings, parse, validate_pos_int
+from app.settings import Settings, model_configs, parse, validate_pos_int
 
 # Validated here, in the master, so a bad value stops start-up once with a clear message.
 _settings = Settings.from_env()
+model_configs(_settings)
 
 
 def _env(name, default, validator=validate_pos_int):

@@ -26,6 +26,7 @@ def _json(body: bytes, status: int = 200, headers: dict[str, str] | None = None)
 
 
 def _predict(servable: Servable) -> Response:
+    """Parse, queue, wait, answer: the request thread never touches TensorFlow."""
     if request.mimetype != "application/json":
         raise UnsupportedMediaType(
             f"send the body as JSON with 'Content-Type: application/json' (got {request.mimetype or 'none'!r})"
@@ -34,10 +35,15 @@ def _predict(servable: Servable) -> Response:
     inputs, fmt = codec.decode_request(request.get_data(cache=False), servable.model)
     g.rows = next(iter(inputs.values())).shape[0]
     settings = current_app.extensions["settings"]
-    result = servable.batcher.predict(inputs, timeout_s=settings.request_timeout_ms / 1000.0)
+    servable, result = get_registry(current_app).predict(servable, inputs,
+                                                         timeout_s=settings.request_timeout_ms / 1000.0)
     g.batch_rows, g.batch_requests = result.batch_rows, result.batch_requests
     body = codec.encode_response(result.outputs, servable.model, fmt)
-    return _json(body, headers={"X-Batch-Size": str(result.batch_rows), "X-Batch-Requests": str(result.batch_requests)})
+    return _json(body, headers={
+        "X-Batch-Size": str(result.batch_rows),
+        "X-Batch-Requests": str(result.batch_requests),
+        "X-Model-Version": str(servable.model.version),
+    })
 
 
 @bp.post("/predict")

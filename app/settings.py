@@ -8,6 +8,7 @@ variable, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -108,6 +109,12 @@ class Settings:
         "A .keras or .h5 file, a SavedModel folder, or a base folder of numbered versions. "
         "Unset: the built-in default model.")
     model_name: str = _env("MODEL_NAME", validate_model_name, "default", "Name the model is served under.")
+    model_config: str | None = _env(
+        "MODEL_CONFIG", validate_optional_path, None,
+        "A JSON file naming several models, each with its own batching settings (replaces MODEL_PATH).")
+    model_poll_seconds: float = _env(
+        "MODEL_POLL_SECONDS", validate_non_neg_float, 5.0,
+        "How often a base folder of numbered versions is checked for a newer one; 0: never.")
     max_batch_size: int = _env("MAX_BATCH_SIZE", validate_pos_int, 32, "Most rows in one predict call.")
     batch_timeout_ms: float = _env(
         "BATCH_TIMEOUT_MS", validate_non_neg_float, 0.0,
@@ -148,6 +155,75 @@ class Settings:
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """One served model: where it comes from and how its batcher behaves."""
+
+    name: str
+    path: str | None
+    max_batch_size: int
+    batch_timeout_ms: float
+    max_queue_rows: int
+
+
+# The per-model keys of a MODEL_CONFIG file, with the validator of the same env setting.
+_MODEL_KEYS: dict[str, Callable[[str], Any]] = {
+    "max_batch_size": validate_pos_int,
+    "batch_timeout_ms": validate_non_neg_float,
+    "max_queue_rows": validate_pos_int,
+}
+
+
+def model_configs(settings: Settings) -> list[ModelConfig]:
+    """The models to serve, the default (POST /predict) first.
+
+    Without MODEL_CONFIG: one model, MODEL_NAME from MODEL_PATH. With it, a JSON file:
+    {"models": [{"name": "a", "path": "/models/a", "max_batch_size": 16}, ...],
+     "default": "a"}; a model without "path" is the built-in default model.
+    """
+    defaults = {key: getattr(settings, key) for key in _MODEL_KEYS}
+    if settings.model_config is None:
+        return [ModelConfig(settings.model_name, settings.model_path, **defaults)]
+    where = f"MODEL_CONFIG={settings.model_config!r}"
+    try:
+        with open(settings.model_config, "rb") as config_file:
+            document = json.load(config_file)
+    except (OSError, ValueError) as exc:
+        raise SettingsError(f"{where}: cannot read it as JSON: {exc}") from None
+    entries = document.get("models") if isinstance(document, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise SettingsError(f"{where}: expected an object with a non-empty 'models' list")
+    configs = [_model_config(entry, index, defaults, where) for index, entry in enumerate(entries)]
+    names = [config.name for config in configs]
+    if len(set(names)) != len(names):
+        raise SettingsError(f"{where}: model names must be unique; got {names}")
+    default = document.get("default", names[0])
+    if default not in names:
+        raise SettingsError(f"{where}: 'default' is {default!r}, which is not one of {names}")
+    return sorted(configs, key=lambda config: config.name != default)
+
+
+def _model_config(entry: Any, index: int, defaults: dict[str, Any], where: str) -> ModelConfig:
+    if not isinstance(entry, dict):
+        raise SettingsError(f"{where}: models[{index}] must be an object")
+    unknown = set(entry) - {"name", "path", *_MODEL_KEYS}
+    if unknown:
+        raise SettingsError(f"{where}: models[{index}] has unknown key(s) {sorted(unknown)}; "
+                            f"allowed: name, path, {', '.join(_MODEL_KEYS)}")
+    values = dict(defaults)
+    try:
+        name = parse(f"models[{index}].name", str(entry.get("name", "")), validate_model_name)
+        for key, validator in _MODEL_KEYS.items():
+            if key in entry:
+                values[key] = parse(f"models[{index}].{key}", str(entry[key]), validator)
+    except SettingsError as exc:
+        raise SettingsError(f"{where}: {exc}") from None
+    path = entry.get("path")
+    if path is not None and not isinstance(path, str):
+        raise SettingsError(f"{where}: models[{index}].path must be a string")
+    return ModelConfig(name=name, path=path or None, **values)
 
 
 def parse(name: str, raw: str, validator: Callable[[str], Any]) -> Any:
