@@ -23,8 +23,10 @@ def _env(name, default, validator=validate_pos_int):
 bind = os.environ.get("BIND", "0.0.0.0:8000")
 workers = _env("WORKERS", 1)
 worker_class = "gthread"
-# A batch can only hold as many requests as there are threads waiting on it.
-threads = _env("THREADS", 2 * _settings.max_batch_size)
+# A batch can only hold as many requests as there are threads waiting on it, and overload
+# must meet the queue's fast 503 (MAX_QUEUE_ROWS) before it meets a thread pool where
+# requests would wait unseen: enough threads for a running batch, a full queue and more.
+threads = _env("THREADS", _settings.max_queue_rows + 2 * _settings.max_batch_size)
 timeout = _env("TIMEOUT", 120)
 graceful_timeout = _env("GRACEFUL_TIMEOUT", 30)
 keepalive = _env("KEEPALIVE", 5)

@@ -79,7 +79,11 @@ class PredictFailed(ServingError):
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> PredictFailed:
-        return cls(f"model raised {type(exc).__name__}: {exc}")
+        # TensorFlow's messages can run to pages of graph context: the head says what failed.
+        text = str(exc)
+        if len(text) > 1000:
+            text = text[:1000] + " ..."
+        return cls(f"model raised {type(exc).__name__}: {text}")
 
 
 class Unavailable(ServingError):

@@ -73,7 +73,9 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"gunicorn-{self.port}.log"
-        self.env = {**os.environ, "BIND": f"127.0.0.1:{self.port}", "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+        inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+        # Each server gets its own metrics folder (gunicorn.conf.py makes one) unless a test names it.
+        self.env = {**inherited, "BIND": f"127.0.0.1:{self.port}", "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
         self.args = args
         self.proc: subprocess.Popen | None = None
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
+import os
 import re
 import runpy
 import shutil
@@ -144,8 +145,13 @@ def get_routes() -> set[str]:
 def gunicorn_defaults(monkeypatch) -> dict:
     """gunicorn.conf.py's own values with none of its variables set."""
     for name in re.findall(r"""["']([A-Z][A-Z0-9_]+)["']""", (REPO / "gunicorn.conf.py").read_text()):
-        monkeypatch.delenv(name, raising=False)
-    return runpy.run_path(str(REPO / "gunicorn.conf.py"))
+        # Set, then delete: monkeypatch then restores the variable's first state, even where
+        # the file itself sets it (it creates PROMETHEUS_MULTIPROC_DIR).
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    values = runpy.run_path(str(REPO / "gunicorn.conf.py"))
+    shutil.rmtree(os.environ.get("PROMETHEUS_MULTIPROC_DIR", ""), ignore_errors=True)
+    return values
 
 
 @pytest.fixture
