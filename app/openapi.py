@@ -1,0 +1,205 @@
+"""The OpenAPI 3 description of every route, served at GET /openapi.json.
+
+Werkzeug's '/v1/models/<model_name:name>:predict' is the literal OpenAPI path
+'/v1/models/{name}:predict': the name pattern stops at ':'. Every error answers
+{"error": "..."} with one of the statuses listed for its route (the README's error table);
+tests/test_fuzz.py holds a live server to this document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from flask import Flask, Response
+
+from app.settings import MODEL_NAME_PATTERN
+
+OPENAPI_VERSION = "3.0.3"
+
+_ERRORS = {
+    400: "Malformed JSON, missing 'instances'/'inputs' or both given, wrong row shape, ragged rows, "
+         "non-numeric or boolean values, values out of range for the input's dtype, unknown input names.",
+    404: "Unknown route, model or version.",
+    405: "Wrong method for this path; 'Allow' lists the right ones.",
+    413: "Body over MAX_REQUEST_BYTES, or more rows in one request than MAX_QUEUE_ROWS.",
+    415: "Body not sent as 'Content-Type: application/json'.",
+    500: "The model raised; the message names the exception's class.",
+    503: "Overloaded (queue full), shutting down, or the batch thread died; retry after 'Retry-After' seconds.",
+    504: "The deadline (REQUEST_TIMEOUT_MS) passed before the result.",
+}
+
+_HEADERS = {
+    405: {"Allow": {"description": "The methods this path takes.", "schema": {"type": "string"}}},
+    503: {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}},
+}
+
+_NAME = {
+    "name": "name", "in": "path", "required": True, "description": "The model's name.",
+    "schema": {"type": "string", "pattern": MODEL_NAME_PATTERN.pattern},
+}
+_VERSION = {
+    "name": "version", "in": "path", "required": True, "description": "The model's version number.",
+    "schema": {"type": "integer", "minimum": 0},
+}
+
+_PREDICT_ERRORS = (400, 404, 405, 413, 415, 500, 503, 504)
+_GET_ERRORS = (404, 405)
+
+
+def _error(status: int) -> dict[str, Any]:
+    response: dict[str, Any] = {
+        "description": _ERRORS[status],
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
+    if status in _HEADERS:
+        response["headers"] = _HEADERS[status]
+    return response
+
+
+def _operation(summary: str, ok: dict[str, Any], errors: tuple[int, ...], *,
+               parameters: tuple[dict[str, Any], ...] = (), body: bool = False) -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "responses": {"200": ok, **{str(status): _error(status) for status in errors}},
+    }
+    if parameters:
+        operation["parameters"] = list(parameters)
+    if body:
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/PredictRequest"}}},
+        }
+    return operation
+
+
+def _json_ok(description: str, schema: dict[str, Any], headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    response: dict[str, Any] = {"description": description, "content": {"application/json": {"schema": schema}}}
+    if headers:
+        response["headers"] = headers
+    return response
+
+
+_PREDICT_OK = _json_ok(
+    "One output row per input row: 'predictions' for the row format, 'outputs' for the columnar one.",
+    {"$ref": "#/components/schemas/PredictResponse"},
+    {
+        "X-Batch-Size": {"description": "Rows in the predict call that served it.", "schema": {"type": "integer"}},
+        "X-Batch-Requests": {"description": "Requests in that call.", "schema": {"type": "integer"}},
+        "X-Model-Version": {"description": "The version that answered.", "schema": {"type": "integer"}},
+    },
+)
+_STATUS_OK = _json_ok("The model version's status, in TensorFlow Serving's form.",
+                      {"$ref": "#/components/schemas/ModelStatus"})
+_METADATA_OK = _json_ok("The serving signature: input and output names, dtypes and shapes.",
+                        {"$ref": "#/components/schemas/ModelMetadata"})
+
+
+def _predict(summary: str, *parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"post": _operation(summary, _PREDICT_OK, _PREDICT_ERRORS, parameters=parameters, body=True)}
+
+
+_SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {"type": "string", "description": "What is wrong, and where."}},
+    },
+    "PredictRequest": {
+        "type": "object",
+        "description": "TensorFlow Serving's predict body: 'instances' (rows) or 'inputs' (columns), not both.",
+        "properties": {
+            "signature_name": {"type": "string", "enum": ["serving_default"]},
+            "instances": {
+                "type": "array", "minItems": 1,
+                "description": "A list of rows; for several inputs each row is an object keyed by input name.",
+                "items": {},
+            },
+            "inputs": {
+                "description": "The batch itself, or an object of named batches.",
+                "oneOf": [{"type": "array", "minItems": 1, "items": {}}, {"type": "object"}],
+            },
+        },
+        "oneOf": [{"required": ["instances"]}, {"required": ["inputs"]}],
+    },
+    "PredictResponse": {
+        "type": "object",
+        "properties": {"predictions": {"type": "array"}, "outputs": {}},
+    },
+    "ModelStatus": {
+        "type": "object",
+        "required": ["model_version_status"],
+        "properties": {"model_version_status": {"type": "array", "items": {"type": "object"}}},
+    },
+    "ModelMetadata": {
+        "type": "object",
+        "required": ["model_spec", "metadata"],
+        "properties": {"model_spec": {"type": "object"}, "metadata": {"type": "object"}},
+    },
+    "Readiness": {
+        "type": "object",
+        "required": ["ready", "pid", "models"],
+        "properties": {
+            "ready": {"type": "boolean"},
+            "pid": {"type": "integer"},
+            "tensorflow": {"type": "object"},
+            "models": {"type": "object"},
+        },
+    },
+}
+
+
+def spec() -> dict[str, Any]:
+    """The whole document, built afresh (callers may change their copy)."""
+    readiness = {"$ref": "#/components/schemas/Readiness"}
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {
+            "title": "Batching model server",
+            "version": "1",
+            "description": "A Keras / TensorFlow model behind Gunicorn, with dynamic batching and "
+                           "TensorFlow Serving's REST API.",
+        },
+        "paths": {
+            "/predict": _predict("Predict with the default model."),
+            "/v1/models/{name}:predict": _predict("Predict with a model.", _NAME),
+            "/v1/models/{name}/versions/{version}:predict": _predict("Predict with one version of a model.",
+                                                                     _NAME, _VERSION),
+            "/v1/models/{name}": {"get": _operation("A model's version status.", _STATUS_OK, _GET_ERRORS,
+                                                    parameters=(_NAME,))},
+            "/v1/models/{name}/versions/{version}": {
+                "get": _operation("One version's status.", _STATUS_OK, _GET_ERRORS, parameters=(_NAME, _VERSION))},
+            "/v1/models/{name}/metadata": {
+                "get": _operation("A model's signature.", _METADATA_OK, _GET_ERRORS, parameters=(_NAME,))},
+            "/v1/models/{name}/versions/{version}/metadata": {
+                "get": _operation("One version's signature.", _METADATA_OK, _GET_ERRORS,
+                                  parameters=(_NAME, _VERSION))},
+            "/healthz": {"get": _operation(
+                "Liveness: 200 while the process is alive.",
+                _json_ok("Alive.", {"type": "object", "properties": {"status": {"type": "string"}}}), (405,))},
+            "/readyz": {"get": {
+                "summary": "Readiness: every model loaded, warmed and its batch thread alive.",
+                "responses": {
+                    "200": _json_ok("Ready; the body shows queue depth, batches run and TensorFlow's pools.",
+                                    readiness),
+                    "405": _error(405),
+                    "503": _json_ok("Not ready (a batch thread died); the same body.", readiness),
+                },
+            }},
+            "/metrics": {"get": _operation(
+                "Prometheus metrics, added up across workers.",
+                {"description": "Prometheus's text format.", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                (405,))},
+            "/openapi.json": {"get": _operation(
+                "This document.", _json_ok("The OpenAPI description.", {"type": "object"}), (405,))},
+        },
+        "components": {"schemas": _SCHEMAS},
+    }
+
+
+def init_app(app: Flask) -> None:
+    document = orjson.dumps(spec())
+
+    @app.get("/openapi.json")
+    def openapi_json() -> Response:
+        return Response(document, mimetype="application/json")
