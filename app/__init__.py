@@ -8,7 +8,7 @@ from app.settings import Settings
 
 
 def create_app(settings: Settings | None = None) -> Flask:
-    from app import api, errors, logs, metrics, registry, runtime
+    from app import api, errors, logs, metrics, openapi, registry, runtime
 
     settings = settings or Settings.from_env()
     logs.configure_logging(settings.log_level, settings.log_format)
@@ -20,6 +20,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     serving_metrics = metrics.init_app(app)
     registry.init_app(app, settings, serving_metrics)
     api.init_app(app)
+    openapi.init_app(app)
     errors.init_app(app)
     return app
 
