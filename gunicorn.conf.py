@@ -13,7 +13,6 @@ from app.settings import Settings, model_configs, parse, validate_pos_int
 
 # Validated here, in the master, so a bad value stops start-up once with a clear message.
 _settings = Settings.from_env()
-model_configs(_settings)
 
 
 def _env(name, default, validator=validate_pos_int):
@@ -30,6 +29,11 @@ threads = _env("THREADS", _settings.max_queue_rows + 2 * _settings.max_batch_siz
 timeout = _env("TIMEOUT", 120)
 graceful_timeout = _env("GRACEFUL_TIMEOUT", 30)
 keepalive = _env("KEEPALIVE", 5)
+# A stopping worker answers what it accepted only if a batch window closes within its grace.
+_longest_window_s = max(config.batch_timeout_ms for config in model_configs(_settings)) / 1000
+if _longest_window_s >= graceful_timeout:
+    raise SystemExit(f"BATCH_TIMEOUT_MS={_longest_window_s * 1000:g} must stay below GRACEFUL_TIMEOUT="
+                     f"{graceful_timeout} s, or a stopping worker could end before its queued requests run")
 preload_app = False
 # Gunicorn 27's control socket lives at one fixed path per user: two servers on a machine
 # would fight over it, and nothing here uses it.

@@ -149,14 +149,20 @@ def test_sigterm_answers_every_accepted_request(start_server, exact_model_path, 
         server.predict(integer_rows(1), timeout=5)
 
 
-def test_bad_setting_stops_start_up_naming_variable_and_value(tmp_path):
+@pytest.mark.parametrize("variable,value,message", [
+    ("MAX_BATCH_SIZE", "lots", "MAX_BATCH_SIZE='lots' is not valid: expected a whole number of 1 or more"),
+    ("WORKERS", "0", "WORKERS='0' is not valid: expected a whole number of 1 or more"),
+    ("BATCH_TIMEOUT_MS", "40000", "BATCH_TIMEOUT_MS=40000 must stay below GRACEFUL_TIMEOUT=30 s"),
+    ("MODEL_CONFIG", "/nonexistent.json", "MODEL_CONFIG='/nonexistent.json': cannot read it as JSON"),
+])
+def test_bad_setting_stops_start_up_naming_variable_and_value(variable, value, message):
     import subprocess
     import sys
 
     from tests.conftest import REPO, SERVER_COMMAND
 
-    env = {**os.environ, "MAX_BATCH_SIZE": "lots", "BIND": "127.0.0.1:0"}
+    env = {**os.environ, variable: value, "BIND": "127.0.0.1:0"}
     done = subprocess.run([sys.executable, "-m", *SERVER_COMMAND], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode != 0
-    assert "MAX_BATCH_SIZE='lots' is not valid: expected a whole number of 1 or more" in done.stderr
+    assert message in done.stderr

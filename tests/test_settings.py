@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
-from app.settings import Settings, SettingsError, documented
+from app.settings import ModelConfig, Settings, SettingsError, documented, model_configs
 from tests.conftest import REPO
 
 
@@ -71,3 +72,37 @@ def test_cgroup_cpu_quota_caps_the_cores_tensorflow_gets(tmp_path, content, expe
     limits.write_text(content)
     assert cgroup_cpu_quota(str(limits)) == expected
     assert cgroup_cpu_quota(str(tmp_path / "absent")) is None
+
+
+def write_config(tmp_path, document) -> dict[str, str]:
+    path = tmp_path / "models.json"
+    path.write_text(json.dumps(document))
+    return {"MODEL_CONFIG": str(path), "MAX_BATCH_SIZE": "16"}
+
+
+def test_model_config_gives_each_model_its_batching_settings(tmp_path):
+    env = write_config(tmp_path, {"default": "b", "models": [
+        {"name": "a", "path": "/models/a", "batch_timeout_ms": 5},
+        {"name": "b", "max_batch_size": 64, "max_queue_rows": 256},
+    ]})
+    configs = model_configs(Settings.from_env(env))
+    assert configs == [
+        ModelConfig(name="b", path=None, max_batch_size=64, batch_timeout_ms=0.0, max_queue_rows=256),
+        ModelConfig(name="a", path="/models/a", max_batch_size=16, batch_timeout_ms=5.0, max_queue_rows=128),
+    ]
+
+
+@pytest.mark.parametrize("document,message", [
+    ({"models": []}, "expected an object with a non-empty 'models' list"),
+    ({"models": [{"name": "a", "batch_size": 3}]}, "models[0] has unknown key(s) ['batch_size']"),
+    ({"models": [{"name": "a"}, {"name": "a"}]}, "model names must be unique"),
+    ({"models": [{"name": "a"}], "default": "z"}, "'default' is 'z', which is not one of ['a']"),
+    ({"models": [{"name": "../a"}]}, "models[0].name='../a' is not valid"),
+    ({"models": [{"name": "a", "max_batch_size": 0}]}, "models[0].max_batch_size='0' is not valid"),
+])
+def test_bad_model_config_names_the_file_and_the_problem(tmp_path, document, message):
+    env = write_config(tmp_path, document)
+    with pytest.raises(SettingsError) as error:
+        model_configs(Settings.from_env(env))
+    assert str(error.value).startswith(f"MODEL_CONFIG={env['MODEL_CONFIG']!r}: ")
+    assert message in str(error.value)
