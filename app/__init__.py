@@ -13,6 +13,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
     logs.configure_logging(settings.log_level, settings.log_format)
     app = Flask(__name__)
+    # Flask would take FLASK_DEBUG from the environment: a production server never debugs.
+    app.debug = False
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.extensions["settings"] = settings
     runtime.configure(settings)

@@ -497,8 +497,6 @@ def test_model_names_never_reach_the_file_system(guarded_server, name):
         assert "root:" not in error and "/tmp" not in error and str(REPO) not in error
 
 
-@pytest.mark.xfail(strict=True, reason="Flask reads FLASK_DEBUG into app.debug at construction; "
-                                      "create_app does not set app.debug = False")
 def test_debug_is_off_even_when_the_environment_asks_for_it(guarded_model_path):
     # The app exactly as Gunicorn loads it (wsgi:app), in a fresh process: TensorFlow's
     # runtime is set up once per process, and this one has already used it.
