@@ -188,8 +188,10 @@ def _from_keras(keras_model: Any, *, name: str, version: int, source: str, metho
             result = keras_model.predict(batch[inputs[0].name] if single_input else batch, verbose=0)
             return {key: np.asarray(value) for key, value in name_outputs(result).items()}
     else:
+        # The concrete function, traced once for a None batch dimension: calling it skips
+        # tf.function's per-call signature matching (about 0.1 ms a call on a CPU).
         def predict(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            result = serve([batch[spec.name] for spec in inputs])
+            result = concrete([batch[spec.name] for spec in inputs])
             return {key: value.numpy() for key, value in result.items()}
 
     return LoadedModel(name=name, version=version, source=source, inputs=inputs, outputs=outputs,
