@@ -313,7 +313,9 @@ class Batcher:
                 if wait_until is None:
                     wait_until = batch.slices[0].pending.enqueued_at + self.batch_timeout_s
                 remaining = wait_until - self._clock()
-                item = self._get(timeout=remaining) if remaining > 0 else None
+                # Past the window, still take what is already queued, without waiting: under
+                # load the oldest request has often waited its window out behind the last batch.
+                item = self._get(timeout=remaining if remaining > 0 else None)
             else:
                 item = self._get(timeout=None)
             if item is None:

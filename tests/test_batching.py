@@ -188,6 +188,17 @@ def test_batch_timeout_dispatches_a_partial_batch_after_the_timeout(make_batcher
     assert batcher._clock() - started_at >= 0.05
 
 
+def test_expired_batch_window_still_takes_everything_queued(make_batcher, fake):
+    now = [1000.0]
+    batcher = make_batcher(max_batch_size=8, batch_timeout_ms=20, clock=lambda: now[0])
+    first, release = occupy(batcher, fake)
+    futures = [batcher.submit(rows(float(i))) for i in range(5)]
+    now[0] += 10.0  # every queued request has waited its window out behind the held batch
+    release.set()
+    assert [future.result(WAIT_S).batch_requests for future in futures] == [5] * 5
+    assert fake.batch_rows == [1, 8]
+
+
 def test_zero_timeout_dispatches_without_waiting_for_a_full_batch(make_batcher, fake):
     batcher = make_batcher(max_batch_size=64, batch_timeout_ms=0)
     assert batcher.submit(rows(1.0)).result(WAIT_S).batch_rows == 1
