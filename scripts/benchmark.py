@@ -44,7 +44,7 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from app.settings import documented  # noqa: E402  (after the path is set; imports no TensorFlow)
+from app.settings import Settings, documented  # noqa: E402  (after the path is set; imports no TensorFlow)
 
 LOCUSTFILE = REPO / "locustfile.py"
 SERVER_COMMAND = ("gunicorn", "-c", "gunicorn.conf.py", "wsgi:app")
@@ -479,7 +479,8 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, A
               "across each load point. Locust's CPU is its own user + system time (getrusage of the "
               "finished process), with psutil sampling its busiest second.",
               f"- Other settings are the server's defaults (MAX_BATCH_SIZE {max_batch_size}, "
-              f"THREADS {2 * max_batch_size}, TF threads = cores ÷ workers).", ""]
+              f"MAX_QUEUE_ROWS {Settings().max_queue_rows}, THREADS = MAX_QUEUE_ROWS + 2 × MAX_BATCH_SIZE, "
+              "TF threads = cores ÷ workers).", ""]
     config_rows = [(f"`{name}`", CONFIGS_BY_NAME[name].workers,
                     " ".join(f"{k}={v}" for k, v in CONFIGS_BY_NAME[name].env.items()) or "(defaults)",
                     CONFIGS_BY_NAME[name].what) for name in by_config]
