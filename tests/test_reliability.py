@@ -328,9 +328,10 @@ def test_overload_keeps_accepted_latency_bounded_and_refuses_the_rest_at_once(st
                            "MAX_BATCH_SIZE": "8", "REQUEST_TIMEOUT_MS": str(OVERLOAD_TIMEOUT_MS),
                            "ACCESS_LOG": "false"})
     pids_before = worker_pids(server)
+    # A count, not a duration: a slower machine takes longer to get there, and that is fine.
     with Load(server.url, clients=96, timeout_s=(5, OVERLOAD_TIMEOUT_MS / 1000 + 10),
-              max_requests_per_client=2000, max_seconds=12) as load:
-        load.wait_for(lambda outcomes: len(outcomes) >= 6000, within_s=12)
+              max_requests_per_client=2000, max_seconds=90) as load:
+        load.wait_for(lambda outcomes: len(outcomes) >= 3000, within_s=90)
     outcomes = load.outcomes
     accepted = [outcome for outcome in outcomes if outcome.status == 200]
     refused = [outcome for outcome in outcomes if outcome.status == 503]
