@@ -152,13 +152,12 @@ class _Batch:
     def full(self) -> bool:
         return self.rows >= self.max_rows
 
-    def take(self, pending: _Pending) -> int:
+    def take(self, pending: _Pending) -> None:
         count = min(pending.remaining, self.max_rows - self.rows)
         start = pending.next_row
         pending.next_row += count
         self.slices.append(_Slice(pending, start, start + count))
         self.rows += count
-        return count
 
 
 class Batcher:

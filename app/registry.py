@@ -69,7 +69,7 @@ class ModelRegistry:
     def __init__(self, default_name: str) -> None:
         self.default_name = default_name
         self._servables: dict[str, Servable] = {}
-        self._poller: VersionPoller | None = None
+        self.poller: VersionPoller | None = None
 
     def add(self, servable: Servable) -> None:
         self._servables[servable.model.name] = servable
@@ -109,8 +109,8 @@ class ModelRegistry:
         return bool(self._servables) and all(s.batcher.alive for s in self._servables.values())
 
     def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
-        if self._poller is not None:
-            self._poller.stop()
+        if self.poller is not None:
+            self.poller.stop()
         for servable in list(self._servables.values()):
             servable.batcher.close(drain=drain, timeout_s=timeout_s)
 
@@ -168,7 +168,7 @@ def init_app(app: Flask, settings: Settings, metrics: Metrics) -> ModelRegistry:
         registry.add(load_servable(config, settings, metrics))
     versioned = [config for config in configs if config.path and models.available_versions(config.path)]
     if versioned and settings.model_poll_seconds > 0:
-        registry._poller = VersionPoller(registry, versioned, settings, metrics, settings.model_poll_seconds)
+        registry.poller = VersionPoller(registry, versioned, settings, metrics, settings.model_poll_seconds)
     app.extensions["models"] = registry
     return registry
 

@@ -17,13 +17,12 @@ from tests.conftest import integer_rows
 CLIENT_TIMEOUT_S = 60
 
 
-def _post_all(server, bodies, *, barrier: bool = True) -> list[requests.Response]:
+def _post_all(server, bodies) -> list[requests.Response]:
     """Send every body at once from its own thread (and connection)."""
-    start = threading.Barrier(len(bodies)) if barrier else None
+    start = threading.Barrier(len(bodies))
 
     def send(rows):
-        if start is not None:
-            start.wait(CLIENT_TIMEOUT_S)
+        start.wait(CLIENT_TIMEOUT_S)
         return server.predict(rows, timeout=CLIENT_TIMEOUT_S)
 
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
