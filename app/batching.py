@@ -171,6 +171,7 @@ class Batcher:
         max_batch_size: int = 32,
         batch_timeout_ms: float = 0.0,
         max_queue_rows: int = 1024,
+        max_request_rows: int | None = None,
         batching: bool = True,
         buckets: tuple[int, ...] | None = None,
         bisect_failures: bool = True,
@@ -184,6 +185,7 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.batch_timeout_s = batch_timeout_ms / 1000.0
         self.max_queue_rows = max_queue_rows
+        self.max_request_rows = min(max_request_rows or max_queue_rows, max_queue_rows)
         self.batching = batching
         self.buckets = buckets if buckets is not None else bucket_sizes(max_batch_size)
         if self.buckets[-1] < max_batch_size:
@@ -213,10 +215,10 @@ class Batcher:
         rows = row_count(inputs)
         if rows == 0:
             raise InvalidInput("the request holds no rows")
-        if rows > self.max_queue_rows:
+        if rows > self.max_request_rows:
             raise PayloadTooLarge(
-                f"the request holds {rows} rows; model '{self.name}' takes at most {self.max_queue_rows} "
-                "rows per request (MAX_QUEUE_ROWS)"
+                f"the request holds {rows} rows; model '{self.name}' takes at most {self.max_request_rows} "
+                "rows per request (MAX_REQUEST_ROWS)"
             )
         now = self._clock()
         pending = _Pending(inputs, rows, now, None if timeout_s is None else now + timeout_s)

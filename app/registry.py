@@ -57,6 +57,7 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics) -> 
         max_batch_size=config.max_batch_size,
         batch_timeout_ms=config.batch_timeout_ms,
         max_queue_rows=config.max_queue_rows,
+        max_request_rows=config.max_request_rows,
         batching=settings.batching,
         buckets=buckets,
         observer=metrics.observer(config.name),

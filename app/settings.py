@@ -79,6 +79,10 @@ def validate_optional_path(value: str) -> str | None:
     return value or None
 
 
+def validate_optional_text(value: str) -> str:
+    return value
+
+
 def validate_log_level(value: str) -> str:
     upper = value.upper()
     if upper not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -94,6 +98,7 @@ _ALLOWED = {
     validate_bool: "true or false (1/0, yes/no, on/off)",
     validate_model_name: "letters, digits, '_', '.' or '-', starting with a letter or digit, at most 64",
     validate_optional_path: "a path",
+    validate_optional_text: "text",
     validate_log_level: "DEBUG, INFO, WARNING, ERROR or CRITICAL",
 }
 
@@ -126,6 +131,9 @@ class Settings:
     request_timeout_ms: float = _env(
         "REQUEST_TIMEOUT_MS", validate_pos_float, 30000.0,
         "Deadline of a request; a request still queued at its deadline is dropped, and answered 504.")
+    max_request_rows: int = _env(
+        "MAX_REQUEST_ROWS", validate_non_neg_int, 0,
+        "Most rows one request may hold; beyond, 413. 0: 2 x MAX_BATCH_SIZE, at most MAX_QUEUE_ROWS.")
     max_request_bytes: int = _env("MAX_REQUEST_BYTES", validate_pos_int, 16 * 1024 * 1024, "Largest body; beyond, 413.")
     batching: bool = _env(
         "BATCHING", validate_bool, True, "false: every request gets its own predict call (the naive server).")
@@ -142,6 +150,11 @@ class Settings:
     log_level: str = _env("LOG_LEVEL", validate_log_level, "INFO", "Logging level.")
     log_format: str = _env("LOG_FORMAT", validate_choice("text", "json"), "text", "text or json (one object a line).")
     access_log: bool = _env("ACCESS_LOG", validate_bool, True, "One log line per request.")
+    readyz_detail: bool = _env(
+        "READYZ_DETAIL", validate_bool, False, "true: /readyz also shows model sources and the worker's pid.")
+    grpc_bind: str = _env(
+        "GRPC_BIND", validate_optional_text, "0.0.0.0:8500",
+        "Address of TensorFlow Serving's gRPC API in every worker; empty: no gRPC.")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -166,6 +179,12 @@ class ModelConfig:
     max_batch_size: int
     batch_timeout_ms: float
     max_queue_rows: int
+    max_request_rows: int = 0
+
+    def __post_init__(self) -> None:
+        # 0 derives the limit: a request may span a few batches, never more than the queue holds.
+        wanted = self.max_request_rows or 2 * self.max_batch_size
+        object.__setattr__(self, "max_request_rows", min(wanted, self.max_queue_rows))
 
 
 # The per-model keys of a MODEL_CONFIG file, with the validator of the same env setting.
@@ -173,6 +192,7 @@ _MODEL_KEYS: dict[str, Callable[[str], Any]] = {
     "max_batch_size": validate_pos_int,
     "batch_timeout_ms": validate_non_neg_float,
     "max_queue_rows": validate_pos_int,
+    "max_request_rows": validate_non_neg_int,
 }
 
 

@@ -104,3 +104,14 @@ def test_bad_model_config_names_the_file_and_the_problem(tmp_path, document, mes
         model_configs(Settings.from_env(env))
     assert str(error.value).startswith(f"MODEL_CONFIG={env['MODEL_CONFIG']!r}: ")
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, 64),                                               # 2 x MAX_BATCH_SIZE
+    ({"MAX_QUEUE_ROWS": "16"}, 16),                          # never more than the queue holds
+    ({"MAX_REQUEST_ROWS": "100"}, 100),
+    ({"MAX_REQUEST_ROWS": "100", "MAX_QUEUE_ROWS": "50"}, 50),
+])
+def test_request_row_limit_is_derived_from_the_batch_size_unless_set(env, expected):
+    (config,) = model_configs(Settings.from_env(env))
+    assert config.max_request_rows == expected
