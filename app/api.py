@@ -9,7 +9,7 @@ from flask import Blueprint, Flask, Response, current_app, g, request
 from werkzeug.routing import BaseConverter
 
 from app import codec, metadata, runtime
-from app.errors import UnsupportedMediaType
+from app.errors import BadRequest
 from app.registry import Servable, get_registry
 from app.settings import MODEL_NAME_PATTERN
 
@@ -27,18 +27,18 @@ def _json(body: bytes, status: int = 200, headers: dict[str, str] | None = None)
 
 def _predict(servable: Servable) -> Response:
     """Parse, queue, wait, answer: the request thread never touches TensorFlow."""
-    if request.mimetype != "application/json":
-        raise UnsupportedMediaType(
-            f"send the body as JSON with 'Content-Type: application/json' (got {request.mimetype or 'none'!r})"
-        )
     g.model = servable.model.name
-    inputs, fmt = codec.decode_request(request.get_data(cache=False), servable.model)
+    # Like TensorFlow Serving, the body is JSON whatever its Content-Type says.
+    parsed = codec.parse_request(request.get_data(cache=False), max_rows=servable.batcher.max_request_rows)
+    if parsed.signature_name != codec.DEFAULT_SIGNATURE:
+        raise BadRequest(f"unknown signature_name {parsed.signature_name!r}; this model serves 'serving_default'")
+    inputs = codec.decode_inputs(parsed, servable.model)
     g.rows = next(iter(inputs.values())).shape[0]
     settings = current_app.extensions["settings"]
     servable, result = get_registry(current_app).predict(servable, inputs,
                                                          timeout_s=settings.request_timeout_ms / 1000.0)
     g.batch_rows, g.batch_requests = result.batch_rows, result.batch_requests
-    body = codec.encode_response(result.outputs, servable.model, fmt)
+    body = codec.encode_response(result.outputs, servable.model, parsed.format)
     return _json(body, headers={
         "X-Batch-Size": str(result.batch_rows),
         "X-Batch-Requests": str(result.batch_requests),

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
 
-from app.errors import BadRequest, InvalidInput
+from app.errors import BadRequest, InvalidInput, PayloadTooLarge
 from app.models import STRING, LoadedModel, TensorInfo
 
 ROW = "row"
 COLUMNAR = "columnar"
+DEFAULT_SIGNATURE = "serving_default"
 
 
 def parse_json(body: bytes) -> Any:
@@ -35,11 +37,28 @@ def parse_json(body: bytes) -> Any:
         raise BadRequest(f"malformed JSON: {exc}") from None
 
 
-def decode_request(body: bytes, model: LoadedModel) -> tuple[dict[str, np.ndarray], str]:
-    """Parse a predict body into one array per model input, and say which format it used."""
-    payload = parse_json(body)
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+    """A predict body read as JSON and checked for its form, before any array is built."""
+
+    payload: Any  # the value of 'instances' (ROW) or 'inputs' (COLUMNAR)
+    format: str
+    signature_name: str
+    rows: int
     # numpy reads [true, 2] as [1, 2]: look for booleans only when the body could hold one.
-    booleans = b"true" in body or b"false" in body
+    booleans: bool = True
+
+
+class TensorSpecs(Protocol):
+    """What the codec needs of a model or one of its signatures."""
+
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+
+
+def parse_request(body: bytes, *, max_rows: int | None = None) -> ParsedRequest:
+    """Read a predict body (JSON whatever its Content-Type) and refuse, before decoding, more rows than max_rows."""
+    payload = parse_json(body)
     if not isinstance(payload, dict):
         raise BadRequest(f"the request body must be a JSON object, not {_json_type(payload)}")
     has_rows, has_columns = "instances" in payload, "inputs" in payload
@@ -47,15 +66,45 @@ def decode_request(body: bytes, model: LoadedModel) -> tuple[dict[str, np.ndarra
         raise BadRequest("give either 'instances' (row format) or 'inputs' (columnar format), not both")
     if not has_rows and not has_columns:
         raise BadRequest("the request body needs 'instances' (row format) or 'inputs' (columnar format)")
-    signature_name = payload.get("signature_name", "serving_default")
-    if signature_name != "serving_default":
-        raise BadRequest(f"unknown signature_name {signature_name!r}; this model serves 'serving_default'")
-    if has_rows:
-        return _decode_rows(payload["instances"], model, booleans), ROW
-    return _decode_columns(payload["inputs"], model, booleans), COLUMNAR
+    signature_name = payload.get("signature_name", "")
+    if not isinstance(signature_name, str):
+        raise BadRequest(f"'signature_name' must be a string, not {_json_type(signature_name)}")
+    signature_name = signature_name or DEFAULT_SIGNATURE
+    value = payload["instances"] if has_rows else payload["inputs"]
+    rows = _count_rows(value)
+    if max_rows is not None and rows > max_rows:
+        raise PayloadTooLarge(
+            f"the request holds {rows} rows; this model takes at most {max_rows} rows per request (MAX_REQUEST_ROWS)"
+        )
+    return ParsedRequest(value, ROW if has_rows else COLUMNAR, signature_name, rows,
+                         booleans=b"true" in body or b"false" in body)
 
 
-def _decode_rows(instances: Any, model: LoadedModel, booleans: bool) -> dict[str, np.ndarray]:
+def _count_rows(value: Any) -> int:
+    """The batch size the body claims: the length of the list, or of the longest named batch."""
+    if isinstance(value, list):
+        return len(value)
+    if isinstance(value, dict) and not _is_b64(value):
+        return max((len(item) for item in value.values() if isinstance(item, list)), default=0)
+    return 0
+
+
+def decode_inputs(parsed: ParsedRequest, spec: TensorSpecs) -> dict[str, np.ndarray]:
+    """One array per input of `spec`; which signature `spec` is, is the caller's business."""
+    if parsed.format == ROW:
+        return _decode_rows(parsed.payload, spec, parsed.booleans)
+    return _decode_columns(parsed.payload, spec, parsed.booleans)
+
+
+def decode_request(body: bytes, model: LoadedModel) -> tuple[dict[str, np.ndarray], str]:
+    """Parse a predict body into one array per model input, and say which format it used."""
+    parsed = parse_request(body)
+    if parsed.signature_name != DEFAULT_SIGNATURE:
+        raise BadRequest(f"unknown signature_name {parsed.signature_name!r}; this model serves 'serving_default'")
+    return decode_inputs(parsed, model), parsed.format
+
+
+def _decode_rows(instances: Any, model: TensorSpecs, booleans: bool) -> dict[str, np.ndarray]:
     if not isinstance(instances, list):
         raise BadRequest(f"'instances' must be a list of rows, not {_json_type(instances)}")
     if not instances:
@@ -76,7 +125,7 @@ def _decode_rows(instances: Any, model: LoadedModel, booleans: bool) -> dict[str
     return {spec.name: _to_array(columns[spec.name], spec, f"instances[*].{spec.name}", booleans) for spec in model.inputs}
 
 
-def _decode_columns(inputs: Any, model: LoadedModel, booleans: bool) -> dict[str, np.ndarray]:
+def _decode_columns(inputs: Any, model: TensorSpecs, booleans: bool) -> dict[str, np.ndarray]:
     if isinstance(inputs, dict) and not _is_b64(inputs):
         _check_names(inputs.keys(), model, "inputs")
         return {spec.name: _to_array(inputs[spec.name], spec, f"inputs.{spec.name}", booleans) for spec in model.inputs}
@@ -90,7 +139,7 @@ def _decode_columns(inputs: Any, model: LoadedModel, booleans: bool) -> dict[str
     return {model.inputs[0].name: _to_array(inputs, model.inputs[0], "inputs", booleans)}
 
 
-def _check_names(names: Any, model: LoadedModel, where: str) -> None:
+def _check_names(names: Any, model: TensorSpecs, where: str) -> None:
     expected = {spec.name for spec in model.inputs}
     given = set(names)
     if given != expected:
@@ -201,7 +250,7 @@ def _to_string_array(rows: list[Any], spec: TensorInfo, where: str) -> np.ndarra
     return array
 
 
-def encode_response(outputs: dict[str, np.ndarray], model: LoadedModel, fmt: str) -> bytes:
+def encode_response(outputs: dict[str, np.ndarray], model: TensorSpecs, fmt: str) -> bytes:
     names = [spec.name for spec in model.outputs if spec.name in outputs] or list(outputs)
     if fmt == ROW:
         if len(names) == 1:

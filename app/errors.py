@@ -6,7 +6,6 @@
     ├── NotFound (404)
     ├── MethodNotAllowed (405)
     ├── PayloadTooLarge (413)
-    ├── UnsupportedMediaType (415)
     ├── PredictFailed (500)             the model raised; carries the cause's class and message
     ├── Unavailable (503)               carries Retry-After
     │   ├── QueueFull (503)
@@ -66,11 +65,6 @@ class MethodNotAllowed(ServingError):
 class PayloadTooLarge(ServingError):
     status_code = 413
     reason = "payload_too_large"
-
-
-class UnsupportedMediaType(ServingError):
-    status_code = 415
-    reason = "unsupported_media_type"
 
 
 class PredictFailed(ServingError):

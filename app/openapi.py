@@ -23,7 +23,6 @@ _ERRORS = {
     404: "Unknown route, model or version.",
     405: "Wrong method for this path; 'Allow' lists the right ones.",
     413: "Body over MAX_REQUEST_BYTES, or more rows in one request than MAX_QUEUE_ROWS.",
-    415: "Body not sent as 'Content-Type: application/json'.",
     500: "The model raised; the message names the exception's class.",
     503: "Overloaded (queue full), shutting down, or the batch thread died; retry after 'Retry-After' seconds.",
     504: "The deadline (REQUEST_TIMEOUT_MS) passed before the result.",
@@ -43,7 +42,7 @@ _VERSION = {
     "schema": {"type": "integer", "minimum": 0},
 }
 
-_PREDICT_ERRORS = (400, 404, 405, 413, 415, 500, 503, 504)
+_PREDICT_ERRORS = (400, 404, 405, 413, 500, 503, 504)
 _GET_ERRORS = (404, 405)
 
 
