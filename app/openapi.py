@@ -19,7 +19,8 @@ OPENAPI_VERSION = "3.0.3"
 
 _ERRORS = {
     400: "Malformed JSON, missing 'instances'/'inputs' or both given, wrong row shape, ragged rows, "
-         "non-numeric or boolean values, values out of range for the input's dtype, unknown input names.",
+         "non-numeric or boolean values, values out of range for the input's dtype, unknown input names; "
+         "a path under /v1/ that is not one of TensorFlow Serving's URLs ('Malformed request: ...').",
     404: "Unknown route, model or version.",
     405: "Wrong method for this path; 'Allow' lists the right ones.",
     413: "Body over MAX_REQUEST_BYTES, or more rows in one request than MAX_QUEUE_ROWS.",
@@ -43,7 +44,7 @@ _VERSION = {
 }
 
 _PREDICT_ERRORS = (400, 404, 405, 413, 500, 503, 504)
-_GET_ERRORS = (404, 405)
+_GET_ERRORS = (400, 404, 405)
 
 
 def _error(status: int) -> dict[str, Any]:
@@ -67,6 +68,8 @@ def _operation(summary: str, ok: dict[str, Any], errors: tuple[int, ...], *,
     if body:
         operation["requestBody"] = {
             "required": True,
+            "description": "Read as JSON whatever the Content-Type says, as TensorFlow Serving reads it; "
+                           "floats may be NaN, Infinity or -Infinity.",
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/PredictRequest"}}},
         }
     return operation
@@ -108,7 +111,8 @@ _SCHEMAS: dict[str, Any] = {
         "type": "object",
         "description": "TensorFlow Serving's predict body: 'instances' (rows) or 'inputs' (columns), not both.",
         "properties": {
-            "signature_name": {"type": "string", "enum": ["serving_default"]},
+            "signature_name": {"type": "string",
+                               "description": "A signature of the model; '' or absent: 'serving_default'."},
             "instances": {
                 "type": "array", "minItems": 1,
                 "description": "A list of rows; for several inputs each row is an object keyed by input name.",
