@@ -38,7 +38,7 @@ def _predict(servable: Servable) -> Response:
     servable, result = get_registry(current_app).predict(servable, inputs,
                                                          timeout_s=settings.request_timeout_ms / 1000.0)
     g.batch_rows, g.batch_requests = result.batch_rows, result.batch_requests
-    body = codec.encode_response(result.outputs, servable.model, parsed.format)
+    body = codec.encode_response(result.outputs, servable.model, parsed)
     return _json(body, headers={
         "X-Batch-Size": str(result.batch_rows),
         "X-Batch-Requests": str(result.batch_requests),
