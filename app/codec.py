@@ -202,7 +202,9 @@ def _check_names(names: Any, inputs: list[TensorInfo], where: str) -> None:
         if missing:
             parts.append(f"missing input(s) {missing}")
         if unknown:
-            parts.append(f"unknown input(s) {unknown}")
+            # A name per key could make the message as large as the body: name the first few.
+            shown = ", ".join(repr(name[:40]) for name in unknown[:5])
+            parts.append(f"unknown input(s) [{shown}{', ...' if len(unknown) > 5 else ''}]")
         raise BadRequest(f"{where}: {' and '.join(parts)}; the model's inputs are {sorted(expected)}")
 
 

@@ -235,3 +235,11 @@ def test_lone_surrogate_string_is_a_400():
     spec = Spec([tensor("tag", (), STRING)])
     with pytest.raises(InvalidInput, match="not valid Unicode"):
         decode(b'{"instances": ["\\ud800", NaN]}', spec)
+
+
+def test_unknown_input_names_are_named_a_few_at_a_time():
+    body = json.dumps({"inputs": {f"k{i}": [1] for i in range(100_000)}}).encode()
+    with pytest.raises(BadRequest) as raised:
+        decode(body)
+    assert raised.value.message == ("inputs: missing input(s) ['features'] and unknown input(s) "
+                                    "['k0', 'k1', 'k10', 'k100', 'k1000', ...]; the model's inputs are ['features']")
