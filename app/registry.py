@@ -55,7 +55,7 @@ class Servable:
     def __post_init__(self) -> None:
         self._users = threading.Condition()
         self._inside = 0
-        self.retired = False
+        self.retiring = threading.Event()  # set once no new request may enter
 
     @property
     def batcher(self) -> Batcher:
@@ -90,7 +90,7 @@ class Servable:
 
     def enter(self) -> bool:
         with self._users:
-            if self.retired:
+            if self.retiring.is_set():
                 return False
             self._inside += 1
             return True
@@ -103,7 +103,7 @@ class Servable:
 
     def retire(self) -> None:
         with self._users:
-            self.retired = True
+            self.retiring.set()
             self._users.wait_for(lambda: self._inside == 0)
         self.close(drain=True)
 
