@@ -132,31 +132,32 @@ def test_requests_held_queued_on_the_old_version_through_a_swap():
         return registry.predict(servable, {"x": np.array([x], np.float32)}, timeout_s=TIMEOUT_S, pinned=pinned)
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        running_now = pool.submit(call, registry.get("m"), 10.0)
-        assert running1.wait(TIMEOUT_S)  # v1's batch thread is inside predict with x=10
-        queued_unpinned = pool.submit(call, registry.get("m"), 20.0)
-        queued_pinned = pool.submit(call, registry.get("m", 1), 30.0, pinned=True)
-        with observer1.changed:  # both are queued behind it (max_batch_size 1)
-            assert observer1.changed.wait_for(lambda: observer1.depths[-1:] == [2], TIMEOUT_S)
-        late_unpinned, late_pinned = registry.get("m"), registry.get("m", 1)  # chose v1; not yet sent
+        try:
+            running_now = pool.submit(call, registry.get("m"), 10.0)
+            assert running1.wait(TIMEOUT_S)  # v1's batch thread is inside predict with x=10
+            queued_unpinned = pool.submit(call, registry.get("m"), 20.0)
+            queued_pinned = pool.submit(call, registry.get("m", 1), 30.0, pinned=True)
+            with observer1.changed:  # both are queued behind it (max_batch_size 1)
+                assert observer1.changed.wait_for(lambda: observer1.depths[-1:] == [2], TIMEOUT_S)
+            late_unpinned, late_pinned = registry.get("m"), registry.get("m", 1)  # chose v1; not yet sent
 
-        registry.add(v2)
-        retiring = pool.submit(registry.retire, "m", 1)
-        assert v1.retiring.wait(TIMEOUT_S)
-        assert not retiring.done()  # it waits for the three requests inside v1
-        assert registry.model_status("m") == [
-            {"version": "2", "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": ""}},
-            {"version": "1", "state": "UNLOADING", "status": {"error_code": "OK", "error_message": ""}}]
+            registry.add(v2)
+            retiring = pool.submit(registry.retire, "m", 1)
+            assert v1.retiring.wait(TIMEOUT_S)
+            assert not retiring.done()  # it waits for the three requests inside v1
+            assert registry.model_status("m") == [
+                {"version": "2", "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": ""}},
+                {"version": "1", "state": "UNLOADING", "status": {"error_code": "OK", "error_message": ""}}]
 
-        served_by, result = call(late_unpinned, 40.0)
-        assert (served_by is v2, result.outputs["y"].tolist()) == (True, [80.0])
-        with pytest.raises(NotFound, match=r"^Servable not found for request: Specific\(m, 1\)"):
-            call(late_pinned, 50.0, pinned=True)
-        with pytest.raises(NotFound, match=r"^Servable not found for request: Specific\(m, 1\)"):
-            registry.get("m", 1)
-        assert registry.get("m") is v2
-
-        gate1.set()
+            served_by, result = call(late_unpinned, 40.0)
+            assert (served_by is v2, result.outputs["y"].tolist()) == (True, [80.0])
+            with pytest.raises(NotFound, match=r"^Servable not found for request: Specific\(m, 1\)"):
+                call(late_pinned, 50.0, pinned=True)
+            with pytest.raises(NotFound, match=r"^Servable not found for request: Specific\(m, 1\)"):
+                registry.get("m", 1)
+            assert registry.get("m") is v2
+        finally:
+            gate1.set()  # also when an assertion above failed: no thread is left waiting
         answers = [future.result(TIMEOUT_S) for future in (running_now, queued_unpinned, queued_pinned)]
         retiring.result(TIMEOUT_S)
     assert [(served is v1, result.outputs["y"].tolist()) for served, result in answers] == [
@@ -166,6 +167,29 @@ def test_requests_held_queued_on_the_old_version_through_a_swap():
     assert registry.model_status("m", 1) == [
         {"version": "1", "state": "END", "status": {"error_code": "OK", "error_message": ""}}]
     registry.close()
+
+
+def test_retirement_waits_for_a_request_between_its_check_and_its_batcher():
+    """A request that passed the retirement check but has not reached the batcher yet is
+    still answered by the old version: retirement closes the batcher only after it."""
+    gate, running = threading.Event(), threading.Event()
+    gate.set()
+    v1, observer = gated_servable(1, gate, running)
+    registry = ModelRegistry("m")
+    registry.add(v1)
+    assert v1.enter()  # as registry.predict does, just before it submits
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        retiring = pool.submit(registry.retire, "m", 1)
+        assert v1.retiring.wait(TIMEOUT_S)
+        assert not v1.enter()  # no one else gets in
+        try:
+            result = v1.batcher.predict({"x": np.array([5.0], np.float32)}, timeout_s=TIMEOUT_S)
+        finally:
+            v1.leave()
+        retiring.result(TIMEOUT_S)
+    assert result.outputs["y"].tolist() == [5.0]
+    assert observer.rejections == []
+    assert not v1.batcher.alive
 
 
 # -- live: two versions with labels, and a rolling base folder -----------------------------------
@@ -311,13 +335,15 @@ def test_new_version_is_loaded_and_the_dropped_one_drained_under_load(server, mo
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         clients = [pool.submit(load) for _ in range(2)]
-        save_half_plus(model_root / "rolling" / "3", 3.0)
-        deadline = time.monotonic() + 120
-        while get(server, "/v1/models/rolling").json()["model_version_status"] != [
-                status(3), status(2), status(1, "END")]:
-            assert time.monotonic() < deadline, get(server, "/v1/models/rolling").text
-            time.sleep(0.05)  # the server offers no event to wait on; its status is polled
-        stop.set()
+        try:
+            save_half_plus(model_root / "rolling" / "3", 3.0)
+            deadline = time.monotonic() + 120
+            while get(server, "/v1/models/rolling").json()["model_version_status"] != [
+                    status(3), status(2), status(1, "END")]:
+                assert time.monotonic() < deadline, get(server, "/v1/models/rolling").text
+                time.sleep(0.05)  # the server offers no event to wait on; its status is polled
+        finally:
+            stop.set()
         for client in clients:
             client.result(TIMEOUT_S)
     assert answers and [answer.status_code for _, answer in answers] == [200] * len(answers)
