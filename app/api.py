@@ -43,7 +43,8 @@ def _predict(servable: Servable, *, pinned: bool = False) -> Response:
 
 def _classify_or_regress(servable: Servable, method: str, *, pinned: bool = False) -> Response:
     g.model = servable.model.name
-    signature_name, examples = classify.parse(request.get_data(cache=False), method)
+    signature_name, examples = classify.parse(request.get_data(cache=False), method,
+                                              max_rows=servable.batcher.max_request_rows)
     if not signature_name and models.DEFAULT_SIGNATURE not in servable.model.signatures:
         signature_name = servable.model.default_signature
     if signature_name and signature_name not in servable.model.signatures:
@@ -90,12 +91,20 @@ def predict_label(name: str, label: str) -> Response:
     return _predict(get_registry(current_app).get(name, label=label), pinned=True)
 
 
-@bp.post("/v1/models/<model_name:name>:<any(classify, regress):method>")
-@bp.post("/v1/models/<model_name:name>/versions/<int:version>:<any(classify, regress):method>")
-@bp.post("/v1/models/<model_name:name>/labels/<model_name:label>:<any(classify, regress):method>")
-def classify_or_regress(name: str, method: str, version: int | None = None, label: str | None = None) -> Response:
-    servable = get_registry(current_app).get(name, version, label=label)
-    return _classify_or_regress(servable, method, pinned=version is not None or label is not None)
+def _tf_example_route(method: str):
+    """:classify or :regress, by model, version or label."""
+    def route(name: str, version: int | None = None, label: str | None = None) -> Response:
+        servable = get_registry(current_app).get(name, version, label=label)
+        return _classify_or_regress(servable, method, pinned=version is not None or label is not None)
+
+    route.__name__ = method
+    for prefix in ("/v1/models/<model_name:name>", "/v1/models/<model_name:name>/versions/<int:version>",
+                   "/v1/models/<model_name:name>/labels/<model_name:label>"):
+        bp.post(f"{prefix}:{method}")(route)
+
+
+_tf_example_route(classify.CLASSIFY)
+_tf_example_route(classify.REGRESS)
 
 
 @bp.get("/v1/models/<model_name:name>")

@@ -21,15 +21,16 @@ import numpy as np
 import orjson
 
 from app import codec
-from app.errors import BadRequest, InvalidInput
+from app.errors import BadRequest, InvalidInput, PayloadTooLarge
 from app.models import CLASSIFY_METHOD, REGRESS_METHOD, STRING, Signature
 
 CLASSIFY, REGRESS = "classify", "regress"
 _METHODS = {CLASSIFY: (CLASSIFY_METHOD, "classification"), REGRESS: (REGRESS_METHOD, "regression")}
 
 
-def parse(body: bytes, method: str) -> tuple[str, np.ndarray]:
-    """The signature name asked for ('' if none) and one serialized tf.Example per example."""
+def parse(body: bytes, method: str, *, max_rows: int | None = None) -> tuple[str, np.ndarray]:
+    """The signature name asked for ('' if none) and one serialized tf.Example per example;
+    more examples than max_rows are refused before any is built."""
     from tensorflow.core.example import example_pb2
 
     document = codec.parse_json(body)
@@ -46,6 +47,9 @@ def parse(body: bytes, method: str) -> tuple[str, np.ndarray]:
         raise BadRequest("Expecting 'examples' value to be an list/array")
     if not examples:
         raise BadRequest("'examples' value is an empty array")
+    if max_rows is not None and len(examples) > max_rows:
+        raise PayloadTooLarge(f"the request holds {len(examples)} examples; this model takes at most {max_rows} "
+                              "rows per request (MAX_REQUEST_ROWS)")
     serialized = np.empty(len(examples), dtype=object)
     for index, value in enumerate(examples):
         example = example_pb2.Example()
