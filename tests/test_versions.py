@@ -192,6 +192,54 @@ def test_retirement_waits_for_a_request_between_its_check_and_its_batcher():
     assert not v1.batcher.alive
 
 
+def test_poller_loads_a_new_version_before_serving_it_and_keeps_serving_through_a_failed_load(
+        tmp_path, monkeypatch):
+    """The version states of GetModelStatus (core/servable_state.h ManagerState): a wanted
+    version is LOADING while it loads, beside the one served; then AVAILABLE, and the one
+    dropped ends (END). A version that fails to load ends with its error while the served one
+    stays (TF Serving's availability-preserving policy), and is not retried."""
+    import prometheus_client
+
+    from app import registry as registry_module
+    from app.metrics import Metrics
+
+    gate, running = threading.Event(), threading.Event()
+    gate.set()
+    seen_while_loading = {}
+
+    def fake_load(config, settings, metrics, version=None):
+        seen_while_loading[version] = registry.model_status("m")
+        if version == 3:
+            raise models.ModelLoadError("broken")
+        return gated_servable(version, gate, running)[0]
+
+    monkeypatch.setattr(registry_module, "load_servable", fake_load)
+    for version in (1, 2):
+        (tmp_path / str(version)).mkdir()
+    config = ModelConfig("m", str(tmp_path), 1, 0.0, 16)
+    registry = ModelRegistry("m")
+    registry.add(gated_servable(1, gate, running)[0])
+    poller = registry_module.VersionPoller(registry, [config], Settings(), Metrics(prometheus_client.CollectorRegistry()),
+                                           interval_s=3600)
+    try:
+        poller.check(config)
+        assert seen_while_loading[2] == [status(2, "LOADING"), status(1)]
+        assert registry.model_status("m") == [status(2), status(1, "END")]
+        assert registry.get("m").model.version == 2
+
+        (tmp_path / "3").mkdir()
+        poller.check(config)
+        poller.check(config)  # a failed version is not loaded again
+        assert list(seen_while_loading) == [2, 3]
+        failed = {"version": "3", "state": "END",
+                  "status": {"error_code": "UNKNOWN", "error_message": "ModelLoadError: broken"}}
+        assert registry.model_status("m") == [failed, status(2), status(1, "END")]
+        assert registry.get("m").model.version == 2
+    finally:
+        poller.stop()
+        registry.close()
+
+
 # -- live: two versions with labels, and a rolling base folder -----------------------------------
 
 def save_half_plus(path, c: float) -> None:
