@@ -177,11 +177,13 @@ class _Decoder:
         if not isinstance(value, list) or not value:
             raise InvalidInput(f"{where} must be a non-empty list of rows for input '{spec.name}'")
         # The first row's shape, read along first elements, before numpy reads every row.
-        _check_shape([len(value), *_leading_shape(value[0], len(spec.shape) + 1)], spec, where)
+        first = _leading_shape(value[0], len(spec.shape) + 1)
+        _check_shape([len(value), *first], spec, where)
         if spec.dtype == STRING:
             array = _to_string_array(value, spec, where)
         else:
-            array = _to_number_array(value, spec, where, self.booleans)
+            values = len(value) * math.prod(first)  # type: ignore[arg-type]  # no '...': checked above
+            array = _to_number_array(value, spec, where, self.booleans, values)
         if _check_shape(array.shape, spec, where):
             # TF Serving never holds a batch to the signature's shape (util/json_tensor.cc):
             # its graph gets [N] for an input declared [-1, 1], and outputs come back as [N].
@@ -202,7 +204,9 @@ def _check_names(names: Any, inputs: list[TensorInfo], where: str) -> None:
         if missing:
             parts.append(f"missing input(s) {missing}")
         if unknown:
-            parts.append(f"unknown input(s) {unknown}")
+            # A name per key could make the message as large as the body: name the first few.
+            shown = ", ".join(repr(name[:40]) for name in unknown[:5])
+            parts.append(f"unknown input(s) [{shown}{', ...' if len(unknown) > 5 else ''}]")
         raise BadRequest(f"{where}: {' and '.join(parts)}; the model's inputs are {sorted(expected)}")
 
 
@@ -233,13 +237,24 @@ def _check_shape(shape: Sequence[int | str], spec: TensorInfo, where: str) -> bo
     )
 
 
-def _to_number_array(value: list[Any], spec: TensorInfo, where: str, booleans: bool) -> np.ndarray:
+def _to_number_array(value: list[Any], spec: TensorInfo, where: str, booleans: bool, values: int) -> np.ndarray:
+    text = None
+    if values > MAX_SCAN:
+        # One string among millions of numbers makes numpy write every number as text
+        # first (seconds of CPU): orjson writes the rows back at C speed, and a '"' there
+        # is a string or an object among them.
+        try:
+            text = orjson.dumps(value)
+        except orjson.JSONEncodeError:  # nested past orjson's limit, or an integer past 64 bits
+            raise InvalidInput(_describe_bad_rows(value, spec, where)) from None
+        if b'"' in text:
+            raise InvalidInput(_describe_bad_rows(value, spec, where))
     try:
         raw = np.asarray(value)
     except (ValueError, TypeError, OverflowError):
         raise InvalidInput(_describe_bad_rows(value, spec, where)) from None
     kind = raw.dtype.kind
-    if booleans and kind in "iuf" and _holds_boolean(value):
+    if booleans and kind in "iuf" and _holds_boolean(value, text):
         kind = "b"
     if kind == "b" and spec.dtype.kind != "b":
         raise InvalidInput(f"{where}: true/false where input '{spec.name}' takes numbers ({spec.tf_dtype})")
@@ -261,10 +276,10 @@ def _to_number_array(value: list[Any], spec: TensorInfo, where: str, booleans: b
     return array
 
 
-def _holds_boolean(value: list[Any]) -> bool:
+def _holds_boolean(value: list[Any], text: bytes | None) -> bool:
     # numpy read it as numbers, so it holds only numbers, booleans and lists: orjson writes
     # it back at C speed, and a boolean is the only way 'true' or 'false' can appear.
-    text = orjson.dumps(value)
+    text = text if text is not None else orjson.dumps(value)
     return b"true" in text or b"false" in text
 
 

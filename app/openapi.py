@@ -21,10 +21,11 @@ _ERRORS = {
     400: "Malformed JSON, missing 'instances'/'inputs' or both given, wrong row shape, ragged rows, "
          "non-numeric or boolean values, values out of range for the input's dtype, unknown input names; "
          "a path under /v1/ that is not one of TensorFlow Serving's URLs ('Malformed request: ...'); "
-         "an unknown version label or signature_name; classify/regress with a signature of another method.",
+         "model outputs that are not one row per input row; an unknown version label or signature_name; "
+         "classify/regress with a signature of another method.",
     404: "Unknown route, model or version.",
     405: "Wrong method for this path; 'Allow' lists the right ones.",
-    413: "Body over MAX_REQUEST_BYTES, or more rows in one request than MAX_QUEUE_ROWS.",
+    413: "Body over MAX_REQUEST_BYTES, or more rows in one request than MAX_REQUEST_ROWS.",
     500: "The model raised; the message names the exception's class.",
     503: "Overloaded (queue full), shutting down, or the batch thread died; retry after 'Retry-After' seconds.",
     504: "The deadline (REQUEST_TIMEOUT_MS) passed before the result.",

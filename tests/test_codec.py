@@ -235,3 +235,27 @@ def test_lone_surrogate_string_is_a_400():
     spec = Spec([tensor("tag", (), STRING)])
     with pytest.raises(InvalidInput, match="not valid Unicode"):
         decode(b'{"instances": ["\\ud800", NaN]}', spec)
+
+
+def test_unknown_input_names_are_named_a_few_at_a_time():
+    body = json.dumps({"inputs": {f"k{i}": [1] for i in range(100_000)}}).encode()
+    with pytest.raises(BadRequest) as raised:
+        decode(body)
+    assert raised.value.message == ("inputs: missing input(s) ['features'] and unknown input(s) "
+                                    "['k0', 'k1', 'k10', 'k100', 'k1000', ...]; the model's inputs are ['features']")
+
+
+def test_a_string_among_many_numbers_is_refused_before_numpy_reads_them(monkeypatch):
+    """numpy would first write every number as text (seconds for a 16 MiB body)."""
+
+    class NumpyReadingNoRows:
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def asarray(self, *args, **kwargs):
+            raise AssertionError("numpy read rows that hold a string")
+
+    monkeypatch.setattr(codec, "np", NumpyReadingNoRows())
+    rows = [[1.0, 2.0, 3.0, 4.0]] * (codec.MAX_SCAN // 4) + [[1.0, 2.0, 3.0, "x"]]
+    with pytest.raises(InvalidInput, match="cannot read the rows of input 'features' as DT_FLOAT"):
+        decode({"instances": rows})
