@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 
+from app import logs
 from app.settings import Settings, model_configs, parse, validate_pos_int
 
 # Validated here, in the master, so a bad value stops start-up once with a clear message.
@@ -39,6 +40,9 @@ preload_app = False
 # would fight over it, and nothing here uses it.
 control_socket_disable = True
 loglevel = _settings.log_level.lower()
+# One handler, set up here in the master before any worker forks: Gunicorn's error and access
+# lines, the app's and TensorFlow's Python loggers all come out in LOG_FORMAT (app/logs.py).
+logconfig_dict = logs.gunicorn_logconfig(_settings.log_level, _settings.log_format)
 
 
 # prometheus_client's multiprocess mode: each worker writes its values to files in this
