@@ -17,7 +17,8 @@ _settings = Settings.from_env()
 
 
 def _env(name, default, validator=validate_pos_int):
-    return parse(name, os.environ[name], validator) if name in os.environ else default
+    # Empty is unset: docker-compose.yml passes every knob, THREADS="" when it is left to derive.
+    return parse(name, os.environ[name], validator) if os.environ.get(name, "").strip() else default
 
 
 bind = os.environ.get("BIND", "0.0.0.0:8000")
