@@ -99,13 +99,17 @@ def import_tensorflow(settings: Settings) -> Any:
         return tensorflow
     # Read by TensorFlow's own C++ logging when it loads; an explicit value is kept.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with _native_stderr_logged():
+    with native_stderr_logged():
         import tensorflow
     return tensorflow
 
 
 @contextlib.contextmanager
-def _native_stderr_logged() -> Iterator[None]:
+def native_stderr_logged() -> Iterator[None]:
+    """Descriptor 2 goes to a temporary file meanwhile; what lands there is logged after.
+
+    For imports of native libraries that print before any logging of theirs can be set up.
+    """
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as captured:
