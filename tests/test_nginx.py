@@ -13,6 +13,7 @@ nginx's own refusals (413, 502, 504) answer in the server's JSON error shape.
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 import requests
 
-from scripts.slow_clients import Nginx, SlowClients, normal_clients, raise_fd_limit, render_nginx_conf
+from scripts.slow_clients import Nginx, SlowClients, free_port, normal_clients, raise_fd_limit, render_nginx_conf
 from tests.conftest import REPO, Server, integer_rows
 
 SLOW_CONNECTIONS = 1000
@@ -75,7 +76,7 @@ def test_predictions_pass_through_with_the_request_id(nginx, exact_model):
     assert answer.headers["X-Request-ID"] == "trace-42"
     # Without one, nginx's own id reaches the app, which echoes it.
     generated = requests.get(nginx.url + "/healthz", timeout=30).headers["X-Request-ID"]
-    assert len(generated) == 32 and int(generated, 16) >= 0
+    assert re.fullmatch(r"[0-9a-f]{32}", generated)
 
 
 def test_the_servers_own_errors_pass_through_unchanged(nginx):
@@ -89,14 +90,15 @@ def test_over_limit_body_is_refused_by_nginx_as_json(nginx):
     with socket.create_connection(("127.0.0.1", nginx.port), timeout=30) as sock:
         sock.sendall(b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"X-Request-ID: big-1\r\nContent-Length: 16777217\r\n\r\n")
-        head, _, body = read_response(sock)
+        head, body = read_response(sock)
     assert head.startswith(b"HTTP/1.1 413 ")
     assert b"X-Request-ID: big-1" in head
     assert body == b'{"error": "the request body is larger than 16777216 bytes (MAX_REQUEST_BYTES)"}\n'
 
 
 def test_upstream_down_is_a_json_502(tmp_path):
-    front = Nginx(tmp_path, upstream_port=free_unused_port()).start()
+    # A free port nobody listens on.
+    front = Nginx(tmp_path, upstream_port=free_port()).start()
     try:
         answer = requests.post(front.url + "/predict", json={"instances": [[1, 2, 3, 4]]}, timeout=30)
     finally:
@@ -134,21 +136,16 @@ def test_slow_clients_leave_normal_clients_served(nginx, exact_model):
     assert stats.opened >= SLOW_CONNECTIONS and held_at_end >= SLOW_CONNECTIONS * 0.95, stats
     statuses = [outcome.status for outcome in outcomes]
     assert len(outcomes) >= NORMAL_CLIENTS and set(statuses) == {200}, sorted(set(statuses))
+    expected = dict(zip(map(tuple, rows), exact_model(np.asarray(rows, dtype="float32")).numpy().tolist()))
     for outcome in outcomes:
-        expected = exact_model(np.asarray([outcome.row], dtype="float32")).numpy().tolist()
-        assert outcome.predictions == expected
+        assert outcome.predictions == [expected[tuple(outcome.row)]]
 
 
 # ---------------------------------------------------------------------------- helpers
 
 
-def free_unused_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def read_response(sock: socket.socket) -> tuple[bytes, bytes, bytes]:
+def read_response(sock: socket.socket) -> tuple[bytes, bytes]:
+    """(head, body) of one HTTP/1.1 response with a Content-Length."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
@@ -160,4 +157,4 @@ def read_response(sock: socket.socket) -> tuple[bytes, bytes, bytes]:
         chunk = sock.recv(65536)
         assert chunk
         body += chunk
-    return head, b"", body
+    return head, body
