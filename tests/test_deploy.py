@@ -741,7 +741,8 @@ def test_rejection_series_exist_at_zero_for_every_reason_the_engine_uses():
 
     from app.metrics import Metrics
 
-    reasons = set(re.findall(r'rejected\("(\w+)"\)', (REPO / "app" / "batching.py").read_text()))
+    # observer.rejected("queue_full"), or through a helper: _notify("rejected", "queue_full").
+    reasons = set(re.findall(r'rejected(?:\(|",\s*)"(\w+)"', (REPO / "app" / "batching.py").read_text()))
     assert reasons
     registry = CollectorRegistry()
     Metrics(registry).observer("m")
