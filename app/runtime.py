@@ -6,10 +6,10 @@ that N workers share the cores instead of each starting pools as wide as the mac
 
 TensorFlow's C++ libraries write start-up lines (oneDNN, CPU features, absl's "before
 InitializeLog" banner) straight to file descriptor 2 while `import tensorflow` runs, in
-their own format and whatever TF_CPP_MIN_LOG_LEVEL says. Unless LOG_LEVEL is DEBUG, the
-import runs with descriptor 2 pointed at a temporary file, and what was written there is
-logged afterwards through `logging`: known informational lines at DEBUG, anything else
-(an import error, say) at WARNING. So every line the server writes stays in LOG_FORMAT.
+their own format and whatever TF_CPP_MIN_LOG_LEVEL says. The import runs with descriptor 2
+pointed at a temporary file, and what was written there is logged afterwards through
+`logging`: known informational lines at DEBUG (so they show with LOG_LEVEL=DEBUG, in
+LOG_FORMAT), anything else (an import error, say) at WARNING.
 """
 
 from __future__ import annotations
@@ -92,16 +92,14 @@ def configure(settings: Settings, *, workers: int = 1) -> dict[str, Any]:
 
 
 def import_tensorflow(settings: Settings) -> Any:
-    """`import tensorflow`, its native start-up lines logged, not printed (unless DEBUG)."""
-    if "tensorflow" in sys.modules or settings.log_level == "DEBUG":
-        import tensorflow
-
-        return tensorflow
-    # Read by TensorFlow's own C++ logging when it loads; an explicit value is kept.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with native_stderr_logged():
-        import tensorflow
-    return tensorflow
+    """`import tensorflow`, its native start-up lines logged (at DEBUG), not printed."""
+    if "tensorflow" not in sys.modules:
+        if settings.log_level != "DEBUG":
+            # Read by TensorFlow's own C++ logging when it loads; an explicit value is kept.
+            os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        with native_stderr_logged():
+            import tensorflow  # noqa: F401
+    return sys.modules["tensorflow"]
 
 
 @contextlib.contextmanager

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import logging.config
 import signal
 from datetime import datetime, timedelta
@@ -20,7 +23,7 @@ import requests
 from flask import Flask
 
 from app import logs, runtime
-from tests.conftest import Server, integer_rows
+from tests.conftest import REPO, Server, integer_rows
 
 WORKERS = 2
 
@@ -79,6 +82,20 @@ def test_one_access_line_per_request_and_none_for_probes(json_log_lines):
     assert sorted((entry["method"], entry["path"], entry["status"]) for entry in access) == [
         ("GET", "/no-such-route", 404), ("POST", "/predict", 200)]
     assert all(entry["logger"] == "app.access" and entry["request_id"] for entry in access)
+
+
+@pytest.mark.parametrize("level", ["INFO", "DEBUG"])
+def test_tensorflow_native_lines_are_json_and_shown_only_at_debug(level):
+    code = ("from app import logs, runtime; from app.settings import Settings; "
+            f"logs.configure_logging({level!r}, 'json'); runtime.import_tensorflow(Settings(log_level={level!r}))")
+    environ = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environ, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    entries = [json.loads(line) for line in result.stderr.splitlines() if line.strip()]
+    native = [entry for entry in entries if "oneDNN" in entry["message"]]
+    assert all(entry["level"] == "DEBUG" and entry["logger"] == "app.runtime" for entry in native)
+    assert bool(native) == (level == "DEBUG")
 
 
 # ---------------------------------------------------------------------------- units
