@@ -44,6 +44,9 @@ def gunicorn(tmp_path_factory, exact_model_path):
 
 @pytest.fixture(scope="module")
 def nginx(tmp_path_factory, gunicorn):
+    # Before nginx starts, so that it inherits the raised descriptor limit too.
+    if raise_fd_limit(2 * SLOW_CONNECTIONS + 512) < SLOW_CONNECTIONS + 256:
+        pytest.fail(f"the descriptor limit (ulimit -n) is too low for {SLOW_CONNECTIONS} connections")
     front = Nginx(tmp_path_factory.mktemp("nginx"), upstream_port=gunicorn.port).start()
     yield front
     front.stop()
@@ -126,8 +129,6 @@ def test_upstream_silent_past_the_read_timeout_is_a_json_504(tmp_path):
 
 
 def test_slow_clients_leave_normal_clients_served(nginx, exact_model):
-    if raise_fd_limit(2 * SLOW_CONNECTIONS + 512) < SLOW_CONNECTIONS + 256:
-        pytest.fail(f"the descriptor limit (ulimit -n) is too low for {SLOW_CONNECTIONS} connections")
     rows = integer_rows(64).tolist()
     attack = SlowClients(nginx.port, SLOW_CONNECTIONS).start()
     try:
