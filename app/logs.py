@@ -136,7 +136,8 @@ def _start() -> None:
 
 def _finish(response: Response) -> Response:
     response.headers[REQUEST_ID_HEADER] = g.request_id
-    if access_log.isEnabledFor(logging.INFO) and (request.path not in PROBE_PATHS or current_app.config[_PROBES_KEY]):
+    probe = request.path in PROBE_PATHS
+    if access_log.isEnabledFor(logging.INFO) and (not probe or current_app.config[_PROBES_KEY]):
         fields = {
             "method": request.method,
             "path": request.path,

@@ -144,7 +144,10 @@ def test_native_lines_are_debug_only_when_known_noise(caplog, line, level):
     assert [(entry.levelno, entry.getMessage()) for entry in caplog.records] == [(level, f"tensorflow: {line}")]
 
 
-@pytest.mark.parametrize("probes, logged", [(False, ["/predict"]), (True, ["/healthz", "/metrics", "/predict", "/readyz"])])
+@pytest.mark.parametrize("probes, logged", [
+    (False, ["/predict"]),
+    (True, ["/healthz", "/metrics", "/predict", "/readyz"]),
+])
 def test_probes_are_access_logged_only_when_asked(caplog, probes, logged):
     app = Flask("probe-logs")
     logs.init_app(app, probes=probes)
