@@ -29,7 +29,10 @@ SLOW_CONNECTIONS = 1000
 NORMAL_CLIENTS = 4
 ATTACK_SECONDS = 12
 
-pytestmark = pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed (.ci/run installs it)")
+
+@pytest.fixture(autouse=True, scope="module")
+def nginx_installed() -> None:
+    assert shutil.which("nginx"), "the nginx binary is needed (.ci/run installs Debian's package)"
 
 
 @pytest.fixture(scope="module")
