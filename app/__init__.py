@@ -18,7 +18,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.extensions["settings"] = settings
     runtime.configure(settings)
-    logs.init_app(app, access=settings.access_log)
+    logs.init_app(app, access=settings.access_log, probes=settings.access_log_probes)
     serving_metrics = metrics.init_app(app)
     registry.init_app(app, settings, serving_metrics)
     api.init_app(app)

@@ -150,6 +150,8 @@ class Settings:
     log_level: str = _env("LOG_LEVEL", validate_log_level, "INFO", "Logging level.")
     log_format: str = _env("LOG_FORMAT", validate_choice("text", "json"), "text", "text or json (one object a line).")
     access_log: bool = _env("ACCESS_LOG", validate_bool, True, "One log line per request.")
+    access_log_probes: bool = _env(
+        "ACCESS_LOG_PROBES", validate_bool, False, "true: /healthz, /readyz and /metrics are access-logged too.")
     readyz_detail: bool = _env(
         "READYZ_DETAIL", validate_bool, False, "true: /readyz also shows model sources and the worker's pid.")
     grpc_bind: str = _env(
