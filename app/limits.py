@@ -109,7 +109,7 @@ class BodyLimits:
         holding = False
         try:
             if not chunked and length > self.max_bytes:
-                _discard(stream, length, self.max_bytes)
+                _discard(stream, length, 0)
                 return self._refuse(environ, start_response, self._too_large())
             if chunked or length > self.large_bytes:
                 body, holding = self._read(stream, None if chunked else length, deadline)

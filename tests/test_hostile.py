@@ -18,7 +18,6 @@ import orjson
 import pytest
 import requests
 
-from app.limits import BODY_OVERHEAD, NAME_OVERHEAD, NUMBER_WIDTH
 from tests.conftest import FEATURES, Server, integer_rows
 from tests.test_reliability import POISON, expected_scores, save_guarded_model
 
@@ -27,8 +26,9 @@ LARGE_BODY_BYTES = 4096
 REQUEST_TIMEOUT_MS = 2000
 # MAX_REQUEST_ROWS left at 0: 2 x MAX_BATCH_SIZE (32), under MAX_QUEUE_ROWS (128).
 MAX_ROWS = 64
-# The exact model's one input, "features", takes 4 float32 per row (app/limits.py's formula).
-DERIVED_LIMIT = MAX_ROWS * (FEATURES * NUMBER_WIDTH + len("features") + NAME_OVERHEAD) + BODY_OVERHEAD
+# The README's formula for the exact model, whose one input "features" takes 4 float32 a row:
+# rows x (elements x 32 + len(name) + 8) + 64 KiB = 74,752 bytes.
+DERIVED_LIMIT = MAX_ROWS * (FEATURES * 32 + len("features") + 8) + 64 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -126,17 +126,23 @@ def test_large_body_waits_for_a_slot_then_gets_503(server, exact_model):
         deadline = time.monotonic() + 30
         while readyz(server)["large_bodies_in_flight"] != 1:
             assert time.monotonic() < deadline, "the stalled body never took its slot"
-        started = time.monotonic()
-        refused = requests.post(server.url + "/predict", data=body, timeout=30,
-                                headers={"Content-Type": "application/json"})
-        waited = time.monotonic() - started
-        assert refused.status_code == 503
-        assert refused.headers["Retry-After"] == "1"
-        assert refused.json() == {"error": "too many large request bodies are being handled; retry later"}
-        assert waited >= REQUEST_TIMEOUT_MS / 1000  # it waited for the slot until its deadline
-        # Small bodies never wait for a slot.
-        small = requests.post(server.url + "/predict", json={"instances": rows.tolist()}, timeout=30)
-        assert small.status_code == 200
+        # The largest body allowed: more than Gunicorn drains by itself after an answer.
+        largest = padded_body(rows, DERIVED_LIMIT)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=SOCKET_TIMEOUT_S) as sock:
+            started = time.monotonic()
+            sock.sendall(request_head("/predict", {"Content-Length": str(len(largest))}) + largest)
+            status, headers, refused = read_response(sock)
+            waited = time.monotonic() - started
+            assert status == 503
+            assert headers["retry-after"] == "1"
+            assert json.loads(refused) == {"error": "too many large request bodies are being handled; retry later"}
+            assert waited >= REQUEST_TIMEOUT_MS / 1000  # it waited for the slot until its deadline
+            # Small bodies never wait for a slot; the refused body was read to its end, so
+            # the same connection carries the next request.
+            sock.sendall(predict_request(rows))
+            status, _, small = read_response(sock)
+            assert status == 200
+            assert json.loads(small)["predictions"] == exact_model(rows).numpy().tolist()
         holder.sendall(body[100:])
         status, _, answer = read_response(holder)
     assert status == 200
@@ -148,30 +154,42 @@ def test_large_body_waits_for_a_slot_then_gets_503(server, exact_model):
 
 # -- item 3: over-limit bodies, framing errors -------------------------------------------
 
-def test_over_limit_body_gets_a_readable_413_and_the_connection_stays_usable(server, exact_model):
-    # 2 MiB: far more than the kernel's socket buffers and Gunicorn's own 64 KiB drain, so
+def predict_request(rows: np.ndarray) -> bytes:
+    body = orjson.dumps({"instances": rows.tolist()})
+    return request_head("/predict", {"Content-Length": str(len(body))}) + body
+
+
+def test_over_limit_body_gets_a_readable_413(server):
+    # 8 MiB: far more than loopback's socket buffers and Gunicorn's own 64 KiB drain, so
     # without the discard the client is still writing when the connection closes.
-    oversized = b'{"instances": [' + b"1, " * (700 * 1024) + b"1]}"
-    with requests.Session() as session:
-        answer = session.post(server.url + "/predict", data=oversized, timeout=60,
-                              headers={"Content-Type": "application/json"})
-        assert answer.status_code == 413
-        assert answer.headers["Content-Type"] == "application/json"
-        assert answer.json() == {"error": f"the request body is larger than {DERIVED_LIMIT} bytes (MAX_REQUEST_BYTES)"}
-        assert answer.headers["X-Request-ID"]
-        rows = integer_rows(2, seed=13)
-        after = session.post(server.url + "/predict", json={"instances": rows.tolist()}, timeout=30)
-        assert after.status_code == 200
-        assert after.json()["predictions"] == exact_model(rows).numpy().tolist()
+    oversized = b'{"instances": [' + b"1, " * (8 * 1024 * 1024 // 3) + b"1]}"
+    answer = requests.post(server.url + "/predict", data=oversized, timeout=60,
+                           headers={"Content-Type": "application/json"})
+    assert answer.status_code == 413
+    assert answer.headers["Content-Type"] == "application/json"
+    assert answer.json() == {"error": f"the request body is larger than {DERIVED_LIMIT} bytes (MAX_REQUEST_BYTES)"}
+    assert answer.headers["X-Request-ID"]
 
 
-def test_chunked_body_over_the_limit_gets_413(server):
-    rows = integer_rows(3, seed=14)
-    status, headers, body = exchange(server, request_head("/predict", {"Transfer-Encoding": "chunked"})
-                                     + chunked(padded_body(rows, DERIVED_LIMIT + 1)))
-    assert status == 413
-    assert headers["content-type"] == "application/json"
-    assert json.loads(body) == {"error": f"the request body is larger than {DERIVED_LIMIT} bytes (MAX_REQUEST_BYTES)"}
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_over_limit_body_gets_413_and_the_connection_serves_the_next_request(server, exact_model, framing):
+    oversized = padded_body(integer_rows(3, seed=14), DERIVED_LIMIT * 4)
+    if framing == "chunked":
+        first = request_head("/predict", {"Transfer-Encoding": "chunked"}) + chunked(oversized)
+    else:
+        first = request_head("/predict", {"Content-Length": str(len(oversized))}) + oversized
+    rows = integer_rows(2, seed=13)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=SOCKET_TIMEOUT_S) as sock:
+        sock.sendall(first)
+        status, headers, body = read_response(sock)
+        assert status == 413
+        assert headers["content-type"] == "application/json"
+        assert json.loads(body) == {"error": f"the request body is larger than {DERIVED_LIMIT} bytes (MAX_REQUEST_BYTES)"}
+        # The body was read to its end: the same connection carries the next request.
+        sock.sendall(predict_request(rows))
+        status, _, body = read_response(sock)
+    assert status == 200
+    assert json.loads(body)["predictions"] == exact_model(rows).numpy().tolist()
 
 
 @pytest.mark.parametrize("size", [100, LARGE_BODY_BYTES * 2, DERIVED_LIMIT])
