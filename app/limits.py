@@ -244,7 +244,9 @@ def _framing_message(exc: BaseException) -> str:
 
 def _raise_refusal() -> None:
     refusal = request.environ.get(REFUSAL_KEY)
-    if refusal is not None:
+    # An unknown route or method says more than the body's size; only POST routes read a
+    # body, the others answer as if it was empty (it was read and dropped).
+    if refusal is not None and request.routing_exception is None and request.method == "POST":
         raise refusal
 
 
