@@ -47,9 +47,10 @@ except ImportError:  # another WSGI server: its readers raise OSError or ValueEr
 DISCARD_BYTES = 64 * 1024 * 1024
 READ_STEP = 64 * 1024
 
-# The derived MAX_REQUEST_BYTES: the longest JSON a valid request can be. A float32 written
-# in full is at most 16 characters ("-1.23456789e-38,"), an int64 20; 32 leaves room for
-# spaces and brackets. Each row of the row format repeats the input names as keys.
+# The derived MAX_REQUEST_BYTES: the longest JSON a valid request can be. A number written
+# as a float64 in full is at most 24 characters with its comma ("-1.1754943508222875e-38,"),
+# an int64 21; 32 leaves room for spaces and brackets. Each row of the row format repeats
+# the input names as keys.
 NUMBER_WIDTH = 32
 NAME_OVERHEAD = 8  # quotes, colon, braces, comma and a space around a key
 BODY_OVERHEAD = 64 * 1024  # "signature_name", the outer keys, whitespace
@@ -109,7 +110,7 @@ class BodyLimits:
         holding = False
         try:
             if not chunked and length > self.max_bytes:
-                _discard(stream, length, 0)
+                _discard(stream, length)
                 return self._refuse(environ, start_response, self._too_large())
             if chunked or length > self.large_bytes:
                 body, holding = self._read(stream, None if chunked else length, deadline)
@@ -134,7 +135,7 @@ class BodyLimits:
         """
         if length is not None:
             if not self._take_slot(deadline):
-                _discard(stream, length, 0)
+                _discard(stream, length)
                 raise self._busy()
             try:
                 return _read_exactly(stream, length), True
@@ -146,15 +147,15 @@ class BodyLimits:
         if len(head) <= free:
             return head, False  # it ended before it needed a slot
         if len(head) > self.max_bytes:
-            _discard(stream, None, len(head))
+            _discard(stream, None)
             raise self._too_large()
         if not self._take_slot(deadline):
-            _discard(stream, None, len(head))
+            _discard(stream, None)
             raise self._busy()
         try:
             rest = _read_up_to(stream, self.max_bytes - len(head))
             if len(head) + len(rest) > self.max_bytes:
-                _discard(stream, None, len(head) + len(rest))
+                _discard(stream, None)
                 raise self._too_large()
             return head + rest, True
         except ServingError:
@@ -209,9 +210,9 @@ def _read_up_to(stream: Any, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def _discard(stream: Any, length: int | None, already: int) -> None:
-    """Read and drop the rest of a refused body, up to DISCARD_BYTES; framing errors end it."""
-    left = DISCARD_BYTES if length is None else min(length - already, DISCARD_BYTES)
+def _discard(stream: Any, left: int | None) -> None:
+    """Read and drop the rest of a refused body (None: chunked, to its end), up to DISCARD_BYTES."""
+    left = DISCARD_BYTES if left is None else min(left, DISCARD_BYTES)
     try:
         while left > 0:
             part = stream.read(min(READ_STEP, left))
@@ -229,17 +230,17 @@ def _read(stream: Any, size: int) -> bytes:
         raise BadRequest(f"the request body is malformed: {_framing_message(exc)}") from None
 
 
+_FRAMING_MESSAGES = {
+    "NoMoreData": "the connection ended before the body did",
+    "InvalidChunkSize": "invalid chunk size",
+    "ChunkMissingTerminator": "a chunk is not followed by CRLF",
+    "InvalidChunkExtension": "invalid chunk extension",
+}
+
+
 def _framing_message(exc: BaseException) -> str:
-    name = type(exc).__name__
-    if name == "NoMoreData":
-        return "the connection ended before the body did"
-    if name == "InvalidChunkSize":
-        return "invalid chunk size"
-    if name == "ChunkMissingTerminator":
-        return "a chunk is not followed by CRLF"
-    if name == "InvalidChunkExtension":
-        return "invalid chunk extension"
-    return name
+    # By name: the app imports no Gunicorn class it does not need.
+    return _FRAMING_MESSAGES.get(type(exc).__name__, type(exc).__name__)
 
 
 def _raise_refusal() -> None:

@@ -139,7 +139,7 @@ class Settings:
         "Largest body; beyond, 413. 0: the longest JSON a valid request can be, from the models' "
         "signatures and MAX_REQUEST_ROWS (16 MiB where a model takes strings or dimensions of any size).")
     large_body_bytes: int = _env(
-        "LARGE_BODY_BYTES", validate_pos_int, 1024 * 1024,
+        "LARGE_BODY_BYTES", validate_pos_int, 256 * 1024,
         "Bodies larger than this (and chunked ones that grow past it) need one of LARGE_BODY_SLOTS.")
     large_body_slots: int = _env(
         "LARGE_BODY_SLOTS", validate_pos_int, 2,

@@ -18,6 +18,8 @@ import orjson
 import pytest
 import requests
 
+from app.limits import derived_max_request_bytes
+from app.models import STRING, LoadedModel, TensorInfo
 from tests.conftest import FEATURES, Server, integer_rows
 from tests.test_reliability import POISON, expected_scores, save_guarded_model
 
@@ -115,6 +117,21 @@ def test_derived_max_request_bytes_is_exact(server, exact_model):
                          headers={"Content-Type": "application/json"})
     assert over.status_code == 413
     assert over.json() == {"error": f"the request body is larger than {DERIVED_LIMIT} bytes (MAX_REQUEST_BYTES)"}
+
+
+def signature_model(*inputs: TensorInfo) -> LoadedModel:
+    return LoadedModel(name="m", version=1, source="", inputs=list(inputs), outputs=[], predict=lambda batch: {})
+
+
+def test_derived_limit_sums_the_inputs_and_falls_back_where_a_signature_has_no_bound():
+    image = TensorInfo("image", (8, 8, 3), np.dtype("float32"), "DT_FLOAT")
+    ids = TensorInfo("ids", (5,), np.dtype("int64"), "DT_INT64")
+    assert derived_max_request_bytes(signature_model(image, ids), 10) == (
+        10 * (8 * 8 * 3 * 32 + len("image") + 8 + 5 * 32 + len("ids") + 8) + 64 * 1024)
+    text = TensorInfo("text", (), STRING, "DT_STRING")
+    free = TensorInfo("tokens", (None,), np.dtype("int32"), "DT_INT32")
+    assert derived_max_request_bytes(signature_model(ids, text), 10) == 16 * 1024 * 1024
+    assert derived_max_request_bytes(signature_model(free), 10) == 16 * 1024 * 1024
 
 
 def test_large_body_waits_for_a_slot_then_gets_503(server, exact_model):
