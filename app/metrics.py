@@ -98,8 +98,9 @@ def get_metrics(app: Flask) -> Metrics:
 
 
 # Label values come only from these sets: a client choosing the method or the path must not
-# create a series per request. GRPC is the method gRPC calls are counted under.
-KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "GRPC"})
+# create a series per request. gRPC calls are counted under the method GRPC, which no HTTP
+# request can claim.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 OTHER = "other"
 
 
@@ -109,7 +110,7 @@ def _route() -> str:
 
 
 def _method() -> str:
-    return request.method if request.method in KNOWN_METHODS else OTHER
+    return request.method if request.method in HTTP_METHODS else OTHER
 
 
 def _before() -> None:
