@@ -169,6 +169,22 @@ def test_large_body_waits_for_a_slot_then_gets_503(server, exact_model):
     assert again.status_code == 200
 
 
+def test_chunked_body_takes_a_slot_once_it_grows_past_large_body_bytes(server, exact_model):
+    rows = integer_rows(2, seed=17)
+    framed = chunked(padded_body(rows, LARGE_BODY_BYTES * 3), size=LARGE_BODY_BYTES + 10)
+    first_chunk_end = framed.index(b"\r\n", framed.index(b"\r\n") + 2) + 2
+    with socket.create_connection(("127.0.0.1", server.port), timeout=SOCKET_TIMEOUT_S) as sock:
+        sock.sendall(request_head("/predict", {"Transfer-Encoding": "chunked"}) + framed[:first_chunk_end])
+        deadline = time.monotonic() + 30
+        while readyz(server)["large_bodies_in_flight"] != 1:
+            assert time.monotonic() < deadline, "the chunked body never took a slot"
+        sock.sendall(framed[first_chunk_end:])
+        status, _, body = read_response(sock)
+    assert status == 200
+    assert json.loads(body)["predictions"] == exact_model(rows).numpy().tolist()
+    assert readyz(server)["large_bodies_in_flight"] == 0
+
+
 # -- item 3: over-limit bodies, framing errors -------------------------------------------
 
 def predict_request(rows: np.ndarray) -> bytes:
