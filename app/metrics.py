@@ -107,9 +107,20 @@ def get_metrics(app: Flask) -> Metrics:
     return app.extensions["metrics"]
 
 
+# Label values come only from these sets: a client choosing the method or the path must not
+# create a series per request. gRPC calls are counted under the method GRPC, which no HTTP
+# request can claim.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+OTHER = "other"
+
+
 def _route() -> str:
     # The URL rule, not the path: unknown paths must not grow a series each.
-    return request.url_rule.rule if request.url_rule is not None else "unmatched"
+    return request.url_rule.rule if request.url_rule is not None else OTHER
+
+
+def _method() -> str:
+    return request.method if request.method in HTTP_METHODS else OTHER
 
 
 def _before() -> None:
@@ -120,7 +131,7 @@ def _before() -> None:
 def _after(response: Response) -> Response:
     metrics = get_metrics(current_app)
     route = _route()
-    metrics.requests.labels(route, request.method, str(response.status_code)).inc()
+    metrics.requests.labels(route, _method(), str(response.status_code)).inc()
     metrics.request_seconds.labels(route).observe(time.perf_counter() - g.started)
     return response
 
