@@ -81,6 +81,10 @@ def model_metadata(name: str, version: int | None = None) -> Response:
 
 @bp.get("/healthz")
 def healthz() -> Response:
+    # Liveness: a worker whose batch thread died is replacing itself; until it is gone it is not alive.
+    broken = sorted(name for name, servable in get_registry(current_app).items() if servable.batcher.broken)
+    if broken:
+        return _json(orjson.dumps({"error": f"the batch thread of model(s) {broken} died"}), status=503)
     return _json(b'{"status":"alive"}')
 
 

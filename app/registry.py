@@ -17,7 +17,7 @@ from typing import Any
 
 from flask import Flask
 
-from app import models
+from app import batcher_broken, models
 from app.batching import Batcher, BatchResult, Tensors, bucket_sizes
 from app.errors import NotFound, ShuttingDown
 from app.metrics import Metrics
@@ -61,6 +61,7 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics) -> 
         batching=settings.batching,
         buckets=buckets,
         observer=metrics.observer(config.name),
+        on_broken=batcher_broken,
     )
     log.info("model '%s' v%d from %s loaded in %.2f s", config.name, model.version, model.source, model.load_s)
     return Servable(model, batcher)
