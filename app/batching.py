@@ -361,10 +361,16 @@ class Batcher:
                 break
             if batch.slices:
                 self._run_batch(batch)
-            # Only answered requests leave the backlog: whatever stops the thread, the rest are found.
-            self._backlog = collections.deque(p for p in self._backlog if not p.future.done())
+            self._prune()
         if self._aborting:
             self._fail_remaining(ShuttingDown("the server shut down before this request ran"))
+
+    def _prune(self) -> None:
+        # Only answered requests leave the backlog: whatever stops the thread, the rest are found.
+        for pending in self._backlog:
+            if pending.future.done():
+                _notify_cancelled(pending)
+        self._backlog = collections.deque(p for p in self._backlog if not p.future.done())
 
     @property
     def _aborting(self) -> bool:
@@ -411,6 +417,7 @@ class Batcher:
     def _abandoned(self, pending: _Pending) -> bool:
         """True for requests nobody waits for any more: cancelled, failed, or past their deadline."""
         if pending.future.done():
+            _notify_cancelled(pending)
             return True
         if pending.deadline is not None and self._clock() >= pending.deadline:
             if _settle(pending.future, exception=DeadlineExceeded("the request's deadline passed before it ran")):
@@ -501,6 +508,7 @@ class Batcher:
         # Settled outside the lock: each future's done-callback takes it to release its rows.
         for pending in waiting:
             _settle(pending.future, exception=error)
+            _notify_cancelled(pending)
 
     def _break(self, exc: BaseException) -> None:
         with self._lock:
@@ -511,6 +519,14 @@ class Batcher:
                 self._on_broken(self)
             except Exception:
                 log.exception("on_broken of model '%s' failed", self.name)
+
+
+def _notify_cancelled(pending: _Pending) -> None:
+    # As concurrent.futures' executors do: until this call, concurrent.futures.wait() and
+    # as_completed() do not count a cancelled future as done, and would wait for it forever.
+    if pending.future.cancelled() and not pending.started:
+        pending.started = True
+        pending.future.set_running_or_notify_cancel()
 
 
 def _concatenate(slices: list[_Slice]) -> dict[str, np.ndarray]:

@@ -293,6 +293,20 @@ def test_cancelled_request_is_skipped(make_batcher, fake):
     assert kept.result(WAIT_S).batch_requests == 1
     assert all(7.0 not in call["x"] for call in fake.calls)
     assert batcher.queued_rows == 0
+    # concurrent.futures.wait() counts a cancelled future as done only once it was notified.
+    assert cancelled in concurrent.futures.wait([cancelled], WAIT_S).done
+
+
+def test_cancelled_request_the_thread_never_reached_is_notified_to_waiters(make_batcher, fake):
+    batcher = make_batcher(max_batch_size=1)
+    first, release = occupy(batcher, fake)
+    taken = batcher.submit(rows(1.0))
+    cancelled = batcher.submit(rows(2.0))
+    assert cancelled.cancel()
+    release.set()
+    taken.result(WAIT_S)  # its batch was full before the cancelled request was looked at
+    assert cancelled in concurrent.futures.wait([cancelled], WAIT_S).done
+    assert fake.batch_rows == [1, 1]
 
 
 def test_full_queue_rejects_at_once_with_retry_after(make_batcher, fake):
