@@ -417,7 +417,6 @@ class Batcher:
     def _abandoned(self, pending: _Pending) -> bool:
         """True for requests nobody waits for any more: cancelled, failed, or past their deadline."""
         if pending.future.done():
-            _notify_cancelled(pending)
             return True
         if pending.deadline is not None and self._clock() >= pending.deadline:
             if _settle(pending.future, exception=DeadlineExceeded("the request's deadline passed before it ran")):

@@ -375,12 +375,15 @@ def test_close_without_drain_fails_what_is_queued(make_batcher, fake):
     batcher = make_batcher()
     first, release = occupy(batcher, fake)
     queued = batcher.submit(rows(1.0))
+    cancelled = batcher.submit(rows(2.0))
+    assert cancelled.cancel()
     batcher.close(drain=False, timeout_s=0)
     release.set()
     batcher.close(timeout_s=WAIT_S)
     assert first.result(0).outputs["y"][0, 0] == -10.0
     with pytest.raises(ShuttingDown):
         queued.result(0)
+    assert cancelled in concurrent.futures.wait([cancelled], 0).done
 
 
 def test_thread_death_fails_pending_and_later_requests_at_once(make_batcher, fake):
