@@ -7,7 +7,6 @@ the next ones queue up, so what the following batch holds is decided, not timed.
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import threading
 
 import numpy as np

@@ -12,7 +12,6 @@ import time
 
 import numpy as np
 import psutil
-import pytest
 import requests
 
 from tests.conftest import integer_rows
