@@ -7,6 +7,7 @@ worker before the model loads.
 
 import os
 import shutil
+import signal
 import tempfile
 
 from app import logs
@@ -61,6 +62,10 @@ else:
 
 
 def post_fork(server, worker):
+    import app
+
+    # A worker whose batch thread died stops gracefully, so the master starts a fresh one.
+    app.replace_worker = lambda: os.kill(os.getpid(), signal.SIGTERM)
     from app import runtime
 
     runtime.configure(_settings, workers=server.cfg.workers)

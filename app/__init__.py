@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from flask import Flask
 
 from app.settings import Settings
+
+# How this worker process asks to be replaced once a model's batch thread has died. Gunicorn's
+# post_fork sets it in each worker; elsewhere (tests, one process) it stays None: the app never
+# ends a process it was not told how to end.
+replace_worker: Callable[[], None] | None = None
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -32,3 +40,9 @@ def shutdown_app(app: Flask, *, timeout_s: float | None = None) -> None:
     from app.registry import get_registry
 
     get_registry(app).close(drain=True, timeout_s=timeout_s)
+
+
+def batcher_broken(_batcher: Any) -> None:
+    """A batch thread died (its requests are answered): this worker cannot serve that model again."""
+    if replace_worker is not None:
+        replace_worker()

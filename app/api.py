@@ -124,6 +124,11 @@ def model_metadata(name: str, version: int | None = None, label: str | None = No
 
 @bp.get("/healthz")
 def healthz() -> Response:
+    # Liveness: a worker whose batch thread died is replacing itself; until it is gone it is not alive.
+    broken = sorted({batcher.name for servable in get_registry(current_app).servables()
+                     for batcher in servable.batchers.values() if batcher.broken})
+    if broken:
+        return _json(orjson.dumps({"error": f"the batch thread of model(s) {broken} died"}), status=503)
     return _json(b'{"status":"alive"}')
 
 

@@ -1,16 +1,22 @@
 """The dynamic batching engine: request threads submit rows, one daemon thread predicts.
 
 Request threads call `Batcher.submit()` (or `predict()`), which queues a `_Pending`
-holding the rows and a `Future`. The batch thread blocks on the queue for the oldest
-pending request, then takes, without waiting, every queued request whose rows have the
-same per-row shape and dtype, up to `max_batch_size` rows. With `batch_timeout_ms > 0`
-it waits for more until the oldest request has waited that long; with the default 0 it
-dispatches at once, so batches grow by themselves while the previous batch runs.
+holding the rows and a `Future`. The batch thread waits for the oldest pending request,
+then takes, without waiting, every queued request whose rows have the same per-row shape
+and dtype, up to `max_batch_size` rows. With `batch_timeout_ms > 0` it waits for more
+until the oldest request has waited that long; with the default 0 it dispatches at once,
+so batches grow by themselves while the previous batch runs.
 
 The batch is padded up to the next bucket size (powers of two up to `max_batch_size`),
 so the model only ever sees shapes it was warmed with, and each request gets its own
 rows back through its future. This module imports no TensorFlow: the predict function
 is injected, and the unit tests drive the engine with a fake one.
+
+What no caller may ever see is a future that nobody will finish. So a request the batch
+thread has taken stays in its backlog until its future is done, and the failure path
+walks the backlog and the arrivals: whatever kills the thread, every request is answered.
+Observer hooks cannot break the thread (a failing hook is logged); a failure while
+delivering fails only the requests it concerns.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -44,8 +49,6 @@ log = logging.getLogger(__name__)
 Tensors = Mapping[str, np.ndarray]
 PredictFn = Callable[[dict[str, np.ndarray]], Mapping[str, Any]]
 
-_STOP = object()
-
 
 @dataclasses.dataclass(frozen=True)
 class BatchResult:
@@ -57,7 +60,11 @@ class BatchResult:
 
 
 class BatchObserver:
-    """Hooks the engine calls from its thread; the default does nothing."""
+    """Hooks the engine calls; the default does nothing. A hook that raises is logged and ignored.
+
+    `queue_depth` is called with the batcher's lock held, so successive calls report the
+    queued rows in the order they changed: a gauge set from it never ends on a stale value.
+    """
 
     def queue_depth(self, rows: int) -> None:
         pass
@@ -90,10 +97,17 @@ def row_count(inputs: Tensors) -> int:
     return counts.pop()
 
 
+def max_predict_calls(requests: int) -> int:
+    """Predict calls a failing batch may make while bisecting: enough to isolate two poisoned
+    requests, far fewer than the 2n - 1 that would prove each of n failing requests alone."""
+    return 1 + 4 * (requests - 1).bit_length()
+
+
 class _Pending:
     """One submitted request: its rows, its future, and how far the batch thread got."""
 
-    __slots__ = ("inputs", "future", "rows", "key", "enqueued_at", "deadline", "next_row", "parts", "started")
+    __slots__ = ("inputs", "future", "rows", "key", "enqueued_at", "deadline", "next_row", "parts", "started",
+                 "counted")
 
     def __init__(self, inputs: Tensors, rows: int, enqueued_at: float, deadline: float | None):
         self.inputs = inputs
@@ -106,6 +120,8 @@ class _Pending:
         self.next_row = 0
         self.started = False
         self.parts: list[Mapping[str, np.ndarray]] = []
+        # Rows of this request still counted against max_queue_rows (changed under the batcher's lock).
+        self.counted = 0
 
     @property
     def remaining(self) -> int:
@@ -119,20 +135,28 @@ class _Pending:
             return
         if self.parts:
             self.parts.append(outputs)
-            outputs = {name: np.concatenate([part[name] for part in self.parts]) for name in outputs}
-            self.parts = []
+            try:
+                outputs = {name: np.concatenate([part[name] for part in self.parts]) for name in outputs}
+            except (ValueError, KeyError) as exc:
+                # E.g. a model whose output width follows the batch: this request alone cannot be answered.
+                _settle(self.future, exception=PredictFailed(
+                    f"the outputs of the batches that held this request's rows do not join: {exc}"))
+                return
+            finally:
+                self.parts = []
         _settle(self.future, result=BatchResult(outputs, batch_rows, batch_requests))
 
 
-def _settle(future: concurrent.futures.Future, *, result: Any = None, exception: BaseException | None = None) -> None:
-    # A future may already be finished (an earlier chunk failed, or shutdown failed it).
+def _settle(future: concurrent.futures.Future, *, result: Any = None, exception: BaseException | None = None) -> bool:
+    """Finish the future unless something already did (an earlier chunk failed, a caller gave up)."""
     try:
         if exception is not None:
             future.set_exception(exception)
         else:
             future.set_result(result)
     except concurrent.futures.InvalidStateError:
-        pass
+        return False
+    return True
 
 
 @dataclasses.dataclass
@@ -140,6 +164,10 @@ class _Slice:
     pending: _Pending
     start: int
     stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
 
 
 class _Batch:
@@ -178,6 +206,7 @@ class Batcher:
         bisect_failures: bool = True,
         retry_after_s: int = 1,
         observer: BatchObserver | None = None,
+        on_broken: Callable[[Batcher], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_batch_size < 1:
@@ -194,17 +223,22 @@ class Batcher:
         self.bisect_failures = bisect_failures
         self.retry_after_s = retry_after_s
         self.observer = observer or BatchObserver()
+        self._on_broken = on_broken
         self._predict_fn = predict_fn
         self._clock = clock
-        self._queue: queue.Queue[Any] = queue.Queue()
-        # Requests taken off the queue but not finished: only the batch thread touches it.
-        self._backlog: collections.deque[_Pending] = collections.deque()
-        self._in_flight: list[_Slice] = []
+        # One lock for submit, close and the row count, as in concurrent.futures.thread:
+        # nothing is queued after shutdown began, and the count changes in one order.
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        # Submitted, not yet seen by the batch thread.
+        self._incoming: collections.deque[_Pending] = collections.deque()
+        # Seen by the batch thread, future not done yet: only the batch thread changes it.
+        self._backlog: collections.deque[_Pending] = collections.deque()
         self._queued_rows = 0
         self._shutdown = False
         self._drain = True
         self._broken: BaseException | None = None
+        self._failed_hooks: set[str] = set()
         self.batches_run = 0
         self._thread = threading.Thread(target=self._run, name=f"batcher-{name}", daemon=True)
         self._thread.start()
@@ -223,23 +257,27 @@ class Batcher:
             )
         now = self._clock()
         pending = _Pending(inputs, rows, now, None if timeout_s is None else now + timeout_s)
+        # A request abandoned (cancelled, failed, answered) stops counting against the queue at once,
+        # not when the batch thread reaches it.
+        pending.future.add_done_callback(lambda _future: self._uncount(pending))
         with self._lock:
             if self._broken is not None:
                 raise BatcherBroken(f"model '{self.name}' cannot serve: its batch thread died")
             if self._shutdown:
-                self.observer.rejected("shutting_down")
+                self._notify("rejected", "shutting_down")
                 raise ShuttingDown("the server is shutting down")
             if self._queued_rows + rows > self.max_queue_rows:
-                self.observer.rejected("queue_full")
+                self._notify("rejected", "queue_full")
                 raise QueueFull(
                     f"model '{self.name}' is overloaded: {self._queued_rows} rows are waiting "
                     f"and at most {self.max_queue_rows} may (MAX_QUEUE_ROWS); retry later",
                     retry_after_s=self.retry_after_s,
                 )
+            pending.counted = rows
             self._queued_rows += rows
-            depth = self._queued_rows
-            self._queue.put(pending)
-        self.observer.queue_depth(depth)
+            self._notify("queue_depth", self._queued_rows)
+            self._incoming.append(pending)
+            self._arrived.notify()
         return pending.future
 
     def predict(self, inputs: Tensors, *, timeout_s: float) -> BatchResult:
@@ -248,17 +286,25 @@ class Batcher:
         try:
             return future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
-            future.cancel()
-            self.observer.rejected("deadline")
-            raise DeadlineExceeded(f"no result from model '{self.name}' within {timeout_s * 1000:.0f} ms") from None
+            pass
+        # Give the request up, unless its answer landed between the timeout and now: then it stands.
+        late = DeadlineExceeded(f"no result from model '{self.name}' within {timeout_s * 1000:.0f} ms")
+        if future.cancel() or _settle(future, exception=late):
+            self._notify("rejected", "deadline")
+            raise late
+        return future.result(0)
 
     def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
-        """Stop accepting; answer everything accepted (drain) or fail it with ShuttingDown."""
+        """Stop accepting; answer everything accepted (drain) or fail it with ShuttingDown.
+
+        A later close(drain=False) still stops a drain that an earlier close began (e.g. one
+        that timed out): what is not yet running is failed instead of run.
+        """
         with self._lock:
-            if not self._shutdown:
-                self._shutdown = True
-                self._drain = drain
-                self._queue.put(_STOP)
+            self._shutdown = True
+            if not drain:
+                self._drain = False
+            self._arrived.notify_all()
         self._thread.join(timeout_s)
 
     @property
@@ -266,8 +312,33 @@ class Batcher:
         return self._broken is None and self._thread.is_alive()
 
     @property
+    def broken(self) -> bool:
+        """True once the batch thread died rather than stopped: this batcher never serves again."""
+        return self._broken is not None or (not self._shutdown and not self._thread.is_alive())
+
+    @property
     def queued_rows(self) -> int:
         return self._queued_rows
+
+    # -- the row count ---------------------------------------------------------------
+
+    def _uncount(self, pending: _Pending, rows: int | None = None) -> None:
+        """Stop counting rows of a request (all of them by default); each row is released once."""
+        with self._lock:
+            rows = pending.counted if rows is None else min(rows, pending.counted)
+            if rows:
+                pending.counted -= rows
+                self._queued_rows -= rows
+                self._notify("queue_depth", self._queued_rows)
+
+    def _notify(self, hook: str, *args: Any, **kwargs: Any) -> None:
+        # Metrics must never cost a request its answer, nor the batch thread its life.
+        try:
+            getattr(self.observer, hook)(*args, **kwargs)
+        except Exception:
+            if hook not in self._failed_hooks:
+                self._failed_hooks.add(hook)
+                log.exception("observer hook %s of model '%s' failed (logged once)", hook, self.name)
 
     # -- the batch thread ------------------------------------------------------------
 
@@ -275,161 +346,187 @@ class Batcher:
         try:
             self._loop()
         except BaseException as exc:
-            log.exception("batch thread of model '%s' died", self.name)
+            log.critical("batch thread of model '%s' died", self.name, exc_info=True)
             self._break(exc)
 
     def _loop(self) -> None:
-        stopping = False
         while True:
-            if self._shutdown and not self._drain:
-                self._fail_remaining(ShuttingDown("the server shut down before this request ran"))
-                return
-            if not self._backlog:
-                if stopping:
-                    return
-                item = self._queue.get()
-                if item is _STOP:
-                    stopping = True
-                    continue
-                self._backlog.append(item)
-            batch, stopping = self._gather(stopping)
+            with self._lock:
+                while not self._incoming and not self._backlog and not self._shutdown:
+                    self._arrived.wait()
+                self._admit()
+            if not self._backlog or self._aborting:
+                break
+            batch = self._gather()
+            if self._aborting:
+                break
             if batch.slices:
-                # Rows count as queued until their predict call starts: a forming batch waits too.
-                self._release(batch.rows)
-                slices = [piece for piece in batch.slices if self._start(piece.pending)]
-                if slices:
-                    self._in_flight = slices
-                    self._execute(slices)
-                    self._in_flight = []
-                    self.batches_run += 1
+                self._run_batch(batch)
+            self._prune()
+        if self._aborting:
+            self._fail_remaining(ShuttingDown("the server shut down before this request ran"))
 
-    def _gather(self, stopping: bool) -> tuple[_Batch, bool]:
+    def _prune(self) -> None:
+        # Only answered requests leave the backlog: whatever stops the thread, the rest are found.
+        for pending in self._backlog:
+            if pending.future.done():
+                _notify_cancelled(pending)
+        self._backlog = collections.deque(p for p in self._backlog if not p.future.done())
+
+    @property
+    def _aborting(self) -> bool:
+        return self._shutdown and not self._drain
+
+    def _admit(self) -> None:
+        # Caller holds the lock. Into the backlog first, then out of the arrivals: a request
+        # is always in one of them (or both), never in neither.
+        self._backlog.extend(self._incoming)
+        self._incoming.clear()
+
+    def _gather(self) -> _Batch:
         batch = _Batch(self.max_batch_size)
-        skipped: list[_Pending] = []
-        while self._backlog and not batch.full:
-            if self._offer(self._backlog.popleft(), batch, skipped) and not self.batching:
-                break
-        wait_until = None
-        while self.batching and not batch.full and not stopping:
-            if self.batch_timeout_s > 0 and batch.slices:
-                if wait_until is None:
-                    wait_until = batch.slices[0].pending.enqueued_at + self.batch_timeout_s
-                remaining = wait_until - self._clock()
-                # Past the window, still take what is already queued, without waiting: under
-                # load the oldest request has often waited its window out behind the last batch.
-                item = self._get(timeout=remaining if remaining > 0 else None)
-            else:
-                item = self._get(timeout=None)
-            if item is None:
-                break
-            if item is _STOP:
-                stopping = True
-                break
-            self._offer(item, batch, skipped)
-        self._backlog.extendleft(reversed(skipped))
-        return batch, stopping
+        self._fill(batch)
+        if not (self.batching and self.batch_timeout_s > 0 and batch.slices):
+            return batch
+        # Wait for more until the oldest has waited its window; past it, still take what is
+        # already queued: under load the oldest has often waited its window out behind the last batch.
+        wait_until = batch.slices[0].pending.enqueued_at + self.batch_timeout_s
+        while not batch.full:
+            with self._lock:
+                while not self._incoming and not self._shutdown:
+                    remaining = wait_until - self._clock()
+                    if remaining <= 0 or not self._arrived.wait(remaining):
+                        break
+                if not self._incoming:
+                    break  # the window closed, or the server is stopping: go now
+                self._admit()
+            self._fill(batch)
+        return batch
 
-    def _get(self, *, timeout: float | None) -> Any:
-        try:
-            if timeout is None:
-                return self._queue.get_nowait()
-            return self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def _offer(self, pending: _Pending, batch: _Batch, skipped: list[_Pending]) -> bool:
-        """Put the pending request's rows in the batch if it may join; True if it did."""
-        if self._abandoned(pending):
-            self._release(pending.remaining)
-            return False
-        if batch.key is None:
-            batch.key = pending.key
-        if pending.key != batch.key or (batch.slices and not self.batching):
-            skipped.append(pending)
-            return False
-        batch.take(pending)
-        if pending.remaining:
-            skipped.append(pending)
-        return True
+    def _fill(self, batch: _Batch) -> None:
+        """Take rows from the backlog, oldest first, of the batch's shape, until it is full."""
+        for pending in self._backlog:
+            if batch.full or (batch.slices and not self.batching):
+                return
+            if not pending.remaining or self._abandoned(pending):
+                continue
+            if batch.key is None:
+                batch.key = pending.key
+            if pending.key == batch.key:
+                batch.take(pending)
 
     def _abandoned(self, pending: _Pending) -> bool:
         """True for requests nobody waits for any more: cancelled, failed, or past their deadline."""
         if pending.future.done():
             return True
         if pending.deadline is not None and self._clock() >= pending.deadline:
-            self.observer.rejected("deadline")
-            _settle(pending.future, exception=DeadlineExceeded("the request's deadline passed while it was queued"))
+            if _settle(pending.future, exception=DeadlineExceeded("the request's deadline passed before it ran")):
+                self._notify("rejected", "deadline")
             return True
         return False
 
-    def _start(self, pending: _Pending) -> bool:
-        """Last check before the predict call: a request cancelled while its batch formed is left out."""
+    def _start(self, piece: _Slice) -> bool:
+        """Last check before a predict call: a request cancelled or expired meanwhile is left out."""
+        pending = piece.pending
         if self._abandoned(pending):
             return False
         if not pending.started:
             pending.started = True
             if not pending.future.set_running_or_notify_cancel():
                 return False
-            self.observer.queue_wait(self._clock() - pending.enqueued_at)
+            self._notify("queue_wait", self._clock() - pending.enqueued_at)
+        # Rows count as queued until their predict call starts: a forming batch waits too.
+        self._uncount(pending, piece.rows)
         return True
 
-    def _release(self, rows: int) -> None:
-        with self._lock:
-            self._queued_rows -= rows
-            depth = self._queued_rows
-        self.observer.queue_depth(depth)
-
-    def _execute(self, slices: list[_Slice]) -> None:
+    def _run_batch(self, batch: _Batch) -> None:
+        slices = [piece for piece in batch.slices if self._start(piece)]
+        if not slices:
+            return
         # One try around the whole batch: whatever goes wrong reaches every future in it,
         # or those requests would wait until their deadline for an answer that never comes.
         try:
-            inputs = _concatenate(slices)
-            rows = sum(s.stop - s.start for s in slices)
-            padded = next(size for size in self.buckets if size >= rows)
-            if padded > rows:
-                inputs = {name: _pad(arr, padded) for name, arr in inputs.items()}
-            started = self._clock()
-            outputs = _check_outputs(self._predict_fn(inputs), padded)
-            predict_s = self._clock() - started
+            self._execute(slices)
         except Exception as exc:
-            if self.bisect_failures and len(slices) > 1:
-                # Retry the halves so that one poisonous request fails alone.
-                middle = len(slices) // 2
-                self._execute(slices[:middle])
-                self._execute(slices[middle:])
-                return
-            error = exc if isinstance(exc, ServingError) else PredictFailed.from_exception(exc)
-            log.warning("predict of model '%s' failed for %d request(s): %r", self.name, len(slices), exc)
+            log.exception("batch of model '%s' failed outside its predict call", self.name)
+            error = PredictFailed.from_exception(exc)
             for piece in slices:
                 _settle(piece.pending.future, exception=error)
-            return
-        self.observer.batch_done(rows=rows, requests=len(slices), padded_rows=padded - rows, predict_s=predict_s)
-        offset = 0
-        for piece in slices:
-            count = piece.stop - piece.start
-            own = {name: out[offset : offset + count] for name, out in outputs.items()}
-            piece.pending.deliver(own, rows, len(slices), done=piece.stop == piece.pending.rows)
-            offset += count
+        self.batches_run += 1
+
+    def _execute(self, slices: list[_Slice]) -> None:
+        """Predict; on failure retry halves (depth first) so that a poisoned request fails alone,
+        within a budget of calls, and never for requests whose deadline has passed."""
+        calls_left = max_predict_calls(len(slices)) if self.bisect_failures else 1
+        parts: list[tuple[list[_Slice], ServingError | None]] = [(slices, None)]
+        while parts:
+            part, earlier_error = parts.pop()
+            if earlier_error is not None:
+                part = [piece for piece in part if not self._abandoned(piece.pending)]
+                if not part:
+                    continue
+                if calls_left == 0:
+                    self._fail(part, earlier_error)
+                    continue
+            calls_left -= 1
+            try:
+                outputs, rows, padded, predict_s = self._predict(part)
+            except Exception as exc:
+                error = exc if isinstance(exc, ServingError) else PredictFailed.from_exception(exc)
+                if len(part) > 1 and calls_left > 0:
+                    middle = len(part) // 2
+                    parts += [(part[middle:], error), (part[:middle], error)]
+                else:
+                    self._fail(part, error)
+                continue
+            self._notify("batch_done", rows=rows, requests=len(part), padded_rows=padded - rows,
+                         predict_s=predict_s)
+            offset = 0
+            for piece in part:
+                own = {name: out[offset : offset + piece.rows] for name, out in outputs.items()}
+                piece.pending.deliver(own, rows, len(part), done=piece.stop == piece.pending.rows)
+                offset += piece.rows
+
+    def _predict(self, part: list[_Slice]) -> tuple[dict[str, np.ndarray], int, int, float]:
+        inputs = _concatenate(part)
+        rows = sum(piece.rows for piece in part)
+        padded = next(size for size in self.buckets if size >= rows)
+        if padded > rows:
+            inputs = {name: _pad(arr, padded) for name, arr in inputs.items()}
+        started = self._clock()
+        outputs = _check_outputs(self._predict_fn(inputs), padded)
+        return outputs, rows, padded, self._clock() - started
+
+    def _fail(self, part: list[_Slice], error: ServingError) -> None:
+        log.warning("predict of model '%s' failed for %d request(s): %s", self.name, len(part), error)
+        for piece in part:
+            _settle(piece.pending.future, exception=error)
 
     def _fail_remaining(self, error: ServingError) -> None:
-        for piece in self._in_flight:
-            _settle(piece.pending.future, exception=error)
-        while self._backlog:
-            _settle(self._backlog.popleft().future, exception=error)
-        while True:
-            item = self._get(timeout=None)
-            if item is None:
-                break
-            if item is not _STOP:
-                _settle(item.future, exception=error)
         with self._lock:
-            self._queued_rows = 0
-        self.observer.queue_depth(0)
+            waiting = [*self._backlog, *self._incoming]
+        # Settled outside the lock: each future's done-callback takes it to release its rows.
+        for pending in waiting:
+            _settle(pending.future, exception=error)
+            _notify_cancelled(pending)
 
     def _break(self, exc: BaseException) -> None:
         with self._lock:
             self._broken = exc
         self._fail_remaining(BatcherBroken(f"model '{self.name}' cannot serve: its batch thread died ({exc!r})"))
+        if self._on_broken is not None:
+            try:
+                self._on_broken(self)
+            except Exception:
+                log.exception("on_broken of model '%s' failed", self.name)
+
+
+def _notify_cancelled(pending: _Pending) -> None:
+    # As concurrent.futures' executors do: until this call, concurrent.futures.wait() and
+    # as_completed() do not count a cancelled future as done, and would wait for it forever.
+    if pending.future.cancelled() and not pending.started:
+        pending.started = True
+        pending.future.set_running_or_notify_cancel()
 
 
 def _concatenate(slices: list[_Slice]) -> dict[str, np.ndarray]:

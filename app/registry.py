@@ -27,7 +27,7 @@ from typing import Any
 
 from flask import Flask
 
-from app import models
+from app import batcher_broken, models
 from app.batching import Batcher, BatchResult, Tensors, bucket_sizes
 from app.errors import BadRequest, NotFound, Unavailable
 from app.metrics import Metrics
@@ -130,6 +130,7 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
             batching=settings.batching,
             buckets=buckets,
             observer=metrics.observer(config.name),
+            on_broken=batcher_broken,
         )
     log.info("model '%s' v%d from %s loaded in %.2f s (signatures: %s)", config.name, model.version, model.source,
              model.load_s, ", ".join(sorted(model.signatures)))

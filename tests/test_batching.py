@@ -6,12 +6,13 @@ the next ones queue up, so what the following batch holds is decided, not timed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 
 import numpy as np
 import pytest
 
-from app.batching import Batcher, BatchObserver, bucket_sizes
+from app.batching import Batcher, BatchObserver, bucket_sizes, max_predict_calls
 from app.errors import (
     BadRequest,
     BatcherBroken,
@@ -29,9 +30,10 @@ WAIT_S = 10  # upper bound for events that should come at once; never reached wh
 class FakeModel:
     """Records every batch it is called with; y = 10 * x, so rows are traceable."""
 
-    def __init__(self, poison: float | None = None) -> None:
+    def __init__(self, poison: float | None = None, output=lambda x: x * 10) -> None:
         self.calls: list[dict[str, np.ndarray]] = []
         self.poison = poison
+        self.output = output
         self._hold: tuple[threading.Event, threading.Event] | None = None
 
     def hold(self) -> tuple[threading.Event, threading.Event]:
@@ -49,11 +51,15 @@ class FakeModel:
         x = batch["x"]
         if self.poison is not None and (x == self.poison).any():
             raise ValueError(f"poisoned value {self.poison}")
-        return {"y": x * 10}
+        return {"y": self.output(x)}
 
     @property
     def batch_rows(self) -> list[int]:
         return [len(call["x"]) for call in self.calls]
+
+
+class Fatal(BaseException):
+    """Stands for what no `except Exception` catches (e.g. an interpreter-level error)."""
 
 
 def rows(*values: float, width: int = 2) -> dict[str, np.ndarray]:
@@ -287,6 +293,20 @@ def test_cancelled_request_is_skipped(make_batcher, fake):
     assert kept.result(WAIT_S).batch_requests == 1
     assert all(7.0 not in call["x"] for call in fake.calls)
     assert batcher.queued_rows == 0
+    # concurrent.futures.wait() counts a cancelled future as done only once it was notified.
+    assert cancelled in concurrent.futures.wait([cancelled], WAIT_S).done
+
+
+def test_cancelled_request_the_thread_never_reached_is_notified_to_waiters(make_batcher, fake):
+    batcher = make_batcher(max_batch_size=1)
+    first, release = occupy(batcher, fake)
+    taken = batcher.submit(rows(1.0))
+    cancelled = batcher.submit(rows(2.0))
+    assert cancelled.cancel()
+    release.set()
+    taken.result(WAIT_S)  # its batch was full before the cancelled request was looked at
+    assert cancelled in concurrent.futures.wait([cancelled], WAIT_S).done
+    assert fake.batch_rows == [1, 1]
 
 
 def test_full_queue_rejects_at_once_with_retry_after(make_batcher, fake):
@@ -355,16 +375,15 @@ def test_close_without_drain_fails_what_is_queued(make_batcher, fake):
     batcher = make_batcher()
     first, release = occupy(batcher, fake)
     queued = batcher.submit(rows(1.0))
+    cancelled = batcher.submit(rows(2.0))
+    assert cancelled.cancel()
     batcher.close(drain=False, timeout_s=0)
     release.set()
     batcher.close(timeout_s=WAIT_S)
     assert first.result(0).outputs["y"][0, 0] == -10.0
     with pytest.raises(ShuttingDown):
         queued.result(0)
-
-
-class Fatal(BaseException):
-    """Stands for what no `except Exception` catches (e.g. an interpreter-level error)."""
+    assert cancelled in concurrent.futures.wait([cancelled], 0).done
 
 
 def test_thread_death_fails_pending_and_later_requests_at_once(make_batcher, fake):
@@ -417,3 +436,285 @@ def test_observer_sees_batches_padding_depth_and_rejections(make_batcher, fake):
     assert observer.batches == [(1, 1, 0), (3, 2, 1)]
     assert observer.rejections == ["queue_full"]
     assert max(observer.depths) == 3 and observer.depths[-1] == 0
+
+
+# -- nothing the thread calls besides predict strands a request (issue: items 1 and 2) --------
+
+class FailingObserver(BatchObserver):
+    """Every hook raises, as a broken metrics client would."""
+
+    def queue_depth(self, rows: int) -> None:
+        raise RuntimeError("queue_depth hook failed")
+
+    def queue_wait(self, seconds: float) -> None:
+        raise RuntimeError("queue_wait hook failed")
+
+    def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
+        raise RuntimeError("batch_done hook failed")
+
+    def rejected(self, reason: str) -> None:
+        raise RuntimeError("rejected hook failed")
+
+
+def test_failing_observer_hooks_are_logged_once_and_every_request_is_answered(make_batcher, fake, caplog):
+    now = [1000.0]
+    batcher = make_batcher(observer=FailingObserver(), max_queue_rows=4, clock=lambda: now[0])
+    first, release = occupy(batcher, fake)
+    futures = [batcher.submit(rows(float(i))) for i in range(1, 4)]
+    expiring = batcher.submit(rows(9.0), timeout_s=1.0)
+    with pytest.raises(QueueFull):  # the rejected hook raised, the caller still gets its 503
+        batcher.submit(rows(5.0))
+    now[0] += 5.0
+    release.set()
+    assert first.result(WAIT_S).outputs["y"][0, 0] == -10.0
+    assert [f.result(WAIT_S).outputs["y"][0, 0] for f in futures] == [10.0, 20.0, 30.0]
+    with pytest.raises(DeadlineExceeded):
+        expiring.result(WAIT_S)
+    assert batcher.alive and batcher.queued_rows == 0
+    assert batcher.submit(rows(4.0)).result(WAIT_S).outputs["y"][0, 0] == 40.0
+    failed = sorted(r.getMessage().split()[2] for r in caplog.records if "observer hook" in r.getMessage())
+    assert failed == ["batch_done", "queue_depth", "queue_wait", "rejected"]
+
+
+class DyingObserver(BatchObserver):
+    """Its queue_wait raises Fatal on the given call: the thread dies while a batch is being formed."""
+
+    def __init__(self, on_call: int) -> None:
+        self.calls = 0
+        self.on_call = on_call
+
+    def queue_wait(self, seconds: float) -> None:
+        self.calls += 1
+        if self.calls == self.on_call:
+            raise Fatal("observer killed the batch thread")
+
+
+def test_thread_killed_while_a_batch_forms_answers_every_request_taken(make_batcher, fake):
+    broken: list[tuple[Batcher, list[bool]]] = []
+    futures: list[concurrent.futures.Future] = []
+    batcher = make_batcher(observer=DyingObserver(on_call=3), max_batch_size=4,
+                           on_broken=lambda b: broken.append((b, [f.done() for f in futures])))
+    first, release = occupy(batcher, fake)
+    # The next batch takes four narrow rows (its second start kills the thread), one narrow
+    # request stays in the backlog for lack of room, a wide one waits for its own batch.
+    futures += [batcher.submit(rows(float(i))) for i in range(5)]
+    futures.append(batcher.submit(rows(7.0, width=3)))
+    release.set()
+    first.result(WAIT_S)
+    for future in futures:
+        with pytest.raises(BatcherBroken, match="batch thread died"):
+            future.result(WAIT_S)
+    assert fake.batch_rows == [1]
+    assert broken == [(batcher, [True] * 6)]  # called once, after every request was answered
+    assert batcher.broken and not batcher.alive
+    assert batcher.queued_rows == 0
+
+
+def test_output_that_cannot_be_rejoined_fails_only_its_request(make_batcher):
+    # A model whose output width follows the batch: the two parts of a split request do not join.
+    model = FakeModel(output=lambda x: np.repeat(x[:, :1] * 10, len(x), axis=1))
+    batcher = make_batcher(predict_fn=model, max_batch_size=4)
+    first, release = occupy(batcher, model)
+    split = batcher.submit(rows(1.0, 2.0, 3.0, 4.0, 5.0))
+    neighbour = batcher.submit(rows(6.0))
+    release.set()
+    with pytest.raises(PredictFailed, match="do not join"):
+        split.result(WAIT_S)
+    # The neighbour shared the split request's last batch (2 rows) and gets its own row of it.
+    assert neighbour.result(WAIT_S).outputs["y"].tolist() == [[60.0, 60.0]]
+    assert model.batch_rows == [1, 4, 2]
+    assert batcher.alive
+    assert batcher.submit(rows(7.0)).result(WAIT_S).outputs["y"].tolist() == [[70.0]]
+
+
+def test_thread_death_calls_on_broken_once_and_liveness_says_so(make_batcher, fake):
+    calls: list[Batcher] = []
+
+    def dying(batch):
+        raise Fatal("boom")
+
+    batcher = make_batcher(predict_fn=dying, on_broken=calls.append)
+    assert not batcher.broken
+    with pytest.raises(BatcherBroken):
+        batcher.submit(rows(1.0)).result(WAIT_S)
+    batcher._thread.join(WAIT_S)
+    assert calls == [batcher] and batcher.broken
+
+
+def test_a_closed_batcher_is_not_broken(make_batcher):
+    batcher = make_batcher()
+    batcher.close(timeout_s=WAIT_S)
+    assert not batcher.alive and not batcher.broken
+
+
+# -- races (item 4) --------------------------------------------------------------------------
+
+class LockCheckingObserver(BatchObserver):
+    """Records each queue depth and whether the batcher's lock was held while it was reported."""
+
+    def __init__(self) -> None:
+        self.batcher: Batcher | None = None
+        self.depths: list[tuple[int, bool]] = []
+
+    def queue_depth(self, rows: int) -> None:
+        lock = self.batcher._lock
+        free = lock.acquire(blocking=False)
+        if free:
+            lock.release()
+        self.depths.append((rows, not free))
+
+
+def test_queue_depth_is_reported_under_the_lock_and_ends_at_zero(make_batcher, fake):
+    # Reported outside the lock, a submit's "1" could land after the batch thread's "0": the
+    # gauge would show a queue on an idle server. While the model is held, the test's own
+    # thread is the only one near the lock, so a report made outside it is seen as such.
+    observer = LockCheckingObserver()
+    batcher = make_batcher(observer=observer)
+    observer.batcher = batcher
+    first, release = occupy(batcher, fake)
+    futures = [batcher.submit(rows(float(i), float(i))) for i in range(3)]
+    release.set()
+    for future in [first, *futures]:
+        future.result(WAIT_S)
+    assert all(held for _, held in observer.depths), observer.depths
+    assert [rows for rows, _ in observer.depths][:5] == [1, 0, 2, 4, 6]
+    assert observer.depths[-1] == (0, True) and batcher.queued_rows == 0
+
+
+def test_close_without_drain_stops_a_drain_that_timed_out(make_batcher, fake):
+    batcher = make_batcher(max_batch_size=1)
+    first, release = occupy(batcher, fake)
+    queued = [batcher.submit(rows(float(i))) for i in range(3)]
+    batcher.close(drain=True, timeout_s=0)  # the drain times out: the model is still held
+    batcher.close(drain=False, timeout_s=0)  # escalate: what is not running yet fails now
+    release.set()
+    batcher.close(timeout_s=WAIT_S)
+    assert first.result(0).outputs["y"][0, 0] == -10.0
+    for future in queued:
+        with pytest.raises(ShuttingDown):
+            future.result(0)
+    assert fake.batch_rows == [1]
+    assert batcher.queued_rows == 0
+
+
+def test_predict_keeps_an_answer_that_lands_just_after_its_timeout(make_batcher, fake):
+    batcher = make_batcher(clock=lambda: 1000.0)  # the batch thread never sees the deadline pass
+    first, release = occupy(batcher, fake)
+    submit = batcher.submit
+
+    def submit_answered_late(inputs, **kwargs):
+        future = submit(inputs, **kwargs)
+        cancel = future.cancel
+
+        def cancel_after_the_answer():
+            # predict() timed out and is about to give up: the answer lands right now.
+            release.set()
+            concurrent.futures.wait([future], WAIT_S)
+            return cancel()
+
+        future.cancel = cancel_after_the_answer
+        return future
+
+    batcher.submit = submit_answered_late
+    result = batcher.predict(rows(7.0), timeout_s=0.01)
+    assert result.outputs["y"][0, 0] == 70.0
+    first.result(WAIT_S)
+
+
+def test_predict_timing_out_on_a_running_request_answers_504_and_discards_the_result(make_batcher, fake):
+    observer = RecordingObserver()
+    batcher = make_batcher(observer=observer, clock=lambda: 1000.0)
+    started, release = fake.hold()
+    with pytest.raises(DeadlineExceeded):
+        batcher.predict(rows(7.0), timeout_s=0.01)  # the predict call started and is held
+    assert started.is_set()
+    release.set()
+    assert batcher.submit(rows(8.0)).result(WAIT_S).outputs["y"][0, 0] == 80.0
+    assert observer.rejections == ["deadline"]
+
+
+# -- fairness and retry bounds (item 5) -----------------------------------------------------
+
+def test_request_over_max_request_rows_is_refused_while_the_queue_has_room(make_batcher, fake):
+    batcher = make_batcher(max_queue_rows=16, max_request_rows=4)
+    with pytest.raises(PayloadTooLarge, match="at most 4 rows per request"):
+        batcher.submit(rows(*range(5)))
+    first, release = occupy(batcher, fake)
+    accepted = [batcher.submit(rows(*range(4))) for _ in range(4)]  # 16 rows fill the queue
+    assert batcher.queued_rows == 16
+    release.set()
+    assert [f.result(WAIT_S).outputs["y"][:, 0].tolist() for f in accepted] == [[0, 10, 20, 30]] * 4
+
+
+def test_max_request_rows_defaults_to_and_is_capped_by_the_queue(make_batcher):
+    assert make_batcher(max_queue_rows=8).max_request_rows == 8
+    assert make_batcher(max_queue_rows=8, max_request_rows=100).max_request_rows == 8
+
+
+def test_bisection_stops_at_the_requests_deadline(make_batcher, fake):
+    now = [1000.0]
+
+    def failing_slowly(batch):
+        result = fake(batch)
+        if len(fake.calls) == 1:
+            return result  # occupy's call
+        now[0] += 10.0  # each call outlasts every deadline below
+        raise ValueError("model always fails")
+
+    batcher = make_batcher(predict_fn=failing_slowly, clock=lambda: now[0], max_batch_size=8)
+    first, release = occupy(batcher, fake)
+    futures = [batcher.submit(rows(float(i)), timeout_s=5.0) for i in range(8)]
+    release.set()
+    first.result(WAIT_S)
+    for future in futures:
+        with pytest.raises(DeadlineExceeded):
+            future.result(WAIT_S)
+    assert fake.batch_rows == [1, 8]  # one failed call of all eight, no bisection past the deadline
+
+
+def test_always_failing_model_makes_a_bounded_number_of_predict_calls(make_batcher):
+    model = FakeModel(poison=0.0)
+    batcher = make_batcher(predict_fn=model, max_batch_size=32)
+    first, release = occupy(batcher, model)
+    futures = [batcher.submit(rows(0.0)) for _ in range(32)]
+    release.set()
+    for future in futures:
+        with pytest.raises(PredictFailed, match="poisoned"):
+            future.result(WAIT_S)
+    assert max_predict_calls(32) == 21
+    assert len(model.calls) == 1 + 21  # not 1 + 63, one call per node of the whole bisection tree
+
+
+def test_two_poisoned_requests_in_a_full_batch_fail_alone_within_the_budget(make_batcher):
+    model = FakeModel(poison=666.0)
+    batcher = make_batcher(predict_fn=model, max_batch_size=32)
+    first, release = occupy(batcher, model)
+    values = [666.0 if i in (3, 29) else float(i) for i in range(32)]
+    futures = [batcher.submit(rows(v)) for v in values]
+    release.set()
+    for future, value in zip(futures, values):
+        if value == 666.0:
+            with pytest.raises(PredictFailed, match="poisoned"):
+                future.result(WAIT_S)
+        else:
+            assert future.result(WAIT_S).outputs["y"][0, 0] == value * 10
+    assert len(model.calls) - 1 <= max_predict_calls(32)
+
+
+def test_cancelled_and_timed_out_rows_stop_counting_at_once(make_batcher, fake):
+    batcher = make_batcher(max_queue_rows=4)
+    first, release = occupy(batcher, fake)
+    cancelled = batcher.submit(rows(1.0, 2.0, 3.0))
+    with pytest.raises(QueueFull):
+        batcher.submit(rows(4.0, 5.0))
+    assert cancelled.cancel()
+    assert batcher.queued_rows == 0  # the model is still held: the thread has not seen it
+    with pytest.raises(DeadlineExceeded):
+        batcher.predict(rows(6.0, 7.0, 8.0, 9.0), timeout_s=0.01)
+    assert batcher.queued_rows == 0
+    accepted = batcher.submit(rows(4.0, 5.0))
+    assert batcher.queued_rows == 2
+    release.set()
+    assert accepted.result(WAIT_S).outputs["y"][:, 0].tolist() == [40.0, 50.0]
+    assert batcher.queued_rows == 0
+    assert fake.batch_rows == [1, 2]

@@ -180,3 +180,18 @@ def test_real_prometheus_scrapes_request_and_batch_series_from_two_workers(start
     # Every query of the Grafana dashboard is valid PromQL for this Prometheus.
     for expr in dashboard_exprs():
         query(prometheus_url, expr.replace("$__rate_interval", "1m"))
+
+
+def test_padding_and_queue_wait_read_from_a_live_server_are_exact(start_server, exact_model_path):
+    # One request of 3 rows, alone in its 300 ms batch window: it waits out the window (the
+    # batch thread times its wait, so at least 0.3 s) and runs padded to the 4-row bucket.
+    server = start_server({"MODEL_PATH": str(exact_model_path), "MAX_BATCH_SIZE": "8", "BATCH_TIMEOUT_MS": "300"})
+    assert server.predict(integer_rows(3)).status_code == 200
+    found = samples(server)
+    assert value(found, "model_server_padding_rows_total", model="default") == 1
+    assert value(found, "model_server_batch_size_rows_sum", model="default") == 3
+    assert value(found, "model_server_queue_wait_seconds_count", model="default") == 1
+    assert value(found, "model_server_queue_wait_seconds_sum", model="default") >= 0.3
+    assert value(found, "model_server_queue_wait_seconds_bucket", model="default", le="0.25") == 0
+    assert value(found, "model_server_queue_wait_seconds_bucket", model="default", le="+Inf") == 1
+    assert value(found, "model_server_queue_rows", model="default") == 0

@@ -1,0 +1,103 @@
+"""Live workers whose batch thread dies, and the app's own drain when Gunicorn does not wait.
+
+Real `gunicorn` processes on loopback serving the exact model (integer weights: every 200
+is compared with the model's own output, value for value).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+
+import numpy as np
+import psutil
+import requests
+
+from tests.conftest import integer_rows
+
+TEST_HOOKS = ("-c", "tests/gunicorn_test_hooks.py")
+CLIENT_TIMEOUT_S = 60  # far above REQUEST_TIMEOUT_MS: a request the server forgot shows as a timeout
+
+
+def readyz(server) -> requests.Response:
+    return requests.get(server.url + "/readyz", timeout=CLIENT_TIMEOUT_S)
+
+
+def exact(answer: requests.Response, rows: np.ndarray, model) -> bool:
+    return answer.status_code == 200 and answer.json()["predictions"] == model(rows).numpy().tolist()
+
+
+def test_worker_whose_batch_thread_dies_answers_everyone_and_is_replaced(start_server, exact_model_path,
+                                                                          exact_model):
+    server = start_server({"MODEL_PATH": str(exact_model_path), "REQUEST_TIMEOUT_MS": "10000",
+                           "HOLD_REPLACEMENT": "1"}, args=TEST_HOOKS)
+    first_pid = readyz(server).json()["pid"]
+    assert exact(server.predict(integer_rows(2)), integer_rows(2), exact_model)
+
+    psutil.Process(first_pid).send_signal(signal.SIGUSR2)
+    # The next request wakes the batch thread, which dies at once: every request it holds,
+    # queued or arriving, gets an answer, none waits for its deadline.
+    bodies = [integer_rows(1 + i % 3, seed=i) for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        started = time.monotonic()
+        answers = list(pool.map(lambda rows: server.predict(rows, timeout=CLIENT_TIMEOUT_S), bodies))
+        took_s = time.monotonic() - started
+    statuses = [answer.status_code for answer in answers]
+    assert set(statuses) <= {200, 503}, statuses
+    for answer, rows in zip(answers, bodies):
+        if answer.status_code == 200:  # served before the thread woke to its death
+            assert exact(answer, rows, exact_model)
+        else:
+            assert "batch thread died" in answer.json()["error"]
+            assert answer.headers["Retry-After"] == "1"
+    refused = server.predict(integer_rows(1))  # the worker is held broken: later requests too
+    assert refused.status_code == 503 and "batch thread died" in refused.json()["error"]
+    print(f"6 requests around the thread's death: statuses {statuses}, all answered within {took_s:.2f} s")
+
+    # Held (HOLD_REPLACEMENT) before it goes: readiness and liveness both say so.
+    broken_ready = readyz(server)
+    assert broken_ready.status_code == 503
+    assert broken_ready.json()["pid"] == first_pid and broken_ready.json()["ready"] is False
+    assert broken_ready.json()["models"]["default"]["alive"] is False
+    broken_live = requests.get(server.url + "/healthz", timeout=CLIENT_TIMEOUT_S)
+    assert broken_live.status_code == 503 and "default" in broken_live.json()["error"]
+
+    # Let the worker's own request to be replaced go: it stops, and Gunicorn starts a fresh one.
+    let_go_at = time.monotonic()
+    psutil.Process(first_pid).send_signal(signal.SIGRTMIN)
+    psutil.Process(first_pid).wait(CLIENT_TIMEOUT_S)  # the worker exits (not our child: no status)
+    new_pids = server.wait_ready(workers=1, within_s=120)
+    print(f"replacement ready {time.monotonic() - let_go_at:.1f} s after the broken worker was let go")
+    assert first_pid not in new_pids
+    assert requests.get(server.url + "/healthz", timeout=CLIENT_TIMEOUT_S).status_code == 200
+    for seed in range(5):
+        rows = integer_rows(1 + seed, seed=100 + seed)
+        assert exact(server.predict(rows), rows, exact_model)
+    assert "batch thread of model 'default' died" in server.log()
+
+
+def test_quick_shutdown_answers_a_request_held_in_its_batch_window(start_server, exact_model_path, exact_model):
+    """SIGINT to the master is Gunicorn's quick shutdown: each worker gets SIGQUIT and exits at
+    once, without the graceful wait for open connections. Only the app's own drain, in
+    worker_exit, can answer the request that sits in its batch window: closing the batcher
+    runs the forming batch at once. Without that drain the request would wait for its window
+    (20 s), past its deadline (10 s), and get 504.
+    """
+    server = start_server({"MODEL_PATH": str(exact_model_path), "BATCH_TIMEOUT_MS": "20000",
+                           "GRACEFUL_TIMEOUT": "60", "REQUEST_TIMEOUT_MS": "10000", "MAX_BATCH_SIZE": "8"})
+    rows = integer_rows(2, seed=3)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(server.predict, rows, timeout=CLIENT_TIMEOUT_S)
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S
+        while "model_server_queue_rows{model=\"default\"} 2.0" not in requests.get(
+                server.url + "/metrics", timeout=CLIENT_TIMEOUT_S).text:
+            assert time.monotonic() < deadline and not waiting.done()
+        stopped_at = time.monotonic()
+        server.send(signal.SIGINT)
+        answer = waiting.result(CLIENT_TIMEOUT_S)
+    answered_s = time.monotonic() - stopped_at
+    assert exact(answer, rows, exact_model), (answer.status_code, answer.text)
+    assert answer.headers["X-Batch-Requests"] == "1"
+    assert server.proc.wait(CLIENT_TIMEOUT_S) == 0
+    print(f"quick shutdown: the request held in its window answered {answered_s:.2f} s after SIGINT")
