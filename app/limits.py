@@ -32,7 +32,7 @@ from typing import Any
 from flask import Flask, request
 
 from app.errors import BadRequest, PayloadTooLarge, ServingError, Unavailable
-from app.models import STRING, LoadedModel
+from app.models import STRING, LoadedModel, Signature
 from app.registry import ModelRegistry
 from app.settings import Settings
 
@@ -60,8 +60,8 @@ UNBOUNDED_INPUT_BYTES = 16 * 1024 * 1024
 REFUSAL_KEY = "model_server.body_refused"
 
 
-def derived_max_request_bytes(model: LoadedModel, max_rows: int) -> int:
-    """The largest body a valid request to `model` can need, at most `max_rows` rows."""
+def derived_max_request_bytes(model: LoadedModel | Signature, max_rows: int) -> int:
+    """The largest body a valid request to `model` (or one signature) can need, at most `max_rows` rows."""
     per_row = 0
     for spec in model.inputs:
         if spec.dtype == STRING or any(dim is None for dim in spec.shape):
@@ -255,8 +255,10 @@ def max_request_bytes(settings: Settings, registry: ModelRegistry) -> int:
     """MAX_REQUEST_BYTES, or derived from the models loaded at start (a later version keeps it)."""
     if settings.max_request_bytes:
         return settings.max_request_bytes
-    return max(derived_max_request_bytes(servable.model, servable.batcher.max_request_rows)
-               for _, servable in registry.items())
+    # Every signature of every version served: :classify and other signatures take bodies too.
+    return max(derived_max_request_bytes(servable.model.signatures[key], batcher.max_request_rows)
+               for servable in registry.servables()
+               for key, batcher in servable.batchers.items())
 
 
 def init_app(app: Flask, settings: Settings, registry: ModelRegistry) -> BodyLimits:

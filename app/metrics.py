@@ -82,13 +82,18 @@ class _ModelObserver(BatchObserver):
         self._predict = metrics.predict_seconds.labels(model)
         self._rejections = metrics.rejections
         self._model = model
+        self._reported_rows = 0
         # Every reason's series exists from the start, at 0: dashboards show 0 rather than
         # "No data", and rate() and increase() count the very first rejection.
         for reason in ("queue_full", "deadline", "shutting_down"):
             metrics.rejections.labels(model, reason)
 
     def queue_depth(self, rows: int) -> None:
-        self._queue_rows.set(rows)
+        # Each batcher has its own observer, but a model's versions and signatures share one
+        # series: each adds its change, so the gauge is their sum, not the last one to write.
+        # The batcher calls this under its own lock, so its changes arrive in order.
+        delta, self._reported_rows = rows - self._reported_rows, rows
+        self._queue_rows.inc(delta)
 
     def queue_wait(self, seconds: float) -> None:
         self._queue_wait.observe(seconds)

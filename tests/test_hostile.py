@@ -12,14 +12,16 @@ import re
 import socket
 import string
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import orjson
 import pytest
 import requests
 
-from app.limits import derived_max_request_bytes
+from app.limits import derived_max_request_bytes, max_request_bytes
 from app.models import STRING, LoadedModel, TensorInfo
+from app.settings import Settings
 from tests.conftest import FEATURES, Server, integer_rows
 from tests.test_reliability import POISON, expected_scores, save_guarded_model
 
@@ -132,6 +134,23 @@ def test_derived_limit_sums_the_inputs_and_falls_back_where_a_signature_has_no_b
     free = TensorInfo("tokens", (None,), np.dtype("int32"), "DT_INT32")
     assert derived_max_request_bytes(signature_model(ids, text), 10) == 16 * 1024 * 1024
     assert derived_max_request_bytes(signature_model(free), 10) == 16 * 1024 * 1024
+
+
+def test_derived_limit_covers_every_signature_of_every_version():
+    """A :classify signature takes serialized examples (strings): its bodies have no bound."""
+    ids = TensorInfo("ids", (5,), np.dtype("int64"), "DT_INT64")
+    examples = TensorInfo("examples", (), STRING, "DT_STRING")
+
+    def servable(version, **signatures):
+        model = SimpleNamespace(signatures={key: signature_model(*inputs) for key, inputs in signatures.items()})
+        return SimpleNamespace(model=model, batchers={key: SimpleNamespace(max_request_rows=10) for key in signatures})
+
+    registry = SimpleNamespace(servables=lambda: [servable(1, serving_default=[ids]),
+                                                  servable(2, serving_default=[ids], classify=[examples])])
+    assert max_request_bytes(Settings(), registry) == 16 * 1024 * 1024
+    registry = SimpleNamespace(servables=lambda: [servable(1, serving_default=[ids])])
+    assert max_request_bytes(Settings(), registry) == 10 * (5 * 32 + len("ids") + 8) + 64 * 1024
+    assert max_request_bytes(Settings(max_request_bytes=1000), registry) == 1000
 
 
 def test_large_body_waits_for_a_slot_then_gets_503(server, exact_model):

@@ -195,3 +195,21 @@ def test_padding_and_queue_wait_read_from_a_live_server_are_exact(start_server, 
     assert value(found, "model_server_queue_wait_seconds_bucket", model="default", le="0.25") == 0
     assert value(found, "model_server_queue_wait_seconds_bucket", model="default", le="+Inf") == 1
     assert value(found, "model_server_queue_rows", model="default") == 0
+
+
+def test_queue_rows_of_a_model_add_up_over_its_batchers():
+    """A model's versions and signatures each have a batcher, all reporting under one label."""
+    from prometheus_client import CollectorRegistry
+
+    from app.metrics import Metrics
+
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    v1, v2 = metrics.observer("m"), metrics.observer("m")
+    v1.queue_depth(5)
+    v2.queue_depth(3)
+    v1.queue_depth(2)
+    assert registry.get_sample_value("model_server_queue_rows", {"model": "m"}) == 5
+    v1.queue_depth(0)
+    v2.queue_depth(0)
+    assert registry.get_sample_value("model_server_queue_rows", {"model": "m"}) == 0
