@@ -61,9 +61,13 @@ def configure_logging(level: str, fmt: str = "text") -> None:
     logging.getLogger("app").setLevel(level)
 
 
-def _request_id() -> str:
-    given = request.headers.get(REQUEST_ID_HEADER, "")
+def accept_request_id(given: str) -> str:
+    """The client's request id when it is a sane token, a new one otherwise (HTTP and gRPC)."""
     return given if _SANE_ID.match(given) else uuid.uuid4().hex
+
+
+def _request_id() -> str:
+    return accept_request_id(request.headers.get(REQUEST_ID_HEADER, ""))
 
 
 def _start() -> None:
