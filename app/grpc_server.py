@@ -371,6 +371,8 @@ def serve_in_worker(worker: Any) -> GrpcServer:
             gunicorn_handler(signum, frame)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    # As Gunicorn has it: SIGTERM does not interrupt the system calls of requests in flight.
+    signal.siginterrupt(signal.SIGTERM, False)
     return server
 
 

@@ -620,7 +620,7 @@ def test_health_turns_not_serving_and_predict_unavailable_once_the_batchers_stop
 # -- several workers, and SIGTERM ---------------------------------------------------------------
 
 
-def test_every_worker_serves_grpc_on_the_one_port(start_server, exact_model_path, exact_model):
+def test_every_worker_serves_grpc_on_the_one_port_and_the_master_never_imports_grpc(start_server, exact_model_path, exact_model):
     server = start_server({"MODEL_PATH": str(exact_model_path), "LOG_FORMAT": "json", "MODEL_POLL_SECONDS": "0"},
                           workers=2)
     workers = set(server.wait_ready(workers=2))
@@ -640,6 +640,11 @@ def test_every_worker_serves_grpc_on_the_one_port(start_server, exact_model_path
             break
 
     assert set(pids.values()) == workers
+    # grpc lives in the workers only: its threads would not survive the master's forks.
+    with open(f"/proc/{server.proc.pid}/maps") as maps:
+        assert "cygrpc" not in maps.read()
+    with open(f"/proc/{next(iter(workers))}/maps") as maps:
+        assert "cygrpc" in maps.read()
 
 
 def test_sigterm_under_grpc_load_answers_every_accepted_call(start_server, exact_model_path, exact_model):
