@@ -1,4 +1,5 @@
-"""HTTP routes: predict (a shortcut and TensorFlow Serving's URLs) and health."""
+"""HTTP routes: predict (a shortcut and TensorFlow Serving's URLs, by version or label),
+classify and regress, model status and metadata, and health."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import orjson
 from flask import Blueprint, Flask, Response, current_app, g, request
 from werkzeug.routing import BaseConverter
 
-from app import codec, metadata, runtime
-from app.errors import UnsupportedMediaType
+from app import classify, codec, metadata, models, runtime
+from app.batching import BatchResult
+from app.errors import BadRequest
 from app.registry import Servable, get_registry
 from app.settings import MODEL_NAME_PATTERN
 
@@ -25,20 +27,43 @@ def _json(body: bytes, status: int = 200, headers: dict[str, str] | None = None)
     return Response(body, status=status, mimetype="application/json", headers=headers)
 
 
-def _predict(servable: Servable) -> Response:
+def _predict(servable: Servable, *, pinned: bool = False) -> Response:
     """Parse, queue, wait, answer: the request thread never touches TensorFlow."""
-    if request.mimetype != "application/json":
-        raise UnsupportedMediaType(
-            f"send the body as JSON with 'Content-Type: application/json' (got {request.mimetype or 'none'!r})"
-        )
     g.model = servable.model.name
-    inputs, fmt = codec.decode_request(request.get_data(cache=False), servable.model)
+    # Like TensorFlow Serving, the body is JSON whatever its Content-Type says.
+    parsed = codec.parse_request(request.get_data(cache=False), max_rows=servable.batcher.max_request_rows)
+    signature = servable.signature(parsed.signature_name)
+    inputs = codec.decode_inputs(parsed, signature)
     g.rows = next(iter(inputs.values())).shape[0]
-    settings = current_app.extensions["settings"]
-    servable, result = get_registry(current_app).predict(servable, inputs,
-                                                         timeout_s=settings.request_timeout_ms / 1000.0)
+    servable, result = get_registry(current_app).predict(servable, inputs, timeout_s=_timeout_s(),
+                                                         signature_name=signature.name, pinned=pinned)
+    body = codec.encode_response(result.outputs, servable.signature(signature.name), parsed)
+    return _answer(servable, result, body)
+
+
+def _classify_or_regress(servable: Servable, method: str, *, pinned: bool = False) -> Response:
+    g.model = servable.model.name
+    signature_name, examples = classify.parse(request.get_data(cache=False), method,
+                                              max_rows=servable.batcher.max_request_rows)
+    if not signature_name and models.DEFAULT_SIGNATURE not in servable.model.signatures:
+        signature_name = servable.model.default_signature
+    if signature_name and signature_name not in servable.model.signatures:
+        # TF Serving's words (servables/tensorflow/classifier.cc, regressor.cc).
+        raise BadRequest(f"No signature was found with the name: {signature_name}")
+    signature = servable.signature(signature_name)
+    input_name = classify.check_signature(signature, method)
+    g.rows = len(examples)
+    servable, result = get_registry(current_app).predict(servable, {input_name: examples}, timeout_s=_timeout_s(),
+                                                         signature_name=signature.name, pinned=pinned)
+    return _answer(servable, result, classify.encode(result.outputs, method, len(examples)))
+
+
+def _timeout_s() -> float:
+    return current_app.extensions["settings"].request_timeout_ms / 1000.0
+
+
+def _answer(servable: Servable, result: BatchResult, body: bytes) -> Response:
     g.batch_rows, g.batch_requests = result.batch_rows, result.batch_requests
-    body = codec.encode_response(result.outputs, servable.model, fmt)
     return _json(body, headers={
         "X-Batch-Size": str(result.batch_rows),
         "X-Batch-Requests": str(result.batch_requests),
@@ -58,25 +83,43 @@ def predict_model(name: str) -> Response:
 
 @bp.post("/v1/models/<model_name:name>/versions/<int:version>:predict")
 def predict_version(name: str, version: int) -> Response:
-    return _predict(get_registry(current_app).get(name, version))
+    return _predict(get_registry(current_app).get(name, version), pinned=True)
+
+
+@bp.post("/v1/models/<model_name:name>/labels/<model_name:label>:predict")
+def predict_label(name: str, label: str) -> Response:
+    return _predict(get_registry(current_app).get(name, label=label), pinned=True)
+
+
+def _tf_example_route(method: str):
+    """:classify or :regress, by model, version or label."""
+    def route(name: str, version: int | None = None, label: str | None = None) -> Response:
+        servable = get_registry(current_app).get(name, version, label=label)
+        return _classify_or_regress(servable, method, pinned=version is not None or label is not None)
+
+    route.__name__ = method
+    for prefix in ("/v1/models/<model_name:name>", "/v1/models/<model_name:name>/versions/<int:version>",
+                   "/v1/models/<model_name:name>/labels/<model_name:label>"):
+        bp.post(f"{prefix}:{method}")(route)
+
+
+_tf_example_route(classify.CLASSIFY)
+_tf_example_route(classify.REGRESS)
 
 
 @bp.get("/v1/models/<model_name:name>")
 @bp.get("/v1/models/<model_name:name>/versions/<int:version>")
-def model_status(name: str, version: int | None = None) -> Response:
-    servable = get_registry(current_app).get(name, version)
-    status = {
-        "version": str(servable.model.version),
-        "state": "AVAILABLE" if servable.batcher.alive else "UNKNOWN",
-        "status": {"error_code": "OK", "error_message": ""},
-    }
-    return _json(orjson.dumps({"model_version_status": [status]}))
+@bp.get("/v1/models/<model_name:name>/labels/<model_name:label>")
+def model_status(name: str, version: int | None = None, label: str | None = None) -> Response:
+    statuses = get_registry(current_app).model_status(name, version, label=label)
+    return _json(orjson.dumps({"model_version_status": statuses}))
 
 
 @bp.get("/v1/models/<model_name:name>/metadata")
 @bp.get("/v1/models/<model_name:name>/versions/<int:version>/metadata")
-def model_metadata(name: str, version: int | None = None) -> Response:
-    return _json(orjson.dumps(metadata.describe(get_registry(current_app).get(name, version).model)))
+@bp.get("/v1/models/<model_name:name>/labels/<model_name:label>/metadata")
+def model_metadata(name: str, version: int | None = None, label: str | None = None) -> Response:
+    return _json(orjson.dumps(metadata.describe(get_registry(current_app).get(name, version, label=label).model)))
 
 
 @bp.get("/healthz")

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from app.errors import (
+    BadRequest,
     BatcherBroken,
     DeadlineExceeded,
     InvalidInput,
@@ -451,7 +452,8 @@ def _check_outputs(outputs: Mapping[str, Any], rows: int) -> dict[str, np.ndarra
     for name, value in outputs.items():
         arr = np.asarray(value)
         if arr.ndim == 0 or arr.shape[0] != rows:
-            raise PredictFailed(
+            # A 400, as TF Serving answers outputs of different batch sizes (util/json_tensor.cc).
+            raise BadRequest(
                 f"output '{name}' has shape {arr.shape} for a batch of {rows} rows; "
                 "every output must have one row per input row"
             )

@@ -3,27 +3,61 @@
 Row format: {"instances": [row, ...]}, each row a value of the input's per-row shape,
 or, for several inputs, an object keyed by input name. Answer: {"predictions": [...]}.
 Columnar format: {"inputs": tensor} or {"inputs": {name: tensor}}. Answer: {"outputs": ...}.
-String inputs take plain strings or {"b64": "..."}; binary outputs answer as {"b64": "..."}.
+String inputs take plain strings or {"b64": "..."}; string outputs whose name ends in
+`_bytes` always answer as {"b64": "..."}, others as text ({"b64": ...} when not UTF-8).
+Floats may be NaN, Infinity and -Infinity both ways, as TensorFlow Serving reads and
+writes them (its util/json_tensor.cc).
 
-The fast path hands the whole list to numpy at once; only when that fails does a slower
-walk find the first offending row, so that the 400 says what is wrong and where.
+Two steps, so that a request costs no more than a valid one could: `parse_request` reads
+the JSON and refuses too many rows before any array is built; `decode_inputs` checks the
+first row's shape against the signature before numpy reads the rest. The fast path hands
+the whole list to numpy at once; only when that fails does a slower walk find the first
+offending row, and that walk gives up after MAX_SCAN values, so a bad body costs bounded
+work too.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
+import json
+import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
 
-from app.errors import BadRequest, InvalidInput
+from app.errors import BadRequest, InvalidInput, PayloadTooLarge
 from app.models import STRING, LoadedModel, TensorInfo
 
 ROW = "row"
 COLUMNAR = "columnar"
+DEFAULT_SIGNATURE = "serving_default"
+BYTES_SUFFIX = "_bytes"  # TF Serving's mark of a binary string output (borrowed from Cloud ML Engine)
+MAX_SCAN = 100_000  # values an error description looks at before it stops and says so
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+    """A predict body read as JSON and checked for its form, before any array is built."""
+
+    payload: Any  # the value of 'instances' (ROW) or 'inputs' (COLUMNAR)
+    format: str
+    signature_name: str
+    rows: int
+    # numpy reads [true, 2] as [1, 2]: look for booleans only when the body could hold one.
+    booleans: bool = True
+    # Set by decode_inputs: rows of scalars were given for an input declared [-1, 1].
+    scalar_rows: bool = False
+
+
+class TensorSpecs(Protocol):
+    """What the codec needs of a model or one of its signatures."""
+
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
 
 
 def parse_json(body: bytes) -> Any:
@@ -32,14 +66,26 @@ def parse_json(body: bytes) -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        if b"NaN" not in body and b"Infinity" not in body:
+            raise BadRequest(f"malformed JSON: {exc}") from None
+    # orjson keeps to RFC 8259; TF Serving's parser (rapidjson, kParseNanAndInfFlag) also
+    # reads NaN, Infinity and -Infinity. Python's json does too, more slowly: only for such bodies.
+    try:
+        return json.loads(body.decode(), parse_float=_finite_float)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadRequest(f"malformed JSON: {exc}") from None
 
 
-def decode_request(body: bytes, model: LoadedModel) -> tuple[dict[str, np.ndarray], str]:
-    """Parse a predict body into one array per model input, and say which format it used."""
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # '1e400' is too big for a double; only the token 'Infinity' means infinity
+        raise ValueError(f"number {text[:40]} is too big for a double")
+    return value
+
+
+def parse_request(body: bytes, *, max_rows: int | None = None) -> ParsedRequest:
+    """Read a predict body (JSON whatever its Content-Type) and refuse, before decoding, more rows than max_rows."""
     payload = parse_json(body)
-    # numpy reads [true, 2] as [1, 2]: look for booleans only when the body could hold one.
-    booleans = b"true" in body or b"false" in body
     if not isinstance(payload, dict):
         raise BadRequest(f"the request body must be a JSON object, not {_json_type(payload)}")
     has_rows, has_columns = "instances" in payload, "inputs" in payload
@@ -47,51 +93,110 @@ def decode_request(body: bytes, model: LoadedModel) -> tuple[dict[str, np.ndarra
         raise BadRequest("give either 'instances' (row format) or 'inputs' (columnar format), not both")
     if not has_rows and not has_columns:
         raise BadRequest("the request body needs 'instances' (row format) or 'inputs' (columnar format)")
-    signature_name = payload.get("signature_name", "serving_default")
-    if signature_name != "serving_default":
-        raise BadRequest(f"unknown signature_name {signature_name!r}; this model serves 'serving_default'")
-    if has_rows:
-        return _decode_rows(payload["instances"], model, booleans), ROW
-    return _decode_columns(payload["inputs"], model, booleans), COLUMNAR
+    signature_name = payload.get("signature_name", "")
+    if not isinstance(signature_name, str):
+        raise BadRequest(f"'signature_name' must be a string, not {_json_type(signature_name)}")
+    value = payload["instances"] if has_rows else payload["inputs"]
+    rows = _count_rows(value)
+    if max_rows is not None and rows > max_rows:
+        raise PayloadTooLarge(
+            f"the request holds {rows} rows; this model takes at most {max_rows} rows per request (MAX_REQUEST_ROWS)"
+        )
+    return ParsedRequest(value, ROW if has_rows else COLUMNAR, signature_name or DEFAULT_SIGNATURE, rows,
+                         booleans=b"true" in body or b"false" in body)
 
 
-def _decode_rows(instances: Any, model: LoadedModel, booleans: bool) -> dict[str, np.ndarray]:
-    if not isinstance(instances, list):
-        raise BadRequest(f"'instances' must be a list of rows, not {_json_type(instances)}")
-    if not instances:
-        raise BadRequest("'instances' is empty; send at least one row")
-    keyed = isinstance(instances[0], dict) and not _is_b64(instances[0])
-    if len(model.inputs) > 1 and not keyed:
-        names = ", ".join(repr(spec.name) for spec in model.inputs)
-        raise BadRequest(f"this model takes several inputs ({names}): each instance must be an object keyed by name")
-    if not keyed:
-        return {model.inputs[0].name: _to_array(instances, model.inputs[0], "instances", booleans)}
-    columns: dict[str, list[Any]] = {spec.name: [] for spec in model.inputs}
-    for index, row in enumerate(instances):
-        if not isinstance(row, dict) or _is_b64(row):
-            raise BadRequest(f"instances[{index}] must be an object keyed by input name, like instances[0]")
-        _check_names(row.keys(), model, f"instances[{index}]")
-        for name, value in row.items():
-            columns[name].append(value)
-    return {spec.name: _to_array(columns[spec.name], spec, f"instances[*].{spec.name}", booleans) for spec in model.inputs}
+def _count_rows(value: Any) -> int:
+    """The batch size the body claims: the length of the list, or of the longest named batch."""
+    if isinstance(value, list):
+        return len(value)
+    if isinstance(value, dict) and not _is_b64(value):
+        return max((len(item) for item in value.values() if isinstance(item, list)), default=0)
+    return 0
 
 
-def _decode_columns(inputs: Any, model: LoadedModel, booleans: bool) -> dict[str, np.ndarray]:
-    if isinstance(inputs, dict) and not _is_b64(inputs):
-        _check_names(inputs.keys(), model, "inputs")
-        return {spec.name: _to_array(inputs[spec.name], spec, f"inputs.{spec.name}", booleans) for spec in model.inputs}
-    if len(model.inputs) > 1:
-        names = ", ".join(repr(spec.name) for spec in model.inputs)
-        raise BadRequest(f"this model takes several inputs ({names}): 'inputs' must be an object keyed by name")
-    if not isinstance(inputs, list):
-        raise BadRequest(f"'inputs' must be a list (a batch of rows), not {_json_type(inputs)}")
-    if not inputs:
-        raise BadRequest("'inputs' is empty; send at least one row")
-    return {model.inputs[0].name: _to_array(inputs, model.inputs[0], "inputs", booleans)}
+def decode_inputs(parsed: ParsedRequest, spec: TensorSpecs) -> dict[str, np.ndarray]:
+    """One array per input of `spec`; which signature `spec` is, is the caller's business."""
+    decoder = _Decoder(spec, parsed.booleans)
+    if parsed.format == ROW:
+        arrays = decoder.rows(parsed.payload)
+    else:
+        arrays = decoder.columns(parsed.payload)
+    parsed.scalar_rows = decoder.scalar_rows
+    return arrays
 
 
-def _check_names(names: Any, model: LoadedModel, where: str) -> None:
-    expected = {spec.name for spec in model.inputs}
+def decode_request(body: bytes, model: LoadedModel) -> tuple[dict[str, np.ndarray], str]:
+    """Parse a predict body into one array per model input, and say which format it used."""
+    parsed = parse_request(body)
+    if parsed.signature_name != DEFAULT_SIGNATURE:
+        raise BadRequest(f"unknown signature_name {parsed.signature_name!r}; this model serves 'serving_default'")
+    return decode_inputs(parsed, model), parsed.format
+
+
+class _Decoder:
+    def __init__(self, spec: TensorSpecs, booleans: bool) -> None:
+        self.inputs = spec.inputs
+        self.booleans = booleans
+        self.scalar_rows = False
+
+    def rows(self, instances: Any) -> dict[str, np.ndarray]:
+        if not isinstance(instances, list):
+            raise BadRequest(f"'instances' must be a list of rows, not {_json_type(instances)}")
+        if not instances:
+            raise BadRequest("'instances' is empty; send at least one row")
+        keyed = isinstance(instances[0], dict) and not _is_b64(instances[0])
+        if len(self.inputs) > 1 and not keyed:
+            raise BadRequest(f"this model takes several inputs ({self._names()}): "
+                             "each instance must be an object keyed by name")
+        if not keyed:
+            return {self.inputs[0].name: self.array(instances, self.inputs[0], "instances")}
+        columns: dict[str, list[Any]] = {spec.name: [] for spec in self.inputs}
+        for index, row in enumerate(instances):
+            if not isinstance(row, dict) or _is_b64(row):
+                raise BadRequest(f"instances[{index}] must be an object keyed by input name, like instances[0]")
+            _check_names(row.keys(), self.inputs, f"instances[{index}]")
+            for name, value in row.items():
+                columns[name].append(value)
+        return {spec.name: self.array(columns[spec.name], spec, f"instances[*].{spec.name}") for spec in self.inputs}
+
+    def columns(self, inputs: Any) -> dict[str, np.ndarray]:
+        if isinstance(inputs, dict) and not _is_b64(inputs):
+            _check_names(inputs.keys(), self.inputs, "inputs")
+            return {spec.name: self.array(inputs[spec.name], spec, f"inputs.{spec.name}") for spec in self.inputs}
+        if len(self.inputs) > 1:
+            raise BadRequest(f"this model takes several inputs ({self._names()}): "
+                             "'inputs' must be an object keyed by name")
+        if not isinstance(inputs, list):
+            raise BadRequest(f"'inputs' must be a list (a batch of rows), not {_json_type(inputs)}")
+        if not inputs:
+            raise BadRequest("'inputs' is empty; send at least one row")
+        return {self.inputs[0].name: self.array(inputs, self.inputs[0], "inputs")}
+
+    def array(self, value: Any, spec: TensorInfo, where: str) -> np.ndarray:
+        if not isinstance(value, list) or not value:
+            raise InvalidInput(f"{where} must be a non-empty list of rows for input '{spec.name}'")
+        # The first row's shape, read along first elements, before numpy reads every row.
+        first = _leading_shape(value[0], len(spec.shape) + 1)
+        _check_shape([len(value), *first], spec, where)
+        if spec.dtype == STRING:
+            array = _to_string_array(value, spec, where)
+        else:
+            values = len(value) * math.prod(first)  # type: ignore[arg-type]  # no '...': checked above
+            array = _to_number_array(value, spec, where, self.booleans, values)
+        if _check_shape(array.shape, spec, where):
+            # TF Serving never holds a batch to the signature's shape (util/json_tensor.cc):
+            # its graph gets [N] for an input declared [-1, 1], and outputs come back as [N].
+            self.scalar_rows = True
+            array = array.reshape(-1, 1)
+        return array
+
+    def _names(self) -> str:
+        return ", ".join(repr(spec.name) for spec in self.inputs)
+
+
+def _check_names(names: Any, inputs: list[TensorInfo], where: str) -> None:
+    expected = {spec.name for spec in inputs}
     given = set(names)
     if given != expected:
         missing, unknown = sorted(expected - given), sorted(given - expected)
@@ -99,21 +204,57 @@ def _check_names(names: Any, model: LoadedModel, where: str) -> None:
         if missing:
             parts.append(f"missing input(s) {missing}")
         if unknown:
-            parts.append(f"unknown input(s) {unknown}")
+            # A name per key could make the message as large as the body: name the first few.
+            shown = ", ".join(repr(name[:40]) for name in unknown[:5])
+            parts.append(f"unknown input(s) [{shown}{', ...' if len(unknown) > 5 else ''}]")
         raise BadRequest(f"{where}: {' and '.join(parts)}; the model's inputs are {sorted(expected)}")
 
 
-def _to_array(value: Any, spec: TensorInfo, where: str, booleans: bool = True) -> np.ndarray:
-    if not isinstance(value, list) or not value:
-        raise InvalidInput(f"{where} must be a non-empty list of rows for input '{spec.name}'")
-    if spec.dtype == STRING:
-        return _to_string_array(value, spec, where)
+def _leading_shape(row: Any, limit: int) -> list[int | str]:
+    """A row's shape as numpy would read it if the row is even, looking no deeper than `limit`."""
+    shape: list[int | str] = []
+    while isinstance(row, list):
+        if len(shape) == limit:
+            shape.append("...")
+            break
+        shape.append(len(row))
+        if not row:
+            break
+        row = row[0]
+    return shape
+
+
+def _check_shape(shape: Sequence[int | str], spec: TensorInfo, where: str) -> bool:
+    """Raise unless the rows fit the input; True when they are scalars for an input declared [-1, 1]."""
+    rows = tuple(shape[1:])
+    if len(shape) >= 1 and "..." not in rows and spec.accepts_row_shape(rows):  # type: ignore[arg-type]
+        return False
+    if len(shape) == 1 and spec.shape == (1,):
+        return True
+    raise InvalidInput(
+        f"{where}: each row of input '{spec.name}' must have shape {_shape_text(spec.shape)}; "
+        f"got rows of shape {_shape_text(rows)}"
+    )
+
+
+def _to_number_array(value: list[Any], spec: TensorInfo, where: str, booleans: bool, values: int) -> np.ndarray:
+    text = None
+    if values > MAX_SCAN:
+        # One string among millions of numbers makes numpy write every number as text
+        # first (seconds of CPU): orjson writes the rows back at C speed, and a '"' there
+        # is a string or an object among them.
+        try:
+            text = orjson.dumps(value)
+        except orjson.JSONEncodeError:  # nested past orjson's limit, or an integer past 64 bits
+            raise InvalidInput(_describe_bad_rows(value, spec, where)) from None
+        if b'"' in text:
+            raise InvalidInput(_describe_bad_rows(value, spec, where))
     try:
         raw = np.asarray(value)
     except (ValueError, TypeError, OverflowError):
         raise InvalidInput(_describe_bad_rows(value, spec, where)) from None
     kind = raw.dtype.kind
-    if booleans and kind in "iuf" and isinstance(_first_non_number(value), bool):
+    if booleans and kind in "iuf" and _holds_boolean(value, text):
         kind = "b"
     if kind == "b" and spec.dtype.kind != "b":
         raise InvalidInput(f"{where}: true/false where input '{spec.name}' takes numbers ({spec.tf_dtype})")
@@ -122,36 +263,50 @@ def _to_array(value: Any, spec: TensorInfo, where: str, booleans: bool = True) -
     if kind not in "biuf":
         raise InvalidInput(_describe_bad_rows(value, spec, where))
     if spec.dtype.kind in "iu" and kind == "f":
-        raise InvalidInput(f"{where}: input '{spec.name}' takes integers ({spec.tf_dtype}); got a fractional number")
+        what = "a fractional number" if np.isfinite(raw).all() else "NaN or Infinity"
+        raise InvalidInput(f"{where}: input '{spec.name}' takes integers ({spec.tf_dtype}); got {what}")
     if spec.dtype.kind in "iu" and raw.size:
         limits = np.iinfo(spec.dtype)
         if raw.min() < limits.min or raw.max() > limits.max:
             raise InvalidInput(f"{where}: a value is outside the range of {spec.tf_dtype} for input '{spec.name}'")
-    _check_shape(raw.shape, spec, where)
     with np.errstate(over="ignore"):
         array = raw.astype(spec.dtype, copy=False)
-    if spec.dtype.kind == "f" and raw.dtype.kind in "iuf" and not np.isfinite(array).all():
+    if spec.dtype.kind == "f" and not np.isfinite(array).all() and (np.isfinite(raw) & ~np.isfinite(array)).any():
         raise InvalidInput(f"{where}: a value is too large for {spec.tf_dtype} (input '{spec.name}')")
     return array
 
 
-def _check_shape(shape: Sequence[int], spec: TensorInfo, where: str) -> None:
-    if len(shape) < 1 or not spec.accepts_row_shape(shape[1:]):
-        raise InvalidInput(
-            f"{where}: each row of input '{spec.name}' must have shape {_shape_text(spec.shape)}; "
-            f"got rows of shape {list(shape[1:])}"
-        )
+def _holds_boolean(value: list[Any], text: bytes | None) -> bool:
+    # numpy read it as numbers, so it holds only numbers, booleans and lists: orjson writes
+    # it back at C speed, and a boolean is the only way 'true' or 'false' can appear.
+    text = text if text is not None else orjson.dumps(value)
+    return b"true" in text or b"false" in text
+
+
+class _Scan:
+    """How many more values an error description may look at."""
+
+    def __init__(self, limit: int = MAX_SCAN) -> None:
+        self.left = limit
+
+
+_NOTHING = object()
+_GAVE_UP = object()
 
 
 def _describe_bad_rows(rows: list[Any], spec: TensorInfo, where: str) -> str:
-    """The slow path: find the first row that is ragged or holds something not numeric."""
+    """The slow path: find the first row that is ragged or holds something not numeric, within MAX_SCAN values."""
+    scan = _Scan()
     first_shape = None
     for index, row in enumerate(rows):
-        bad = _first_non_number(row)
+        bad = _first_non_number(row, scan)
+        if bad is _GAVE_UP:
+            return (f"{where}: cannot read the rows of input '{spec.name}' as {spec.tf_dtype} "
+                    f"(no cause found in the first {MAX_SCAN} values; looked no further)")
         if bad is not _NOTHING:
             return f"{where}[{index}]: {_json_type(bad)} {_preview(bad)} where input '{spec.name}' takes numbers"
         try:
-            shape = np.shape(row)
+            shape = np.shape(row)  # at C speed, and only on rows already walked within the budget
         except ValueError:
             return f"{where}[{index}] is ragged: its nested lists differ in length (input '{spec.name}')"
         if first_shape is None:
@@ -162,13 +317,13 @@ def _describe_bad_rows(rows: list[Any], spec: TensorInfo, where: str) -> str:
     return f"{where}: cannot read the rows of input '{spec.name}' as {spec.tf_dtype}"
 
 
-_NOTHING = object()
-
-
-def _first_non_number(value: Any) -> Any:
-    """The first leaf that is not a JSON number (booleans included), or _NOTHING."""
+def _first_non_number(value: Any, scan: _Scan) -> Any:
+    """The first leaf that is not a JSON number (booleans included), _NOTHING, or _GAVE_UP past the budget."""
     stack = [value]
     while stack:
+        scan.left -= 1
+        if scan.left < 0:
+            return _GAVE_UP
         item = stack.pop()
         if isinstance(item, list):
             stack.extend(reversed(item))
@@ -178,11 +333,19 @@ def _first_non_number(value: Any) -> Any:
 
 
 def _to_string_array(rows: list[Any], spec: TensorInfo, where: str) -> np.ndarray:
-    def convert(item: Any) -> Any:
+    deepest = len(spec.shape) + 1  # row scalars for an input declared [-1, 1] are one level less
+
+    def convert(item: Any, depth: int) -> Any:
         if isinstance(item, list):
-            return [convert(inner) for inner in item]
+            if depth >= deepest:
+                raise InvalidInput(f"{where}: rows nested deeper than input '{spec.name}' takes "
+                                   f"(shape {_shape_text(spec.shape)})")
+            return [convert(inner, depth + 1) for inner in item]
         if isinstance(item, str):
-            return item.encode()
+            try:
+                return item.encode()
+            except UnicodeEncodeError:  # a lone surrogate escape, as Python's json reads '\ud800'
+                raise InvalidInput(f"{where}: a string is not valid Unicode (input '{spec.name}')") from None
         if _is_b64(item):
             try:
                 return base64.b64decode(item["b64"], validate=True)
@@ -190,52 +353,102 @@ def _to_string_array(rows: list[Any], spec: TensorInfo, where: str) -> np.ndarra
                 raise InvalidInput(f"{where}: a 'b64' value is not valid base64") from None
         raise InvalidInput(f"{where}: {_json_type(item)} {_preview(item)} where input '{spec.name}' takes strings")
 
-    converted = [convert(row) for row in rows]
+    converted = [convert(row, 0) for row in rows]
     try:
         shape = np.shape(converted)
     except ValueError:
         raise InvalidInput(f"{where}: rows are ragged (input '{spec.name}')") from None
-    _check_shape(shape, spec, where)
     array = np.empty(shape, dtype=object)
     array[...] = converted
     return array
 
 
-def encode_response(outputs: dict[str, np.ndarray], model: LoadedModel, fmt: str) -> bytes:
-    names = [spec.name for spec in model.outputs if spec.name in outputs] or list(outputs)
+def encode_response(outputs: dict[str, np.ndarray], spec: TensorSpecs, fmt: str | ParsedRequest) -> bytes:
+    """The answer body, as TF Serving writes it (util/json_tensor.cc, MakeJsonFromTensors).
+
+    `fmt` is the request's format, or the ParsedRequest itself: then outputs of rows [1]
+    answer as scalars where the request gave scalars for an input declared [-1, 1].
+    """
+    squeeze = isinstance(fmt, ParsedRequest) and fmt.scalar_rows
+    fmt = fmt.format if isinstance(fmt, ParsedRequest) else fmt
+    names = [info.name for info in spec.outputs if info.name in outputs] or list(outputs)
+    arrays = {name: _squeezed(np.asarray(outputs[name])) if squeeze else np.asarray(outputs[name]) for name in names}
     if fmt == ROW:
+        batch = _batch_size(arrays)
         if len(names) == 1:
-            body: Any = {"predictions": _jsonable(outputs[names[0]])}
+            body: Any = {"predictions": _jsonable(arrays[names[0]], names[0])}
         else:
-            columns = {name: _jsonable(outputs[name]) for name in names}
-            rows = len(next(iter(columns.values())))
-            body = {"predictions": [{name: columns[name][i] for name in names} for i in range(rows)]}
+            # [i, ...] keeps a 0-d array (a plain [i] would give bytes or a numpy scalar).
+            body = {"predictions": [{name: _jsonable(arrays[name][i, ...], name) for name in names}
+                                    for i in range(batch)]}
+    elif len(names) == 1:
+        body = {"outputs": _jsonable(arrays[names[0]], names[0])}
     else:
-        if len(names) == 1:
-            body = {"outputs": _jsonable(outputs[names[0]])}
-        else:
-            body = {"outputs": {name: _jsonable(outputs[name]) for name in names}}
+        body = {"outputs": {name: _jsonable(arrays[name], name) for name in names}}
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def _jsonable(array: np.ndarray) -> Any:
+def _squeezed(array: np.ndarray) -> np.ndarray:
+    return array.reshape(-1) if array.ndim == 2 and array.shape[1] == 1 else array
+
+
+def _batch_size(arrays: dict[str, np.ndarray]) -> int:
+    """Rows need one batch size for all outputs; TF Serving's 400 messages otherwise."""
+    batch = -1
+    for name, array in arrays.items():
+        if array.ndim == 0:
+            raise BadRequest(f"Tensor name: {name} has no shape information ")
+        if batch >= 0 and array.shape[0] != batch:
+            raise BadRequest(f"Tensor name: {name} has inconsistent batch size: {array.shape[0]} expecting: {batch}")
+        batch = array.shape[0]
+    return batch
+
+
+def _jsonable(array: np.ndarray, name: str) -> Any:
     if array.dtype == object:
-        return _encode_binary(array.tolist())
+        return _encode_strings(array.tolist(), as_bytes=name.endswith(BYTES_SUFFIX))
     if array.dtype.kind == "f" and array.dtype.itemsize < 4:
         array = array.astype(np.float32)
-    # orjson writes numpy arrays natively (and floats in their shortest exact form), but
-    # only native-endian C-contiguous ones.
+    if array.dtype.kind == "f":
+        finite = np.isfinite(array)
+        if not finite.all():
+            return orjson.Fragment(_non_finite_json(array, finite))
+    if array.ndim == 0:
+        return array[()]  # a numpy scalar: orjson writes float32 0.1 as 0.1, where float() would not
+    # orjson writes numpy arrays natively (each float in its shortest exact form for its
+    # width), but only native-endian C-contiguous ones.
     return np.ascontiguousarray(array)
 
 
-def _encode_binary(value: Any) -> Any:
+def _non_finite_json(array: np.ndarray, finite: np.ndarray) -> bytes:
+    """orjson writes NaN and infinities as null; TF Serving writes NaN, Infinity, -Infinity."""
+    if array.ndim == 0:
+        return _token(array.item())
+    # The array holds only numbers, so its k-th null is its k-th non-finite value in C order.
+    pieces = orjson.dumps(np.ascontiguousarray(array), option=orjson.OPT_SERIALIZE_NUMPY).split(b"null")
+    tokens = [_token(value) for value in array[~finite].tolist()]
+    out = [pieces[0]]
+    for token, piece in zip(tokens, pieces[1:]):
+        out += [token, piece]
+    return b"".join(out)
+
+
+def _token(value: float) -> bytes:
+    if math.isnan(value):
+        return b"NaN"
+    return b"-Infinity" if value < 0 else b"Infinity"
+
+
+def _encode_strings(value: Any, *, as_bytes: bool) -> Any:
     if isinstance(value, list):
-        return [_encode_binary(item) for item in value]
+        return [_encode_strings(item, as_bytes=as_bytes) for item in value]
     if isinstance(value, bytes):
-        try:
-            return value.decode()
-        except UnicodeDecodeError:
-            return {"b64": base64.b64encode(value).decode()}
+        if not as_bytes:
+            try:
+                return value.decode()
+            except UnicodeDecodeError:
+                pass  # TF Serving would write the raw bytes, which is not JSON: base64 instead
+        return {"b64": base64.b64encode(value).decode()}
     return value
 
 
@@ -260,9 +473,12 @@ def _json_type(value: Any) -> str:
 
 
 def _preview(value: Any) -> str:
-    text = orjson.dumps(value).decode() if not isinstance(value, bytes) else repr(value)
+    try:
+        text = orjson.dumps(value).decode() if not isinstance(value, bytes) else repr(value)
+    except TypeError:  # nested deeper than orjson writes
+        text = "[[[..."
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _shape_text(shape: Sequence[int | None]) -> str:
+def _shape_text(shape: Sequence[int | str | None]) -> str:
     return "[" + ", ".join("-1" if dim is None else str(dim) for dim in shape) + "]"

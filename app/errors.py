@@ -6,7 +6,6 @@
     ├── NotFound (404)
     ├── MethodNotAllowed (405)
     ├── PayloadTooLarge (413)
-    ├── UnsupportedMediaType (415)
     ├── PredictFailed (500)             the model raised; carries the cause's class and message
     ├── Unavailable (503)               carries Retry-After
     │   ├── QueueFull (503)
@@ -22,10 +21,11 @@ holds and the one handler at the bottom answers it, as it answers Werkzeug's 404
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import orjson
-from flask import Flask, Response, current_app
+from flask import Flask, Response, current_app, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
@@ -66,11 +66,6 @@ class MethodNotAllowed(ServingError):
 class PayloadTooLarge(ServingError):
     status_code = 413
     reason = "payload_too_large"
-
-
-class UnsupportedMediaType(ServingError):
-    status_code = 415
-    reason = "unsupported_media_type"
 
 
 class PredictFailed(ServingError):
@@ -119,12 +114,30 @@ def handle_serving_error(exc: ServingError) -> Response:
     return _answer(exc.status_code, exc.message, exc.headers)
 
 
+# TF Serving's URL patterns (model_servers/http_rest_api_util.cc): under /v1/, a path that
+# fits neither is "Malformed request" (400), one that fits but names nothing is 404.
+_V1_PATH = re.compile(r"(?i)/v1/.*")
+_V1_PREDICT = re.compile(
+    r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)")
+_V1_STATUS = re.compile(
+    r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?(?:\/(metadata))?")
+
+
 def handle_http_error(exc: HTTPException) -> Response:
     headers = {key: value for key, value in exc.get_headers() if key.lower() == "allow"}
     message = exc.description or exc.name
     if exc.code == 413:
         limit = current_app.config.get("MAX_CONTENT_LENGTH")
         message = f"the request body is larger than {limit} bytes (MAX_REQUEST_BYTES)"
+    if exc.code == 404 and has_request_context():
+        # The path as sent, before percent-decoding: TF Serving matches that.
+        path = (request.environ.get("RAW_URI") or request.path).split("?", 1)[0]
+        pattern = {"POST": _V1_PREDICT, "GET": _V1_STATUS}.get(request.method)
+        match = pattern.fullmatch(path) if pattern is not None else None
+        if _V1_PATH.fullmatch(path) and match is None:
+            return _answer(400, f"Malformed request: {request.method} {path}")
+        if match is not None and not match.group(1):
+            return _answer(400, "Missing model name in request.")
     return _answer(exc.code or 500, message, headers)
 
 

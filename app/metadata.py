@@ -1,10 +1,11 @@
-"""A model's signature in TensorFlow Serving's GetModelMetadata JSON form."""
+"""A model's signatures in TensorFlow Serving's GetModelMetadata JSON form: every signature
+of the version, each with its method name (servables/tensorflow/get_model_metadata_impl.cc)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from app.models import LoadedModel, TensorInfo
+from app.models import LoadedModel, Signature, TensorInfo
 
 SIGNATURE_NAME = "serving_default"
 
@@ -18,14 +19,18 @@ def _tensor(spec: TensorInfo, prefix: str) -> dict[str, Any]:
     }
 
 
-def describe(model: LoadedModel) -> dict[str, Any]:
-    signature = {
-        "inputs": {spec.name: _tensor(spec, f"{SIGNATURE_NAME}_") for spec in model.inputs},
-        "outputs": {spec.name: _tensor(spec, "") for spec in model.outputs},
-        "method_name": "tensorflow/serving/predict",
+def _signature(signature: Signature) -> dict[str, Any]:
+    return {
+        "inputs": {spec.name: _tensor(spec, f"{signature.name}_") for spec in signature.inputs},
+        "outputs": {spec.name: _tensor(spec, "") for spec in signature.outputs},
+        "method_name": signature.method_name,
         "defaults": {},
     }
+
+
+def describe(model: LoadedModel) -> dict[str, Any]:
+    signatures = {key: _signature(signature) for key, signature in sorted(model.signatures.items())}
     return {
         "model_spec": {"name": model.name, "signature_name": "", "version": str(model.version)},
-        "metadata": {"signature_def": {"signature_def": {SIGNATURE_NAME: signature}}},
+        "metadata": {"signature_def": {"signature_def": signatures}},
     }

@@ -1,8 +1,13 @@
 """Loading a model, describing its signature, and the fast predict function.
 
-`load_model()` accepts a `.keras` or `.h5` file, a SavedModel folder, a TensorFlow
-Serving base folder of numbered versions (the newest is served), or nothing: then the
-built-in default model is built in-process from fixed seeds.
+`load_model()` accepts a `.keras` or `.h5` file, a SavedModel folder (written by TF2 or
+by a TF1 graph), a TensorFlow Serving base folder of numbered versions (`00000123` is
+version 123; other names are ignored), or nothing: then the built-in default model is
+built in-process from fixed seeds.
+
+A model has one or more signatures (a SavedModel's signature_defs; a Keras model has
+only serving_default), each with its own inputs, outputs, method name and predict
+function. `LoadedModel.inputs/outputs/predict` are those of serving_default.
 
 The predict path is a `tf.function` with a `None` batch dimension, traced once and then
 called with batches padded to a few bucket sizes, each warmed before the worker is
@@ -15,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -30,6 +36,11 @@ DEFAULT_DEPTH = 4
 DEFAULT_SEED = 1234
 
 STRING = np.dtype(object)  # TensorFlow string tensors travel as numpy object arrays of bytes
+DEFAULT_SIGNATURE = "serving_default"
+PREDICT_METHOD = "tensorflow/serving/predict"
+CLASSIFY_METHOD = "tensorflow/serving/classify"
+REGRESS_METHOD = "tensorflow/serving/regress"
+_VERSION_FOLDER = re.compile(r"[0-9]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +58,20 @@ class TensorInfo:
         )
 
 
+PredictFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+@dataclasses.dataclass
+class Signature:
+    """One signature_def: what the codec reads and writes (.inputs/.outputs) and how to run it."""
+
+    name: str
+    method_name: str
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    predict: PredictFn
+
+
 @dataclasses.dataclass
 class LoadedModel:
     name: str
@@ -54,10 +79,21 @@ class LoadedModel:
     source: str
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]
-    predict: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+    predict: PredictFn
     load_s: float = 0.0
     warmup_s: float = 0.0
     keras_model: Any = None
+    signatures: dict[str, Signature] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.signatures:
+            self.signatures = {DEFAULT_SIGNATURE: Signature(DEFAULT_SIGNATURE, PREDICT_METHOD, self.inputs,
+                                                            self.outputs, self.predict)}
+
+    @property
+    def default_signature(self) -> str:
+        """serving_default, or for a SavedModel without one, the signature inputs/outputs describe."""
+        return next(key for key, signature in self.signatures.items() if signature.predict is self.predict)
 
     def input(self, name: str) -> TensorInfo:
         return next(spec for spec in self.inputs if spec.name == name)
@@ -95,14 +131,14 @@ def build_default_model(
     return keras.Model(inputs, scores, name="default")
 
 
-def load_model(path: str | None, *, name: str, method: str = "function") -> LoadedModel:
+def load_model(path: str | None, *, name: str, method: str = "function", version: int | None = None) -> LoadedModel:
+    """Load `path`; for a base folder of versions, `version` (default: the newest)."""
     started = time.perf_counter()
-    version = 1
     if path is None:
         source = "built-in default model"
-        model = _from_keras(build_default_model(), name=name, version=version, source=source, method=method)
+        model = _from_keras(build_default_model(), name=name, version=1, source=source, method=method)
     else:
-        resolved, version = resolve_version(path)
+        resolved, version = resolve_version(path, version)
         source = resolved
         if os.path.isdir(resolved):
             model = _from_saved_model(resolved, name=name, version=version)
@@ -122,21 +158,35 @@ def load_model(path: str | None, *, name: str, method: str = "function") -> Load
     return model
 
 
-def resolve_version(path: str) -> tuple[str, int]:
-    """A TensorFlow Serving base path (numbered sub-folders) resolves to its newest version."""
+def resolve_version(path: str, version: int | None = None) -> tuple[str, int]:
+    """A TensorFlow Serving base path (numbered sub-folders) resolves to one version, the newest by default."""
     if not os.path.exists(path):
         raise ModelLoadError(f"MODEL_PATH={path!r} does not exist")
-    versions = available_versions(path)
-    if versions:
-        newest = max(versions)
-        return os.path.join(path, str(newest)), newest
+    folders = version_folders(path)
+    if folders:
+        chosen = max(folders) if version is None else version
+        if chosen not in folders:
+            raise ModelLoadError(f"{path!r} has no version {chosen}; it has {sorted(folders)}")
+        return folders[chosen], chosen
     return path, 1
 
 
-def available_versions(path: str) -> list[int]:
+def version_folders(path: str) -> dict[int, str]:
+    """Version number -> folder, as TF Serving reads a base path: names of digits only, so
+    '00000123' is version 123 and 'tmp' or '.export-2' are not versions. Of two names for
+    one number ('7', '007') the first in sorted order wins, so the choice is stable."""
     if not os.path.isdir(path) or os.path.exists(os.path.join(path, "saved_model.pb")):
-        return []
-    return [int(entry) for entry in os.listdir(path) if entry.isdigit() and os.path.isdir(os.path.join(path, entry))]
+        return {}
+    folders: dict[int, str] = {}
+    for entry in sorted(os.listdir(path)):
+        full = os.path.join(path, entry)
+        if _VERSION_FOLDER.fullmatch(entry) and os.path.isdir(full):
+            folders.setdefault(int(entry), full)
+    return folders
+
+
+def available_versions(path: str) -> list[int]:
+    return sorted(version_folders(path))
 
 
 def _dtype_info(dtype: Any) -> tuple[np.dtype, str]:
@@ -203,22 +253,57 @@ def _from_saved_model(path: str, *, name: str, version: int) -> LoadedModel:
 
     try:
         loaded = tf.saved_model.load(path)
-        signature = loaded.signatures["serving_default"]
+        functions = dict(loaded.signatures)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the SavedModel in {path}: {type(exc).__name__}: {exc}") from exc
-    input_specs = signature.structured_input_signature[1]
-    inputs = [_info(key, spec.shape, spec.dtype) for key, spec in sorted(input_specs.items())]
-    outputs = [_info(key, spec.shape, spec.dtype) for key, spec in sorted(signature.structured_outputs.items())]
+    if not functions:
+        raise ModelLoadError(f"the SavedModel in {path} has no signatures to serve")
+    methods = _method_names(path)
+    signatures = {}
+    for key, function in sorted(functions.items()):
+        input_specs = function.structured_input_signature[1]
+        signatures[key] = Signature(
+            name=key,
+            method_name=methods.get(key, PREDICT_METHOD),
+            inputs=[_info(k, spec.shape, spec.dtype) for k, spec in sorted(input_specs.items())],
+            outputs=[_info(k, spec.shape, spec.dtype) for k, spec in sorted(function.structured_outputs.items())],
+            predict=_signature_predict(loaded, key),
+        )
+    main = signatures.get(DEFAULT_SIGNATURE) or next(iter(signatures.values()))
+    return LoadedModel(name=name, version=version, source=path, inputs=main.inputs, outputs=main.outputs,
+                       predict=main.predict, signatures=signatures)
+
+
+def _signature_predict(loaded: Any, key: str) -> PredictFn:
+    import tensorflow as tf
 
     def predict(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        # Keep a reference to `loaded`: the signature's variables live as long as it does.
-        result = loaded.signatures["serving_default"](**{key: tf.constant(value) for key, value in batch.items()})
-        return {key: value.numpy() for key, value in result.items()}
+        # Through `loaded`, not a saved reference to the function: the signature's variables
+        # live as long as the loaded object does.
+        result = loaded.signatures[key](**{name: tf.constant(value) for name, value in batch.items()})
+        return {name: value.numpy() for name, value in result.items()}
 
-    return LoadedModel(name=name, version=version, source=path, inputs=inputs, outputs=outputs, predict=predict)
+    return predict
 
 
-def example_batch(model: LoadedModel, rows: int) -> dict[str, np.ndarray]:
+def _method_names(path: str) -> dict[str, str]:
+    """Each signature's method_name (predict, classify, regress): tf.saved_model.load drops
+    them, so they are read from saved_model.pb itself (TF2 and TF1 SavedModels alike)."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto_path = os.path.join(path, "saved_model.pb")
+    if not os.path.exists(proto_path):
+        return {}
+    saved_model = saved_model_pb2.SavedModel()
+    with open(proto_path, "rb") as proto_file:
+        saved_model.ParseFromString(proto_file.read())
+    for graph in saved_model.meta_graphs:
+        if "serve" in graph.meta_info_def.tags:
+            return {key: signature.method_name for key, signature in graph.signature_def.items()}
+    return {}
+
+
+def example_batch(model: LoadedModel | Signature, rows: int) -> dict[str, np.ndarray]:
     """A batch of the right shapes and dtypes, for warm-up: dynamic dimensions get size 1."""
     batch = {}
     for spec in model.inputs:
@@ -228,10 +313,22 @@ def example_batch(model: LoadedModel, rows: int) -> dict[str, np.ndarray]:
 
 
 def warm_up(model: LoadedModel, buckets: Sequence[int]) -> float:
-    """Run every bucket size once so no request pays for a first call of its shape."""
+    """Run every bucket size of every signature once so no request pays for a first call of its shape.
+
+    A signature that cannot run on placeholder values (serialized tf.Examples that must hold
+    a feature, say) is left cold: its first request pays for the trace, and a broken
+    serving_default still fails the load.
+    """
     started = time.perf_counter()
-    for rows in buckets:
-        model.predict(example_batch(model, rows))
+    for signature in model.signatures.values():
+        try:
+            for rows in buckets:
+                signature.predict(example_batch(signature, rows))
+        except Exception as exc:
+            if signature.predict is model.predict:
+                raise
+            log.warning("model '%s' v%d: signature '%s' not warmed (%s: %s)", model.name, model.version,
+                        signature.name, type(exc).__name__, str(exc).splitlines()[0][:200])
     model.warmup_s = time.perf_counter() - started
     log.info("model '%s' warmed for batch sizes %s in %.2f s", model.name, list(buckets), model.warmup_s)
     return model.warmup_s

@@ -19,11 +19,13 @@ OPENAPI_VERSION = "3.0.3"
 
 _ERRORS = {
     400: "Malformed JSON, missing 'instances'/'inputs' or both given, wrong row shape, ragged rows, "
-         "non-numeric or boolean values, values out of range for the input's dtype, unknown input names.",
+         "non-numeric or boolean values, values out of range for the input's dtype, unknown input names; "
+         "a path under /v1/ that is not one of TensorFlow Serving's URLs ('Malformed request: ...'); "
+         "model outputs that are not one row per input row; an unknown version label or signature_name; "
+         "classify/regress with a signature of another method.",
     404: "Unknown route, model or version.",
     405: "Wrong method for this path; 'Allow' lists the right ones.",
-    413: "Body over MAX_REQUEST_BYTES, or more rows in one request than MAX_QUEUE_ROWS.",
-    415: "Body not sent as 'Content-Type: application/json'.",
+    413: "Body over MAX_REQUEST_BYTES, or more rows in one request than MAX_REQUEST_ROWS.",
     500: "The model raised; the message names the exception's class.",
     503: "Overloaded (queue full), shutting down, or the batch thread died; retry after 'Retry-After' seconds.",
     504: "The deadline (REQUEST_TIMEOUT_MS) passed before the result.",
@@ -43,8 +45,13 @@ _VERSION = {
     "schema": {"type": "integer", "minimum": 0},
 }
 
-_PREDICT_ERRORS = (400, 404, 405, 413, 415, 500, 503, 504)
-_GET_ERRORS = (404, 405)
+_LABEL = {
+    "name": "label", "in": "path", "required": True, "description": "A version label of MODEL_CONFIG's version_labels.",
+    "schema": {"type": "string", "pattern": MODEL_NAME_PATTERN.pattern},
+}
+
+_PREDICT_ERRORS = (400, 404, 405, 413, 500, 503, 504)
+_GET_ERRORS = (400, 404, 405)
 
 
 def _error(status: int) -> dict[str, Any]:
@@ -68,6 +75,8 @@ def _operation(summary: str, ok: dict[str, Any], errors: tuple[int, ...], *,
     if body:
         operation["requestBody"] = {
             "required": True,
+            "description": "Read as JSON whatever the Content-Type says, as TensorFlow Serving reads it; "
+                           "floats may be NaN, Infinity or -Infinity.",
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/PredictRequest"}}},
         }
     return operation
@@ -99,6 +108,34 @@ def _predict(summary: str, *parameters: dict[str, Any]) -> dict[str, Any]:
     return {"post": _operation(summary, _PREDICT_OK, _PREDICT_ERRORS, parameters=parameters, body=True)}
 
 
+def _examples(summary: str, *parameters: dict[str, Any]) -> dict[str, Any]:
+    ok = _json_ok("One result per example.", {"$ref": "#/components/schemas/ResultsResponse"})
+    operation = _operation(summary, ok, _PREDICT_ERRORS, parameters=parameters, body=True)
+    operation["requestBody"]["content"]["application/json"]["schema"] = {"$ref": "#/components/schemas/ExamplesRequest"}
+    return {"post": operation}
+
+
+def _version_paths() -> dict[str, Any]:
+    """Label routes, and :classify / :regress by model, version and label."""
+    paths: dict[str, Any] = {
+        "/v1/models/{name}/labels/{label}:predict": _predict("Predict with the version a label names.", _NAME, _LABEL),
+        "/v1/models/{name}/labels/{label}": {
+            "get": _operation("The status of the version a label names.", _STATUS_OK, _GET_ERRORS,
+                              parameters=(_NAME, _LABEL))},
+        "/v1/models/{name}/labels/{label}/metadata": {
+            "get": _operation("The signatures of the version a label names.", _METADATA_OK, _GET_ERRORS,
+                              parameters=(_NAME, _LABEL))},
+    }
+    for method in ("classify", "regress"):
+        summary = f"{method.capitalize()} tf.Examples with a {method} signature"
+        paths[f"/v1/models/{{name}}:{method}"] = _examples(f"{summary}.", _NAME)
+        paths[f"/v1/models/{{name}}/versions/{{version}}:{method}"] = _examples(f"{summary} of one version.",
+                                                                                _NAME, _VERSION)
+        paths[f"/v1/models/{{name}}/labels/{{label}}:{method}"] = _examples(f"{summary} of a label's version.",
+                                                                            _NAME, _LABEL)
+    return paths
+
+
 _SCHEMAS: dict[str, Any] = {
     "Error": {
         "type": "object",
@@ -109,7 +146,8 @@ _SCHEMAS: dict[str, Any] = {
         "type": "object",
         "description": "TensorFlow Serving's predict body: 'instances' (rows) or 'inputs' (columns), not both.",
         "properties": {
-            "signature_name": {"type": "string", "enum": ["serving_default"]},
+            "signature_name": {"type": "string",
+                               "description": "A signature of the model; '' or absent: 'serving_default'."},
             "instances": {
                 "type": "array", "minItems": 1,
                 "description": "A list of rows; for several inputs each row is an object keyed by input name.",
@@ -121,6 +159,23 @@ _SCHEMAS: dict[str, Any] = {
             },
         },
         "oneOf": [{"required": ["instances"]}, {"required": ["inputs"]}],
+    },
+    "ExamplesRequest": {
+        "type": "object",
+        "description": "TensorFlow Serving's classify/regress body: tf.Example features by name.",
+        "required": ["examples"],
+        "properties": {
+            "signature_name": {"type": "string", "description": "A classify or regress signature; '' or absent: "
+                                                                "'serving_default'."},
+            "context": {"type": "object", "description": "Features shared by every example."},
+            "examples": {"type": "array", "minItems": 1, "items": {"type": "object"}},
+        },
+    },
+    "ResultsResponse": {
+        "type": "object",
+        "required": ["results"],
+        "properties": {"results": {"type": "array", "description": "classify: [[label, score], ...] per example; "
+                                                                   "regress: one value per example."}},
     },
     "PredictResponse": {
         "type": "object",
@@ -174,6 +229,7 @@ def spec() -> dict[str, Any]:
             "/v1/models/{name}/versions/{version}/metadata": {
                 "get": _operation("One version's signature.", _METADATA_OK, _GET_ERRORS,
                                   parameters=(_NAME, _VERSION))},
+            **_version_paths(),
             "/healthz": {"get": _operation(
                 "Liveness: 200 while the process is alive.",
                 _json_ok("Alive.", {"type": "object", "properties": {"status": {"type": "string"}}}), (405,))},

@@ -1,10 +1,20 @@
-"""The models a worker serves, each with its own batcher, and their version swaps.
+"""The models a worker serves: their versions, labels and signatures, each with its own batcher.
 
-A model whose path is a TensorFlow Serving base folder (numbered sub-folders) is polled:
-when a newer version appears it is loaded and warmed beside the old one, then swapped
-in. Requests already queued on the old batcher finish there (it is closed with drain); a
-request that reached the old batcher just after the swap is sent on to the new one, so
-no request fails because of a swap.
+A model whose path is a TensorFlow Serving base folder (numbered sub-folders) serves the
+versions its `model_version_policy` names (TF Serving's: the `latest` N, `all`, or a
+`specific` list), and is polled: a version the policy newly wants is loaded and warmed
+beside the others, then served; one it no longer wants is retired: taken out of `get()`
+at once, then closed, with drain, once every request that reached it has its answer. A
+version's state follows TF Serving's ManagerState: LOADING, AVAILABLE, UNLOADING, END.
+
+Every (version, signature) pair has its own batcher, so requests of different versions
+or signatures never share a predict call.
+
+A request pinned to a version or a label is served by that version or refused with TF
+Serving's error, never by another. An unpinned request that picked a version just
+before it was retired is sent on to the newest version instead; retirement waits for
+requests already inside the old version, so no request fails, or counts as a rejection,
+because of a version change.
 """
 
 from __future__ import annotations
@@ -19,105 +29,277 @@ from flask import Flask
 
 from app import models
 from app.batching import Batcher, BatchResult, Tensors, bucket_sizes
-from app.errors import NotFound, ShuttingDown
+from app.errors import BadRequest, NotFound, Unavailable
 from app.metrics import Metrics
 from app.settings import ModelConfig, Settings, model_configs
 
 log = logging.getLogger(__name__)
 
+# TF Serving's ManagerState names (core/servable_state.h), as GetModelStatus reports them.
+LOADING, AVAILABLE, UNLOADING, END = "LOADING", "AVAILABLE", "UNLOADING", "END"
 
-@dataclasses.dataclass
+
+def servable_not_found(name: str, version: int | None) -> str:
+    """TF Serving's message (core/basic_manager.cc), ServableRequest::DebugString included."""
+    request = f"Latest({name})" if version is None else f"Specific({name}, {version})"
+    return f"Servable not found for request: {request}"
+
+
+@dataclasses.dataclass(eq=False)
 class Servable:
+    """One loaded version of a model: its signatures, each with its own batcher."""
+
     model: models.LoadedModel
-    batcher: Batcher
+    batchers: dict[str, Batcher]
+
+    def __post_init__(self) -> None:
+        self._users = threading.Condition()
+        self._inside = 0
+        self.retiring = threading.Event()  # set once no new request may enter
+
+    @property
+    def batcher(self) -> Batcher:
+        """The batcher of the model's main signature (serving_default where it has one)."""
+        return self.batchers[self.model.default_signature]
+
+    def signature(self, name: str | None = None) -> models.Signature:
+        key = name or models.DEFAULT_SIGNATURE
+        signature = self.model.signatures.get(key)
+        if signature is None:
+            # TF Serving's words (model_servers/http_rest_api_handler.cc, GetInfoMap).
+            raise BadRequest(f'Serving signature name: "{key}" not found in signature def (unknown signature_name; '
+                             f"model '{self.model.name}' v{self.model.version} has {sorted(self.model.signatures)})")
+        return signature
 
     def status(self) -> dict[str, Any]:
+        batchers = list(self.batchers.values())
         return {
             "version": self.model.version,
             "source": self.model.source,
-            "alive": self.batcher.alive,
-            "queued_rows": self.batcher.queued_rows,
-            "batches_run": self.batcher.batches_run,
+            "alive": all(batcher.alive for batcher in batchers),
+            "queued_rows": sum(batcher.queued_rows for batcher in batchers),
+            "batches_run": sum(batcher.batches_run for batcher in batchers),
             "max_batch_size": self.batcher.max_batch_size,
             "batch_timeout_ms": self.batcher.batch_timeout_s * 1000,
+            "signatures": sorted(self.batchers),
             "load_seconds": round(self.model.load_s, 3),
             "warmup_seconds": round(self.model.warmup_s, 3),
         }
 
+    # A retired servable takes no new request; retire() waits for those already inside.
 
-def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics) -> Servable:
-    model = models.load_model(config.path, name=config.name, method=settings.predict_method)
+    def enter(self) -> bool:
+        with self._users:
+            if self.retiring.is_set():
+                return False
+            self._inside += 1
+            return True
+
+    def leave(self) -> None:
+        with self._users:
+            self._inside -= 1
+            if self._inside == 0:
+                self._users.notify_all()
+
+    def retire(self) -> None:
+        with self._users:
+            self.retiring.set()
+            self._users.wait_for(lambda: self._inside == 0)
+        self.close(drain=True)
+
+    def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
+        for batcher in self.batchers.values():
+            batcher.close(drain=drain, timeout_s=timeout_s)
+
+
+def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, version: int | None = None) -> Servable:
+    model = models.load_model(config.path, name=config.name, method=settings.predict_method, version=version)
     buckets = bucket_sizes(config.max_batch_size)
     models.warm_up(model, buckets)
     metrics.load_seconds.labels(config.name).set(model.load_s)
     metrics.warmup_seconds.labels(config.name).set(model.warmup_s)
-    batcher = Batcher(
-        model.predict,
-        name=config.name,
-        max_batch_size=config.max_batch_size,
-        batch_timeout_ms=config.batch_timeout_ms,
-        max_queue_rows=config.max_queue_rows,
-        max_request_rows=config.max_request_rows,
-        batching=settings.batching,
-        buckets=buckets,
-        observer=metrics.observer(config.name),
-    )
-    log.info("model '%s' v%d from %s loaded in %.2f s", config.name, model.version, model.source, model.load_s)
-    return Servable(model, batcher)
+    batchers = {}
+    for key, signature in model.signatures.items():
+        batchers[key] = Batcher(
+            signature.predict,
+            name=config.name if len(model.signatures) == 1 else f"{config.name}/{key}",
+            max_batch_size=config.max_batch_size,
+            batch_timeout_ms=config.batch_timeout_ms,
+            max_queue_rows=config.max_queue_rows,
+            max_request_rows=config.max_request_rows,
+            batching=settings.batching,
+            buckets=buckets,
+            observer=metrics.observer(config.name),
+        )
+    log.info("model '%s' v%d from %s loaded in %.2f s (signatures: %s)", config.name, model.version, model.source,
+             model.load_s, ", ".join(sorted(model.signatures)))
+    return Servable(model, batchers)
+
+
+def wanted_versions(config: ModelConfig, available: list[int]) -> list[int]:
+    """The versions TF Serving's model_version_policy serves out of those on disk."""
+    kind, argument = config.version_policy
+    if kind == "all":
+        return sorted(available)
+    if kind == "specific":
+        return sorted(set(available) & set(argument))
+    return sorted(available)[-argument:]
+
+
+@dataclasses.dataclass
+class _VersionState:
+    state: str
+    error_message: str = ""
+
+    def as_json(self, version: int) -> dict[str, Any]:
+        return {
+            "version": str(version),
+            "state": self.state,
+            "status": {"error_code": "UNKNOWN" if self.error_message else "OK", "error_message": self.error_message},
+        }
+
+
+class _Model:
+    def __init__(self, name: str, labels: dict[str, int]) -> None:
+        self.name = name
+        self.labels = labels
+        self.serving: dict[int, Servable] = {}
+        self.states: dict[int, _VersionState] = {}
 
 
 class ModelRegistry:
     def __init__(self, default_name: str) -> None:
         self.default_name = default_name
-        self._servables: dict[str, Servable] = {}
+        self._models: dict[str, _Model] = {}
+        self._lock = threading.Lock()
         self.poller: VersionPoller | None = None
 
     def add(self, servable: Servable) -> None:
-        self._servables[servable.model.name] = servable
+        """Serve `servable` beside the versions of its model already served."""
+        name, version = servable.model.name, servable.model.version
+        with self._lock:
+            entry = self._models.setdefault(name, _Model(name, {}))
+            entry.serving[version] = servable
+            entry.states[version] = _VersionState(AVAILABLE)
 
-    def get(self, name: str | None = None, version: int | None = None) -> Servable:
-        servable = self._servables.get(name or self.default_name)
-        if servable is None:
-            raise NotFound(f"no model named {name!r}; this server has {sorted(self._servables)}")
-        if version is not None and version != servable.model.version:
-            raise NotFound(f"model {servable.model.name!r} has no version {version}; it serves {servable.model.version}")
-        return servable
+    def set_labels(self, name: str, labels: dict[str, int]) -> None:
+        with self._lock:
+            self._models[name].labels = dict(labels)
 
-    def predict(self, servable: Servable, inputs: Tensors, *, timeout_s: float) -> tuple[Servable, BatchResult]:
-        """Predict on the servable, or on the one that replaced it if it was swapped out meanwhile."""
+    def get(self, name: str | None = None, version: int | None = None, *, label: str | None = None) -> Servable:
+        """The servable of a version, of a label's version, or of the newest version served."""
+        name = name or self.default_name
+        with self._lock:
+            entry = self._models.get(name)
+            if entry is None:
+                raise NotFound(f"{servable_not_found(name, version)}: no model named {name!r}; "
+                               f"this server has {sorted(self._models)}")
+            if label is not None:
+                if label not in entry.labels:
+                    # TF Serving answers INVALID_ARGUMENT, 400 (model_servers/server_core.cc).
+                    raise BadRequest(f"Unrecognized servable version label: {label}")
+                version = entry.labels[label]
+            if version is None and entry.serving:
+                return entry.serving[max(entry.serving)]
+            servable = entry.serving.get(version) if version is not None else None
+            if servable is None:
+                raise NotFound(f"{servable_not_found(name, version)}: model {name!r} has no version {version}; "
+                               f"it serves {sorted(entry.serving)}")
+            return servable
+
+    def predict(self, servable: Servable, inputs: Tensors, *, timeout_s: float, signature_name: str | None = None,
+                pinned: bool = False) -> tuple[Servable, BatchResult]:
+        """Predict with one signature of the servable (serving_default by default).
+
+        If the servable was retired after `get()` chose it, a pinned request (a version or
+        a label) is refused as TF Serving refuses a version it does not serve; an unpinned
+        one goes to the newest version.
+        """
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return servable, servable.batcher.predict(inputs, timeout_s=max(0.0, deadline - time.monotonic()))
-            except ShuttingDown:
-                current = self._servables.get(servable.model.name)
-                if current is None or current is servable:
-                    raise
-                servable = current
+        signature = servable.signature(signature_name)
+        while not servable.enter():
+            name, version = servable.model.name, servable.model.version
+            if pinned:
+                raise NotFound(f"{servable_not_found(name, version)}: version {version} of model {name!r} "
+                               "was unloaded before this request reached it")
+            servable = self.get(name)
+            replacement = servable.signature(signature_name)
+            if replacement.inputs != signature.inputs:
+                raise Unavailable(f"model {name!r} changed to v{servable.model.version}, whose signature "
+                                  f"'{replacement.name}' takes other inputs, while this request waited; retry")
+        try:
+            batcher = servable.batchers[signature.name]
+            return servable, batcher.predict(inputs, timeout_s=max(0.0, deadline - time.monotonic()))
+        finally:
+            servable.leave()
+
+    def retire(self, name: str, version: int) -> None:
+        """Stop serving a version: no new request reaches it; those inside finish first."""
+        with self._lock:
+            entry = self._models[name]
+            servable = entry.serving.pop(version)
+            entry.states[version] = _VersionState(UNLOADING)
+        servable.retire()
+        with self._lock:
+            entry.states[version] = _VersionState(END)
+        log.info("model '%s' v%d unloaded; serving %s", name, version, sorted(entry.serving))
 
     def swap(self, new: Servable) -> None:
-        old = self._servables.get(new.model.name)
-        self._servables[new.model.name] = new
-        if old is not None:
-            old.batcher.close(drain=True)
-            log.info("model '%s' now serves v%d (was v%d)", new.model.name, new.model.version, old.model.version)
+        """Serve `new` and retire every other version of its model."""
+        self.add(new)
+        for version in self.versions(new.model.name):
+            if version != new.model.version:
+                self.retire(new.model.name, version)
+
+    def versions(self, name: str) -> list[int]:
+        with self._lock:
+            return sorted(self._models[name].serving)
+
+    def set_state(self, name: str, version: int, state: str, error_message: str = "") -> None:
+        with self._lock:
+            self._models.setdefault(name, _Model(name, {})).states[version] = _VersionState(state, error_message)
+
+    def model_status(self, name: str, version: int | None = None, *, label: str | None = None) -> list[dict[str, Any]]:
+        """GetModelStatus's model_version_status (model_servers/get_model_status_impl.cc): every
+        version the server knows of, newest first, or the one asked for."""
+        with self._lock:
+            entry = self._models.get(name)
+            if entry is None or not entry.states:
+                raise NotFound(f"Could not find any versions of model {name}")
+            if label is not None:
+                if label not in entry.labels:
+                    raise BadRequest(f"Unrecognized servable version label: {label}")
+                version = entry.labels[label]
+            if version is not None:
+                if version not in entry.states:
+                    raise NotFound(f"Could not find version {version} of model {name}")
+                return [entry.states[version].as_json(version)]
+            return [entry.states[v].as_json(v) for v in sorted(entry.states, reverse=True)]
 
     def items(self) -> list[tuple[str, Servable]]:
-        return sorted(self._servables.items())
+        """Each model with its newest served version."""
+        with self._lock:
+            return sorted((name, entry.serving[max(entry.serving)]) for name, entry in self._models.items()
+                          if entry.serving)
+
+    def servables(self) -> list[Servable]:
+        with self._lock:
+            return [servable for entry in self._models.values() for servable in entry.serving.values()]
 
     @property
     def ready(self) -> bool:
-        return bool(self._servables) and all(s.batcher.alive for s in self._servables.values())
+        servables = self.servables()
+        return bool(servables) and all(batcher.alive for s in servables for batcher in s.batchers.values())
 
     def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
         if self.poller is not None:
             self.poller.stop()
-        for servable in list(self._servables.values()):
-            servable.batcher.close(drain=drain, timeout_s=timeout_s)
+        for servable in self.servables():
+            servable.close(drain=drain, timeout_s=timeout_s)
 
 
 class VersionPoller:
-    """Checks versioned base folders every `interval_s` and swaps in the newest version."""
+    """Checks versioned base folders every `interval_s` and serves what the version policy wants."""
 
     def __init__(self, registry: ModelRegistry, configs: list[ModelConfig], settings: Settings, metrics: Metrics,
                  interval_s: float) -> None:
@@ -144,30 +326,59 @@ class VersionPoller:
                     log.exception("version check of model '%s' failed", config.name)
 
     def check(self, config: ModelConfig) -> None:
-        versions = models.available_versions(config.path)
-        if not versions:
-            return
-        newest = max(versions)
-        if newest == self._registry.get(config.name).model.version or (config.name, newest) in self._failed:
-            return
-        try:
-            servable = load_servable(config, self._settings, self._metrics)
-        except Exception:
-            self._failed.add((config.name, newest))
-            log.exception("cannot load version %d of model '%s'; keeping the one served", newest, config.name)
-            return
-        if not self._stopped.is_set():
-            self._registry.swap(servable)
-        else:
-            servable.batcher.close(drain=False)
+        wanted = wanted_versions(config, models.available_versions(config.path))
+        if not wanted:
+            return  # an emptied folder is more likely a mistake than a wish to serve nothing
+        served = self._registry.versions(config.name)
+        for version in wanted:
+            if version in served or (config.name, version) in self._failed or self._stopped.is_set():
+                continue
+            self._registry.set_state(config.name, version, LOADING)
+            try:
+                servable = load_servable(config, self._settings, self._metrics, version)
+            except Exception as exc:
+                self._failed.add((config.name, version))
+                self._registry.set_state(config.name, version, END, f"{type(exc).__name__}: {exc}"[:1000])
+                log.exception("cannot load version %d of model '%s'; serving %s", version, config.name, served)
+                continue
+            if self._stopped.is_set():
+                servable.close(drain=False)
+                return
+            self._registry.add(servable)
+        # Retire only what the policy dropped, and never the last version served: as TF
+        # Serving's availability-preserving policy, a failed load keeps the old one.
+        served = self._registry.versions(config.name)
+        keep = [version for version in served if version in wanted]
+        if keep:
+            for version in served:
+                if version not in keep:
+                    self._registry.retire(config.name, version)
 
 
 def init_app(app: Flask, settings: Settings, metrics: Metrics) -> ModelRegistry:
     configs = model_configs(settings)
     registry = ModelRegistry(configs[0].name)
+    versioned = []
     for config in configs:
-        registry.add(load_servable(config, settings, metrics))
-    versioned = [config for config in configs if config.path and models.available_versions(config.path)]
+        available = models.available_versions(config.path) if config.path else []
+        if available:
+            versioned.append(config)
+            wanted = wanted_versions(config, available)
+            if not wanted:
+                raise models.ModelLoadError(f"model '{config.name}': its model_version_policy {config.version_policy} "
+                                            f"wants none of the versions in {config.path!r}: {available}")
+            for version in wanted:
+                registry.add(load_servable(config, settings, metrics, version))
+        else:
+            registry.add(load_servable(config, settings, metrics))
+        labels = dict(config.version_labels)
+        served = registry.versions(config.name)
+        for label, version in labels.items():
+            # As TF Serving (server_core.cc): a label may only name a version being served.
+            if version not in served:
+                raise models.ModelLoadError(f"model '{config.name}': version_labels: {label!r} names version "
+                                            f"{version}, which is not served (served: {served})")
+        registry.set_labels(config.name, labels)
     if versioned and settings.model_poll_seconds > 0:
         registry.poller = VersionPoller(registry, versioned, settings, metrics, settings.model_poll_seconds)
     app.extensions["models"] = registry

@@ -180,6 +180,9 @@ class ModelConfig:
     batch_timeout_ms: float
     max_queue_rows: int
     max_request_rows: int = 0
+    # TF Serving's model_version_policy: ("latest", N newest), ("all", ()), ("specific", versions).
+    version_policy: tuple[str, int | tuple[int, ...]] = ("latest", 1)
+    version_labels: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         # 0 derives the limit: a request may span a few batches, never more than the queue holds.
@@ -201,7 +204,10 @@ def model_configs(settings: Settings) -> list[ModelConfig]:
 
     Without MODEL_CONFIG: one model, MODEL_NAME from MODEL_PATH. With it, a JSON file:
     {"models": [{"name": "a", "path": "/models/a", "max_batch_size": 16}, ...],
-     "default": "a"}; a model without "path" is the built-in default model.
+     "default": "a"}; a model without "path" is the built-in default model. A model may
+    also name TF Serving's "model_version_policy" ({"latest": {"num_versions": 2}},
+    {"all": {}} or {"specific": {"versions": [1, 2]}}) and "version_labels"
+    ({"stable": 1, "canary": 2}).
     """
     defaults = {key: getattr(settings, key) for key in _MODEL_KEYS}
     if settings.model_config is None:
@@ -228,10 +234,10 @@ def model_configs(settings: Settings) -> list[ModelConfig]:
 def _model_config(entry: Any, index: int, defaults: dict[str, Any], where: str) -> ModelConfig:
     if not isinstance(entry, dict):
         raise SettingsError(f"{where}: models[{index}] must be an object")
-    unknown = set(entry) - {"name", "path", *_MODEL_KEYS}
+    unknown = set(entry) - {"name", "path", *_VERSION_KEYS, *_MODEL_KEYS}
     if unknown:
         raise SettingsError(f"{where}: models[{index}] has unknown key(s) {sorted(unknown)}; "
-                            f"allowed: name, path, {', '.join(_MODEL_KEYS)}")
+                            f"allowed: name, path, {', '.join(_VERSION_KEYS)}, {', '.join(_MODEL_KEYS)}")
     values = dict(defaults)
     try:
         name = parse(f"models[{index}].name", str(entry.get("name", "")), validate_model_name)
@@ -243,7 +249,47 @@ def _model_config(entry: Any, index: int, defaults: dict[str, Any], where: str) 
     path = entry.get("path")
     if path is not None and not isinstance(path, str):
         raise SettingsError(f"{where}: models[{index}].path must be a string")
-    return ModelConfig(name=name, path=path or None, **values)
+    try:
+        policy = _version_policy(entry.get("model_version_policy", {"latest": {}}))
+        labels = _version_labels(entry.get("version_labels", {}))
+    except ValueError as exc:
+        raise SettingsError(f"{where}: models[{index}].{exc}") from None
+    return ModelConfig(name=name, path=path or None, version_policy=policy, version_labels=labels, **values)
+
+
+_VERSION_KEYS = ("model_version_policy", "version_labels")
+
+
+def _version_policy(value: Any) -> tuple[str, int | tuple[int, ...]]:
+    """TF Serving's FileSystemStoragePathSourceConfig.ServableVersionPolicy, in JSON."""
+    expected = ('model_version_policy must be one of {"latest": {"num_versions": N}}, {"all": {}}, '
+                '{"specific": {"versions": [1, 2]}}')
+    if not isinstance(value, dict) or len(value) != 1:
+        raise ValueError(f"{expected}; got {json.dumps(value)}")
+    (kind, body), = value.items()
+    if kind == "latest" and isinstance(body, dict) and set(body) <= {"num_versions"}:
+        count = body.get("num_versions", 1)
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 1:
+            return "latest", count
+    elif kind == "all" and body == {}:
+        return "all", ()
+    elif kind == "specific" and isinstance(body, dict) and set(body) == {"versions"}:
+        versions = body["versions"]
+        if (isinstance(versions, list) and versions
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions)):
+            return "specific", tuple(sorted(set(versions)))
+    raise ValueError(f"{expected}; got {json.dumps(value)}")
+
+
+def _version_labels(value: Any) -> tuple[tuple[str, int], ...]:
+    if not isinstance(value, dict):
+        raise ValueError(f'version_labels must be an object like {{"stable": 1, "canary": 2}}; got {json.dumps(value)}')
+    for label, version in value.items():
+        if not MODEL_NAME_PATTERN.match(label) or not isinstance(version, int) or isinstance(version, bool) \
+                or version < 0:
+            raise ValueError(f"version_labels: {label!r}: {json.dumps(version)} is not valid: expected a label "
+                             "of letters, digits, '_', '.' or '-' naming a version number")
+    return tuple(sorted(value.items()))
 
 
 def parse(name: str, raw: str, validator: Callable[[str], Any]) -> Any:

@@ -28,14 +28,15 @@ def next_version(base: Path) -> int:
 def export(model_path: str | None, base: Path, version: int | None = None) -> Path:
     import keras
 
-    from app.models import build_default_model
+    from app.models import available_versions, build_default_model
 
     model = keras.models.load_model(model_path, compile=False) if model_path else build_default_model()
     base.mkdir(parents=True, exist_ok=True)
     version = version or next_version(base)
     target = base / str(version)
-    if target.exists():
-        raise SystemExit(f"{target} exists already; choose another --version")
+    # '3' and '00000003' are the same version to a server reading BASE.
+    if target.exists() or version in available_versions(str(base)):
+        raise SystemExit(f"version {version} exists already in {base}; choose another --version")
     staging = Path(tempfile.mkdtemp(prefix=f".export-{version}-", dir=base))
     try:
         model.export(str(staging / "model"), format="tf_saved_model", verbose=False)

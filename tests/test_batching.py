@@ -13,6 +13,7 @@ import pytest
 
 from app.batching import Batcher, BatchObserver, bucket_sizes
 from app.errors import (
+    BadRequest,
     BatcherBroken,
     DeadlineExceeded,
     InvalidInput,
@@ -236,7 +237,7 @@ def test_bisect_fails_only_the_poisoned_request(make_batcher):
 
 def test_wrong_number_of_output_rows_fails_the_batch(make_batcher):
     batcher = make_batcher(predict_fn=lambda batch: {"y": batch["x"][:1]}, max_batch_size=4)
-    with pytest.raises(PredictFailed, match="one row per input row"):
+    with pytest.raises(BadRequest, match="one row per input row"):
         batcher.submit(rows(1.0, 2.0)).result(WAIT_S)
 
 

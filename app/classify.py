@@ -1,0 +1,136 @@
+"""TensorFlow Serving's :classify and :regress over a signature that takes serialized tf.Examples.
+
+Request, as TF Serving reads it (util/json_tensor.cc, FillClassifyRegressRequestFromJson):
+{"signature_name": "...", "context": {feature: value|list}, "examples": [{feature: value|list}, ...]}.
+A JSON integer is an int64 feature, a number with a fraction or exponent a float feature,
+a string or {"b64": ...} a bytes feature. Context features are merged into each example,
+as TF Serving serializes an ExampleListWithContext.
+
+Answer (MakeJsonFromClassificationResult / MakeJsonFromRegressionResult):
+classify: {"results": [[[label, score], ...], ...]}; regress: {"results": [value, ...]}.
+The signature must carry the method name (servables/tensorflow/classifier.cc, regressor.cc).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+import numpy as np
+import orjson
+
+from app import codec
+from app.errors import BadRequest, InvalidInput, PayloadTooLarge
+from app.models import CLASSIFY_METHOD, REGRESS_METHOD, STRING, Signature
+
+CLASSIFY, REGRESS = "classify", "regress"
+_METHODS = {CLASSIFY: (CLASSIFY_METHOD, "classification"), REGRESS: (REGRESS_METHOD, "regression")}
+
+
+def parse(body: bytes, method: str, *, max_rows: int | None = None) -> tuple[str, np.ndarray]:
+    """The signature name asked for ('' if none) and one serialized tf.Example per example;
+    more examples than max_rows are refused before any is built."""
+    from tensorflow.core.example import example_pb2
+
+    document = codec.parse_json(body)
+    if not isinstance(document, dict):
+        raise BadRequest(f"the request body must be a JSON object, not {codec._json_type(document)}")
+    signature_name = document.get("signature_name", "")
+    if not isinstance(signature_name, str):
+        raise BadRequest("'signature_name' key must be a string value.")
+    context = _features(document["context"], "context") if "context" in document else {}
+    if "examples" not in document:
+        raise BadRequest(f"When method is {method}, key 'examples' is expected and was not found")
+    examples = document["examples"]
+    if not isinstance(examples, list):
+        raise BadRequest("Expecting 'examples' value to be an list/array")
+    if not examples:
+        raise BadRequest("'examples' value is an empty array")
+    if max_rows is not None and len(examples) > max_rows:
+        raise PayloadTooLarge(f"the request holds {len(examples)} examples; this model takes at most {max_rows} "
+                              "rows per request (MAX_REQUEST_ROWS)")
+    serialized = np.empty(len(examples), dtype=object)
+    for index, value in enumerate(examples):
+        example = example_pb2.Example()
+        for name, feature in {**context, **_features(value, f"examples[{index}]")}.items():
+            example.features.feature[name].CopyFrom(feature)
+        serialized[index] = example.SerializeToString()
+    return signature_name, serialized
+
+
+def _features(value: Any, where: str) -> dict[str, Any]:
+    from tensorflow.core.example import feature_pb2
+
+    if not isinstance(value, dict) or codec._is_b64(value):
+        raise InvalidInput(f"{where}: Example must be JSON object but got JSON {codec._json_type(value)}")
+    features = {}
+    for name, content in value.items():
+        items = content if isinstance(content, list) else [content]
+        kinds = {_kind(item, name, where) for item in items}
+        if len(kinds) > 1:
+            raise InvalidInput(f"{where}: feature '{name}' mixes {' and '.join(sorted(kinds))} values; "
+                               "a feature holds one kind (a number with a fraction is a float)")
+        feature = feature_pb2.Feature()
+        kind = kinds.pop() if kinds else "float"
+        if kind == "bytes":
+            feature.bytes_list.value.extend(_bytes(item, name, where) for item in items)
+        elif kind == "int64":
+            if any(not -2**63 <= item < 2**63 for item in items):
+                raise InvalidInput(f"{where}: Feature: {name} has an integer outside int64. Only int64 is supported.")
+            feature.int64_list.value.extend(items)
+        else:
+            feature.float_list.value.extend(items)
+        features[name] = feature
+    return features
+
+
+def _kind(item: Any, name: str, where: str) -> str:
+    if isinstance(item, bool) or item is None or isinstance(item, list) or (
+            isinstance(item, dict) and not codec._is_b64(item)):
+        raise InvalidInput(f"{where}: Feature: {name} has element with unexpected JSON type: "
+                           f"{codec._json_type(item)}")
+    if isinstance(item, int):
+        return "int64"
+    if isinstance(item, float):
+        return "float"
+    return "bytes"
+
+
+def _bytes(item: Any, name: str, where: str) -> bytes:
+    if isinstance(item, str):
+        return item.encode()
+    try:
+        return base64.b64decode(item["b64"], validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        raise InvalidInput(f"{where}: feature '{name}': a 'b64' value is not valid base64") from None
+
+
+def check_signature(signature: Signature, method: str) -> str:
+    """The name of the signature's one input, after TF Serving's checks of the method name."""
+    method_name, kind = _METHODS[method]
+    if signature.method_name != method_name:
+        raise BadRequest(f"Expected {kind} signature method_name to be {method_name}. Was: {signature.method_name}")
+    if len(signature.inputs) != 1 or signature.inputs[0].dtype != STRING:
+        raise BadRequest(f"Expected one input Tensor of serialized tf.Examples in signature '{signature.name}'")
+    return signature.inputs[0].name
+
+
+def encode(outputs: dict[str, np.ndarray], method: str, rows: int) -> bytes:
+    if method == REGRESS:
+        values = np.asarray(outputs.get("outputs", next(iter(outputs.values()))))
+        if values.size != rows:
+            raise BadRequest(f"Expected output Tensor shape to be [{rows}] or [{rows}, 1]; got {list(values.shape)}")
+        return orjson.dumps({"results": values.reshape(rows).astype(np.float32)}, option=orjson.OPT_SERIALIZE_NUMPY)
+    classes, scores = outputs.get("classes"), outputs.get("scores")
+    if classes is None and scores is None:
+        raise BadRequest("Expected classification signature outputs to contain 'classes' or 'scores'")
+    width = (classes if classes is not None else scores).reshape(rows, -1).shape[1]
+    labels = classes.reshape(rows, width) if classes is not None else np.full((rows, width), b"", dtype=object)
+    values = scores.reshape(rows, width).astype(np.float32) if scores is not None else np.zeros((rows, width), np.float32)
+    results = [[[_label(labels[i, j]), values[i, j]] for j in range(width)] for i in range(rows)]
+    return orjson.dumps({"results": results}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _label(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
