@@ -5,8 +5,9 @@ Every worker starts a `grpc.server` on GRPC_BIND once its app and models are loa
 master never imports grpc). All workers bind the same port with SO_REUSEPORT, so the
 kernel spreads connections over them as it does for Gunicorn's shared socket.
 
-Services: PredictionService (Predict, GetModelMetadata), ModelService (GetModelStatus)
-and grpc.health.v1.Health, which answers SERVING exactly when /readyz answers 200. A call
+Services: PredictionService (Predict, Classify, Regress, GetModelMetadata), ModelService
+(GetModelStatus) and grpc.health.v1.Health, which answers SERVING exactly when /readyz
+answers 200. `model_spec` takes a name, a version or a version_label, and a signature. A call
 goes through the registry and batchers REST uses: the same validation, row limit, queue,
 deadline (the client's gRPC deadline, capped by REQUEST_TIMEOUT_MS) and errors, mapped to
 TensorFlow Serving's status codes in `STATUS_CODES`. Each call is counted in
@@ -33,24 +34,27 @@ import grpc
 import numpy as np
 from flask import Flask
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tensorflow.core.example import example_pb2
+from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow_serving.apis import (
+    classification_pb2,
     get_model_metadata_pb2,
     get_model_status_pb2,
     model_service_pb2_grpc,
     predict_pb2,
     prediction_service_pb2_grpc,
+    regression_pb2,
+    status_pb2,
 )
 
-from app import errors, tensor_proto
+from app import classify, errors, tensor_proto
 from app.logs import access_log, accept_request_id
-from app.models import LoadedModel, TensorInfo
+from app.models import DEFAULT_SIGNATURE, LoadedModel, Signature, TensorInfo
 from app.registry import Servable
 
 log = logging.getLogger(__name__)
 
-SIGNATURE_NAME = "serving_default"
-PREDICT_METHOD = "tensorflow/serving/predict"
 REQUEST_ID_KEY = "x-request-id"
 
 
@@ -70,7 +74,6 @@ STATUS_CODES: dict[type[errors.ServingError], grpc.StatusCode] = {
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.MethodNotAllowed: grpc.StatusCode.UNIMPLEMENTED,
     errors.PayloadTooLarge: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.UnsupportedMediaType: grpc.StatusCode.INVALID_ARGUMENT,
     errors.PredictFailed: grpc.StatusCode.INTERNAL,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -89,19 +92,25 @@ class ModelsAdapter:
         self._registry = app.extensions["models"]
         self._timeout_s = app.extensions["settings"].request_timeout_ms / 1000.0
 
-    def get(self, model_spec: Any) -> Servable:
-        if model_spec.version_label:
-            raise errors.BadRequest(f"Unrecognized servable version label: {model_spec.version_label}; "
-                                    "this server does not serve version labels")
+    def get(self, model_spec: Any) -> tuple[Servable, bool]:
+        """The servable the spec names, and whether it was pinned (by version or label)."""
         version = model_spec.version.value if model_spec.HasField("version") else None
-        return self._registry.get(model_spec.name or None, version)
+        label = model_spec.version_label or None
+        servable = self._registry.get(model_spec.name or None, version, label=label)
+        return servable, version is not None or label is not None
 
-    def predict(self, servable: Servable, inputs: dict[str, np.ndarray], *,
+    def predict(self, servable: Servable, inputs: dict[str, np.ndarray], *, signature: Signature, pinned: bool,
                 time_remaining_s: float | None) -> tuple[Servable, Any]:
         timeout_s = self._timeout_s if time_remaining_s is None else min(self._timeout_s, time_remaining_s)
         if timeout_s <= 0:
             raise errors.DeadlineExceeded("the call's deadline passed before it was queued")
-        return self._registry.predict(servable, inputs, timeout_s=timeout_s)
+        return self._registry.predict(servable, inputs, timeout_s=timeout_s, signature_name=signature.name,
+                                      pinned=pinned)
+
+    def status(self, model_spec: Any) -> list[dict[str, Any]]:
+        version = model_spec.version.value if model_spec.HasField("version") else None
+        return self._registry.model_status(model_spec.name or self._registry.default_name, version,
+                                           label=model_spec.version_label or None)
 
     @property
     def ready(self) -> bool:
@@ -169,9 +178,55 @@ def _log_access(route: str, code: grpc.StatusCode, started: float, call: _Call, 
         access_log.info("access", extra={"fields": fields})
 
 
-def _check_signature(signature_name: str) -> None:
-    if (signature_name or SIGNATURE_NAME) != SIGNATURE_NAME:
-        raise SignatureNotFound(f'Serving signature key "{signature_name}" not found.')
+def predict_signature(servable: Servable, signature_name: str) -> Signature:
+    # An empty name is serving_default, as in TF Serving (model_servers/predict_util.cc).
+    key = signature_name or DEFAULT_SIGNATURE
+    signature = servable.model.signatures.get(key)
+    if signature is None:
+        raise SignatureNotFound(f'Serving signature key "{key}" not found.')
+    return signature
+
+
+def example_signature(servable: Servable, signature_name: str, method: str) -> tuple[Signature, str]:
+    """Classify's or Regress's signature, checked as the REST API checks it, and its input's name."""
+    model = servable.model
+    if not signature_name and DEFAULT_SIGNATURE not in model.signatures:
+        signature_name = model.default_signature
+    signature = model.signatures.get(signature_name or DEFAULT_SIGNATURE)
+    if signature is None:
+        # TF Serving's words (servables/tensorflow/classifier.cc, regressor.cc).
+        raise errors.BadRequest(f"No signature was found with the name: {signature_name or DEFAULT_SIGNATURE}")
+    return signature, classify.check_signature(signature, method)
+
+
+def serialized_examples(model_input: Any, *, max_rows: int) -> np.ndarray:
+    """One serialized tf.Example per example; context features merged in, the example's own winning.
+
+    TF Serving concatenates the serialized context and example (servables/tensorflow/util.cc),
+    which parses as this merge.
+    """
+    kind = model_input.WhichOneof("kind")
+    if kind == "example_list":
+        examples, context = model_input.example_list.examples, None
+    elif kind == "example_list_with_context":
+        examples, context = model_input.example_list_with_context.examples, model_input.example_list_with_context.context
+    else:
+        examples, context = [], None
+    if not examples:
+        raise errors.InvalidInput("Input is empty.")
+    if len(examples) > max_rows:
+        # Refused before any example is serialized, as the REST API refuses them before building.
+        raise errors.PayloadTooLarge(f"the request holds {len(examples)} examples; this model takes at most "
+                                     f"{max_rows} rows per request (MAX_REQUEST_ROWS)")
+    serialized = np.empty(len(examples), dtype=object)
+    for index, example in enumerate(examples):
+        if context is not None:
+            merged = example_pb2.Example()
+            for name, feature in [*context.features.feature.items(), *example.features.feature.items()]:
+                merged.features.feature[name].CopyFrom(feature)
+            example = merged
+        serialized[index] = example.SerializeToString()
+    return serialized
 
 
 def _set_model_spec(target: Any, model: LoadedModel, signature_name: str | None) -> None:
@@ -181,7 +236,7 @@ def _set_model_spec(target: Any, model: LoadedModel, signature_name: str | None)
         target.signature_name = signature_name
 
 
-def decode_inputs(request: Any, model: LoadedModel) -> dict[str, np.ndarray]:
+def decode_inputs(request: Any, model: Signature) -> dict[str, np.ndarray]:
     wanted = {spec.name for spec in model.inputs}
     given = set(request.inputs.keys())
     if given != wanted:
@@ -193,7 +248,7 @@ def decode_inputs(request: Any, model: LoadedModel) -> dict[str, np.ndarray]:
             for spec in model.inputs}
 
 
-def output_specs(output_filter: Any, model: LoadedModel) -> list[TensorInfo]:
+def output_specs(output_filter: Any, model: Signature) -> list[TensorInfo]:
     if not output_filter:
         return list(model.outputs)
     by_name = {spec.name: spec for spec in model.outputs}
@@ -214,26 +269,74 @@ def _names(names: Any) -> str:
 
 class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
     def __init__(self, models: ModelsAdapter, observed: _Observed) -> None:
-        # Classify, Regress and MultiInference stay the base class's UNIMPLEMENTED.
+        # MultiInference stays the base class's UNIMPLEMENTED.
         self.Predict = observed("/tensorflow.serving.PredictionService/Predict", self._predict)
+        self.Classify = observed("/tensorflow.serving.PredictionService/Classify", self._classify)
+        self.Regress = observed("/tensorflow.serving.PredictionService/Regress", self._regress)
         self.GetModelMetadata = observed("/tensorflow.serving.PredictionService/GetModelMetadata", self._metadata)
         self._models = models
 
-    def _predict(self, request: Any, call: _Call, context: grpc.ServicerContext) -> Any:
+    def _servable(self, request: Any, call: _Call) -> tuple[Servable, bool]:
         if not request.HasField("model_spec"):
             raise errors.BadRequest("Missing ModelSpec")
-        servable = self._models.get(request.model_spec)
+        servable, pinned = self._models.get(request.model_spec)
         call.model = servable.model.name
-        _check_signature(request.model_spec.signature_name)
-        outputs = output_specs(request.output_filter, servable.model)
-        inputs = decode_inputs(request, servable.model)
+        return servable, pinned
+
+    def _predict(self, request: Any, call: _Call, context: grpc.ServicerContext) -> Any:
+        servable, pinned = self._servable(request, call)
+        signature = predict_signature(servable, request.model_spec.signature_name)
+        outputs = output_specs(request.output_filter, signature)
+        inputs = decode_inputs(request, signature)
         call.rows = next(iter(inputs.values())).shape[0]
-        servable, result = self._models.predict(servable, inputs, time_remaining_s=context.time_remaining())
+        servable, result = self._models.predict(servable, inputs, signature=signature, pinned=pinned,
+                                                time_remaining_s=context.time_remaining())
         call.batch_rows, call.batch_requests = result.batch_rows, result.batch_requests
         response = predict_pb2.PredictResponse()
-        _set_model_spec(response.model_spec, servable.model, SIGNATURE_NAME)
+        _set_model_spec(response.model_spec, servable.model, signature.name)
         for spec in outputs:
             tensor_proto.from_ndarray(result.outputs[spec.name], spec.tf_dtype, response.outputs[spec.name])
+        return response
+
+    def _examples(self, request: Any, call: _Call, context: grpc.ServicerContext,
+                  method: str) -> tuple[Servable, Signature, dict[str, np.ndarray], int]:
+        servable, pinned = self._servable(request, call)
+        signature, input_name = example_signature(servable, request.model_spec.signature_name, method)
+        examples = serialized_examples(request.input, max_rows=servable.batchers[signature.name].max_request_rows)
+        call.rows = rows = len(examples)
+        servable, result = self._models.predict(servable, {input_name: examples}, signature=signature, pinned=pinned,
+                                                time_remaining_s=context.time_remaining())
+        call.batch_rows, call.batch_requests = result.batch_rows, result.batch_requests
+        return servable, signature, result.outputs, rows
+
+    def _classify(self, request: Any, call: _Call, context: grpc.ServicerContext) -> Any:
+        servable, signature, outputs, rows = self._examples(request, call, context, classify.CLASSIFY)
+        response = classification_pb2.ClassificationResponse()
+        _set_model_spec(response.model_spec, servable.model, signature.name)
+        classes, scores = outputs.get("classes"), outputs.get("scores")
+        if classes is None and scores is None:
+            raise errors.BadRequest("Expected classification signature outputs to contain 'classes' or 'scores'")
+        width = (classes if classes is not None else scores).reshape(rows, -1).shape[1]
+        for row in range(rows):
+            classifications = response.result.classifications.add()
+            for column in range(width):
+                entry = classifications.classes.add()
+                if classes is not None:
+                    entry.label = _text(classes.reshape(rows, width)[row, column])
+                if scores is not None:
+                    entry.score = float(scores.reshape(rows, width)[row, column])
+        return response
+
+    def _regress(self, request: Any, call: _Call, context: grpc.ServicerContext) -> Any:
+        servable, signature, outputs, rows = self._examples(request, call, context, classify.REGRESS)
+        values = np.asarray(outputs.get("outputs", next(iter(outputs.values()))))
+        if values.size != rows:
+            raise errors.BadRequest(f"Expected output Tensor shape to be [{rows}] or [{rows}, 1]; "
+                                    f"got {list(values.shape)}")
+        response = regression_pb2.RegressionResponse()
+        _set_model_spec(response.model_spec, servable.model, signature.name)
+        for value in values.reshape(rows).astype(np.float32).tolist():
+            response.result.regressions.add().value = value
         return response
 
     def _metadata(self, request: Any, call: _Call, context: grpc.ServicerContext) -> Any:
@@ -244,23 +347,26 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         for field in request.metadata_field:
             if field != "signature_def":
                 raise errors.BadRequest(f"Metadata field {field} is not supported")
-        model = self._models.get(request.model_spec).model
+        model = self._models.get(request.model_spec)[0].model
         call.model = model.name
         response = get_model_metadata_pb2.GetModelMetadataResponse()
         _set_model_spec(response.model_spec, model, None)
         signatures = get_model_metadata_pb2.SignatureDefMap()
-        signatures.signature_def[SIGNATURE_NAME].CopyFrom(signature_def(model))
+        for key, signature in sorted(model.signatures.items()):
+            signatures.signature_def[key].CopyFrom(signature_def(signature))
         response.metadata["signature_def"].Pack(signatures)
         return response
 
 
-def signature_def(model: LoadedModel) -> Any:
-    """The same signature as the REST metadata (app/metadata.py), as a SignatureDef proto."""
-    from tensorflow.core.framework import types_pb2
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
-    signature = meta_graph_pb2.SignatureDef(method_name=PREDICT_METHOD)
-    for target, specs, prefix in ((signature.inputs, model.inputs, f"{SIGNATURE_NAME}_"),
-                                  (signature.outputs, model.outputs, "")):
+
+def signature_def(signature: Signature) -> Any:
+    """The same signature as the REST metadata (app/metadata.py), as a SignatureDef proto."""
+    proto = meta_graph_pb2.SignatureDef(method_name=signature.method_name)
+    for target, specs, prefix in ((proto.inputs, signature.inputs, f"{signature.name}_"),
+                                  (proto.outputs, signature.outputs, "")):
         for spec in specs:
             info = target[spec.name]
             info.name = f"{prefix}{spec.name}:0"
@@ -268,7 +374,10 @@ def signature_def(model: LoadedModel) -> Any:
             info.tensor_shape.dim.add().size = -1
             for dim in spec.shape:
                 info.tensor_shape.dim.add().size = -1 if dim is None else dim
-    return signature
+    return proto
+
+
+_ERROR_CODES = status_pb2.StatusProto.DESCRIPTOR.fields_by_name["error_code"].enum_type.values_by_name
 
 
 class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
@@ -280,14 +389,15 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     def _status(self, request: Any, call: _Call, context: grpc.ServicerContext) -> Any:
         if not request.HasField("model_spec"):
             raise errors.BadRequest("Missing ModelSpec")
-        servable = self._models.get(request.model_spec)
-        call.model = servable.model.name
+        statuses = self._models.status(request.model_spec)
+        call.model = request.model_spec.name or None
         response = get_model_status_pb2.GetModelStatusResponse()
-        status = response.model_version_status.add()
-        status.version = servable.model.version
-        alive = servable.batcher.alive
-        status.state = (get_model_status_pb2.ModelVersionStatus.AVAILABLE if alive
-                        else get_model_status_pb2.ModelVersionStatus.UNKNOWN)
+        for entry in statuses:
+            status = response.model_version_status.add()
+            status.version = int(entry["version"])
+            status.state = get_model_status_pb2.ModelVersionStatus.State.Value(entry["state"])
+            status.status.error_code = _ERROR_CODES[entry["status"]["error_code"]].number
+            status.status.error_message = entry["status"]["error_message"]
         return response
 
 

@@ -1,9 +1,11 @@
 """TensorFlow Serving's gRPC API, driven with the unmodified `tensorflow_serving.apis` stubs.
 
-A live `gunicorn -c gunicorn.conf.py wsgi:app` serves three models: `exact` (integer
+A live `gunicorn -c gunicorn.conf.py wsgi:app` serves five models: `exact` (integer
 weights: served predictions equal the model's own, row for row), `held` (the same model
-behind a 6 s batch window and a 4-row queue, so requests can be held queued on purpose)
-and `tss`, TensorFlow Serving's tag/signal/sensor example (string and float inputs).
+behind a 6 s batch window and a 4-row queue, so requests can be held queued on purpose),
+`tss`, TensorFlow Serving's tag/signal/sensor example (string and float inputs),
+`versioned` (two exported versions labelled stable and canary) and `examples` (classify
+and regress signatures over serialized tf.Examples).
 
 TensorFlow Serving's answers that the status codes follow: model_servers/predict_util.cc
 and predict_impl.cc (INVALID_ARGUMENT for bad inputs and output_filter,
@@ -37,7 +39,7 @@ from tensorflow_serving.apis import (
     prediction_service_pb2_grpc,
 )
 
-from tests.conftest import Server, integer_rows
+from tests.conftest import Server, build_exact_model, integer_rows
 from tests.test_tf_serving import save_tag_signal_sensor
 
 PREDICT = "/tensorflow.serving.PredictionService/Predict"
@@ -112,17 +114,53 @@ def scores(response) -> np.ndarray:
     return make_ndarray(response.outputs["scores"])
 
 
+def save_classify_regress(path) -> None:
+    """A SavedModel with TF Serving's classify and regress signatures over serialized tf.Examples.
+
+    Built with the TF1 SavedModel builder: it writes the method names (tensorflow/serving/
+    classify, .../regress) that TF Serving's Classify and Regress require of a signature.
+    classify: classes ["neg", "pos"], scores [-(x0 + x1), x0 + x1]; regress: 2 x0 + x1.
+    """
+    import tensorflow as tf
+
+    v1 = tf.compat.v1
+    with tf.Graph().as_default() as graph, v1.Session(graph=graph) as session:
+        serialized = v1.placeholder(tf.string, [None], name="tf_example")
+        # A default, because warm-up sends empty strings, which hold no feature.
+        x = tf.io.parse_example(serialized, {"x": tf.io.FixedLenFeature([2], tf.float32, [0.0, 0.0])})["x"]
+        total = tf.reduce_sum(x, axis=1, keepdims=True)
+        classes = tf.tile(tf.constant([["neg", "pos"]]), [tf.shape(x)[0], 1])
+        builder = v1.saved_model.Builder(str(path))
+        builder.add_meta_graph_and_variables(session, [v1.saved_model.tag_constants.SERVING], signature_def_map={
+            "classify": v1.saved_model.classification_signature_def(serialized, classes,
+                                                                     tf.concat([-total, total], axis=1)),
+            "regress": v1.saved_model.regression_signature_def(serialized, 2.0 * x[:, :1] + x[:, 1:]),
+        })
+        builder.save()
+
+
+@pytest.fixture(scope="session")
+def second_model():
+    return build_exact_model(seed=8)
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, exact_model_path):
+def served(tmp_path_factory, exact_model_path, exact_model, second_model):
     folder = tmp_path_factory.mktemp("grpc")
     tss_path = folder / "tss"
     save_tag_signal_sensor(tss_path)
+    save_classify_regress(folder / "examples")
+    for version, model in ((1, exact_model), (2, second_model)):
+        model.export(str(folder / "versioned" / str(version)), format="tf_saved_model", verbose=False)
     config = folder / "models.json"
     config.write_text(json.dumps({"default": "exact", "models": [
         {"name": "exact", "path": str(exact_model_path)},
         {"name": "held", "path": str(exact_model_path), "batch_timeout_ms": HELD_WINDOW_MS,
          "max_batch_size": 8, "max_queue_rows": HELD_QUEUE_ROWS},
         {"name": "tss", "path": str(tss_path)},
+        {"name": "versioned", "path": str(folder / "versioned"), "model_version_policy": {"all": {}},
+         "version_labels": {"stable": 1, "canary": 2}},
+        {"name": "examples", "path": str(folder / "examples")},
     ]}))
     server = Server(folder, {"MODEL_CONFIG": str(config), "LOG_FORMAT": "json", "MODEL_POLL_SECONDS": "0",
                              "REQUEST_TIMEOUT_MS": str(REQUEST_TIMEOUT_MS),
@@ -420,11 +458,11 @@ def test_calls_are_counted_and_logged_like_http_requests(served, stub):
     assert access_line(served, request_id)["status"] == "NOT_FOUND"
 
 
-def test_classify_is_unimplemented(stub):
-    from tensorflow_serving.apis import classification_pb2
+def test_multi_inference_is_unimplemented(stub):
+    from tensorflow_serving.apis import inference_pb2
 
     with pytest.raises(grpc.RpcError) as raised:
-        stub.Classify(classification_pb2.ClassificationRequest(), timeout=30)
+        stub.MultiInference(inference_pb2.MultiInferenceRequest(), timeout=30)
 
     assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
@@ -697,3 +735,121 @@ def test_sigterm_under_grpc_load_answers_every_accepted_call(start_server, exact
     answered = [line for line in access_lines(server) if line["path"] == PREDICT]
     assert [line["status"] for line in answered] == ["OK"] * len(answered)
     assert len(answered) == sum(status == "OK" for status, _ in by_seed.values())
+
+
+# -- version labels, Classify and Regress ------------------------------------------------------
+
+
+def versioned_request(stub, rows: np.ndarray, **spec) -> predict_pb2.PredictRequest:
+    """A Predict request for the exported model, its input named as its metadata names it."""
+    metadata = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=["signature_def"])
+    metadata.model_spec.name = "versioned"
+    signatures = get_model_metadata_pb2.SignatureDefMap()
+    stub.GetModelMetadata(metadata, timeout=30).metadata["signature_def"].Unpack(signatures)
+    (name,) = signatures.signature_def["serving_default"].inputs
+    request = predict_request("versioned", **spec)
+    request.inputs[name].CopyFrom(make_tensor_proto(rows))
+    return request
+
+
+def only_output(response) -> np.ndarray:
+    (output,) = response.outputs.values()
+    return make_ndarray(output)
+
+
+def test_a_version_label_is_served_by_its_version(stub, exact_model, second_model):
+    rows = integer_rows(5, seed=21)
+    for label, version, model in (("stable", 1, exact_model), ("canary", 2, second_model)):
+        response = stub.Predict(versioned_request(stub, rows, version_label=label), timeout=30)
+
+        assert response.model_spec.version.value == version, label
+        np.testing.assert_array_equal(only_output(response), model(rows).numpy())
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Predict(versioned_request(stub, rows, version_label="beta"), timeout=30)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Unrecognized servable version label: beta" in raised.value.details()
+
+
+def test_get_model_status_lists_every_version_or_the_one_named(channel):
+    models = model_service_pb2_grpc.ModelServiceStub(channel)
+    available = get_model_status_pb2.ModelVersionStatus.AVAILABLE
+
+    def statuses(**spec) -> list[tuple[int, int]]:
+        request = get_model_status_pb2.GetModelStatusRequest()
+        request.model_spec.name = "versioned"
+        if "version" in spec:
+            request.model_spec.version.value = spec["version"]
+        if "label" in spec:
+            request.model_spec.version_label = spec["label"]
+        return [(status.version, status.state) for status in models.GetModelStatus(request, timeout=30)
+                .model_version_status]
+
+    assert statuses() == [(2, available), (1, available)]  # newest first, as TF Serving lists them
+    assert statuses(label="stable") == [(1, available)]
+    assert statuses(version=2) == [(2, available)]
+    with pytest.raises(grpc.RpcError) as raised:
+        statuses(version=3)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def examples_input(rows: list[list[float] | None], context: list[float] | None = None):
+    """tensorflow.serving.Input: tf.Examples with a float feature x (None: no x of its own)."""
+    from tensorflow_serving.apis import input_pb2
+
+    model_input = input_pb2.Input()
+    target = model_input.example_list_with_context if context is not None else model_input.example_list
+    if context is not None:
+        target.context.features.feature["x"].float_list.value.extend(context)
+    for values in rows:
+        example = target.examples.add()
+        if values is not None:
+            example.features.feature["x"].float_list.value.extend(values)
+    return model_input
+
+
+def test_classify_answers_classes_and_scores_per_example(stub):
+    from tensorflow_serving.apis import classification_pb2
+
+    request = classification_pb2.ClassificationRequest(input=examples_input([[1, 2], None, [-4, 1]], context=[5, 6]))
+    request.model_spec.name = "examples"
+    request.model_spec.signature_name = "classify"
+
+    response = stub.Classify(request, timeout=30)
+
+    # scores [-(x0 + x1), x0 + x1]; the second example takes its x from the context.
+    assert [[(entry.label, entry.score) for entry in row.classes] for row in response.result.classifications] == [
+        [("neg", -3.0), ("pos", 3.0)], [("neg", -11.0), ("pos", 11.0)], [("neg", 3.0), ("pos", -3.0)]]
+    assert (response.model_spec.name, response.model_spec.signature_name) == ("examples", "classify")
+
+
+def test_regress_answers_one_value_per_example(stub):
+    from tensorflow_serving.apis import regression_pb2
+
+    request = regression_pb2.RegressionRequest(input=examples_input([[1, 2], [3, -1], [0.5, 0]]))
+    request.model_spec.name = "examples"
+    request.model_spec.signature_name = "regress"
+
+    response = stub.Regress(request, timeout=30)
+
+    assert [entry.value for entry in response.result.regressions] == [4.0, 5.0, 1.0]  # 2 x0 + x1
+    assert response.model_spec.version.value == 1
+
+
+@pytest.mark.parametrize("method, signature, examples, expected", [
+    ("Regress", "classify", [[1, 2]], "Expected regression signature method_name to be tensorflow/serving/regress"),
+    ("Classify", "nope", [[1, 2]], "No signature was found with the name: nope"),
+    ("Classify", "classify", [], "Input is empty."),
+])
+def test_classify_and_regress_refuse_as_tensorflow_serving_does(stub, method, signature, examples, expected):
+    from tensorflow_serving.apis import classification_pb2, regression_pb2
+
+    message = classification_pb2.ClassificationRequest if method == "Classify" else regression_pb2.RegressionRequest
+    request = message(input=examples_input(examples))
+    request.model_spec.name = "examples"
+    request.model_spec.signature_name = signature
+
+    with pytest.raises(grpc.RpcError) as raised:
+        getattr(stub, method)(request, timeout=30)
+
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert expected in raised.value.details()
