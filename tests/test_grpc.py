@@ -686,9 +686,10 @@ def test_every_worker_serves_grpc_on_the_one_port_and_the_master_never_imports_g
 
 
 def test_sigterm_under_grpc_load_answers_every_accepted_call(start_server, exact_model_path, exact_model):
-    # A 1.5 s batch window keeps requests queued while SIGTERM arrives.
+    # A 3 s batch window keeps requests queued while SIGTERM arrives: eight gRPC calls, and
+    # one HTTP request, which Gunicorn waits for before the worker exits.
     server = start_server({"MODEL_PATH": str(exact_model_path), "LOG_FORMAT": "json", "MODEL_POLL_SECONDS": "0",
-                           "BATCH_TIMEOUT_MS": "1500"})
+                           "BATCH_TIMEOUT_MS": "3000"})
     expected = {seed: exact_model(integer_rows(1, seed=seed)).numpy() for seed in range(40)}
     outcomes: list[tuple[int, str, np.ndarray | None]] = []
     lock = threading.Lock()
@@ -702,6 +703,19 @@ def test_sigterm_under_grpc_load_answers_every_accepted_call(start_server, exact
         with lock:
             outcomes.append(outcome)
 
+    http_answers: list[requests.Response] = []
+
+    def http_call() -> None:
+        http_answers.append(server.predict(integer_rows(1, seed=99)))
+
+    def refused() -> bool:
+        with grpc.insecure_channel(server.grpc_target) as fresh:
+            try:
+                health_pb2_grpc.HealthStub(fresh).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            except grpc.RpcError as exc:
+                return exc.code() == grpc.StatusCode.UNAVAILABLE
+        return False
+
     def keep_calling(stub, seeds) -> None:
         for seed in seeds:  # until the server refuses: after SIGTERM it takes no new call
             call(stub, seed)
@@ -711,17 +725,26 @@ def test_sigterm_under_grpc_load_answers_every_accepted_call(start_server, exact
     with grpc.insecure_channel(server.grpc_target) as channel:
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
         held = [threading.Thread(target=call, args=(stub, seed)) for seed in range(8)]
+        held.append(threading.Thread(target=http_call))
         for thread in held:
             thread.start()
-        wait_for(lambda: metric(server, "model_server_queue_rows", model="default") == 8,
-                 what="eight calls queued")
+        wait_for(lambda: metric(server, "model_server_queue_rows", model="default") == 9,
+                 what="eight calls and a request queued")
         loaders = [threading.Thread(target=keep_calling, args=(stub, range(start, 40, 4))) for start in (8, 9)]
         for thread in loaders:
             thread.start()
         server.send(signal.SIGTERM)
+        # gRPC stops taking calls when HTTP does, at SIGTERM, not once HTTP's drain is over.
+        wait_for(refused, within_s=30, what="gRPC refusing new calls")
+        http_pending_when_refused = not http_answers
         for thread in held + loaders:
             thread.join(120)
         assert server.proc.wait(60) == 0
+
+    assert http_pending_when_refused
+    assert http_answers[0].status_code == 200
+    np.testing.assert_array_equal(np.asarray(http_answers[0].json()["predictions"], np.float32),
+                                  exact_model(integer_rows(1, seed=99)).numpy())
 
     by_seed = {seed: (status, answer) for seed, status, answer in outcomes}
     assert all(by_seed[seed][0] == "OK" for seed in range(8)), by_seed
