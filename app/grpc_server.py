@@ -425,7 +425,8 @@ class GrpcServer:
     """One worker's gRPC server: start after the app loaded, stop with every accepted call answered."""
 
     def __init__(self, app: Flask, *, bind: str, threads: int) -> None:
-        settings = app.extensions["settings"]
+        # REST's body limit: MAX_REQUEST_BYTES, or the limit the app derived from it.
+        max_bytes = app.config.get("MAX_CONTENT_LENGTH") or app.extensions["settings"].max_request_bytes
         models = ModelsAdapter(app)
         observed = _Observed(app.extensions["metrics"])
         self.health = HealthServicer(models)
@@ -434,7 +435,7 @@ class GrpcServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
             maximum_concurrent_rpcs=threads,
-            options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", settings.max_request_bytes)],
+            options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", max_bytes)],
         )
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
             PredictionServicer(models, observed), self._server)

@@ -61,13 +61,14 @@ def configure_logging(level: str, fmt: str = "text") -> None:
     logging.getLogger("app").setLevel(level)
 
 
-def accept_request_id(given: str) -> str:
-    """The client's request id when it is a sane token, a new one otherwise (HTTP and gRPC)."""
+def _request_id() -> str:
+    given = request.headers.get(REQUEST_ID_HEADER, "")
     return given if _SANE_ID.match(given) else uuid.uuid4().hex
 
 
-def _request_id() -> str:
-    return accept_request_id(request.headers.get(REQUEST_ID_HEADER, ""))
+def accept_request_id(given: str) -> str:
+    """gRPC's x-request-id metadata, by the same rule as the header: kept if sane, else a new id."""
+    return given if _SANE_ID.match(given) else uuid.uuid4().hex
 
 
 def _start() -> None:

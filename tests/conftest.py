@@ -72,15 +72,16 @@ class Server:
     def __init__(self, log_dir: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        # Every server its own gRPC port: with SO_REUSEPORT two servers on one port would share it.
-        self.grpc_target = f"127.0.0.1:{free_port()}"
         self.log_path = log_dir / f"gunicorn-{self.port}.log"
         inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
         # Each server gets its own metrics folder (gunicorn.conf.py makes one) unless a test names it.
-        self.env = {**inherited, "BIND": f"127.0.0.1:{self.port}", "GRPC_BIND": self.grpc_target,
-                    "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+        self.env = {**inherited, "BIND": f"127.0.0.1:{self.port}", "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
         self.args = args
         self.proc: subprocess.Popen | None = None
+        # Every server its own gRPC port (unless a test names one): with SO_REUSEPORT, two
+        # servers on one port would share it.
+        self.env["GRPC_BIND"] = (env or {}).get("GRPC_BIND", f"127.0.0.1:{free_port()}")
+        self.grpc_target = self.env["GRPC_BIND"]
 
     def start(self, *, workers: int = 1, ready_within_s: float = 180) -> Server:
         command = [sys.executable, "-m", *SERVER_COMMAND[:1], *SERVER_COMMAND[1:], f"--workers={workers}", *self.args]
