@@ -862,6 +862,7 @@ def test_regress_answers_one_value_per_example(stub):
     ("Regress", "classify", [[1, 2]], "Expected regression signature method_name to be tensorflow/serving/regress"),
     ("Classify", "nope", [[1, 2]], "No signature was found with the name: nope"),
     ("Classify", "classify", [], "Input is empty."),
+    ("Regress", "regress", [[1, 2]] * (EXACT_ROW_LIMIT + 1), "MAX_REQUEST_ROWS"),
 ])
 def test_classify_and_regress_refuse_as_tensorflow_serving_does(stub, method, signature, examples, expected):
     from tensorflow_serving.apis import classification_pb2, regression_pb2
