@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 
+from app import logs
 from app.settings import Settings, model_configs, parse, validate_pos_int
 
 # Validated here, in the master, so a bad value stops start-up once with a clear message.
@@ -16,7 +17,8 @@ _settings = Settings.from_env()
 
 
 def _env(name, default, validator=validate_pos_int):
-    return parse(name, os.environ[name], validator) if name in os.environ else default
+    # Empty is unset: docker-compose.yml passes every knob, THREADS="" when it is left to derive.
+    return parse(name, os.environ[name], validator) if os.environ.get(name, "").strip() else default
 
 
 bind = os.environ.get("BIND", "0.0.0.0:8000")
@@ -39,6 +41,9 @@ preload_app = False
 # would fight over it, and nothing here uses it.
 control_socket_disable = True
 loglevel = _settings.log_level.lower()
+# One handler, set up here in the master before any worker forks: Gunicorn's error and access
+# lines, the app's and TensorFlow's Python loggers all come out in LOG_FORMAT (app/logs.py).
+logconfig_dict = logs.gunicorn_logconfig(_settings.log_level, _settings.log_format)
 
 
 # prometheus_client's multiprocess mode: each worker writes its values to files in this

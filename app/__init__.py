@@ -8,19 +8,19 @@ from app.settings import Settings
 
 
 def create_app(settings: Settings | None = None) -> Flask:
-    from app import api, errors, logs, metrics, openapi, registry, runtime
+    from app import api, errors, limits, logs, metrics, openapi, registry, runtime
 
     settings = settings or Settings.from_env()
     logs.configure_logging(settings.log_level, settings.log_format)
     app = Flask(__name__)
     # Flask would take FLASK_DEBUG from the environment: a production server never debugs.
     app.debug = False
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.extensions["settings"] = settings
     runtime.configure(settings)
-    logs.init_app(app, access=settings.access_log)
+    logs.init_app(app, access=settings.access_log, probes=settings.access_log_probes)
     serving_metrics = metrics.init_app(app)
-    registry.init_app(app, settings, serving_metrics)
+    models = registry.init_app(app, settings, serving_metrics)
+    limits.init_app(app, settings, models)
     api.init_app(app)
     openapi.init_app(app)
     errors.init_app(app)

@@ -131,12 +131,20 @@ def healthz() -> Response:
 def readyz() -> Response:
     registry = get_registry(current_app)
     ready = registry.ready
+    # File paths and the pid tell an attacker about the host: shown only when asked for.
+    detail = current_app.extensions["settings"].readyz_detail
+    models = {name: servable.status() for name, servable in registry.items()}
+    if not detail:
+        for status in models.values():
+            status.pop("source", None)
     body = {
         "ready": ready,
-        "pid": os.getpid(),
         "tensorflow": runtime.configured(),
-        "models": {name: servable.status() for name, servable in registry.items()},
+        "large_bodies_in_flight": current_app.extensions["body_limits"].large_bodies_in_flight,
+        "models": models,
     }
+    if detail:
+        body["pid"] = os.getpid()
     return _json(orjson.dumps(body), status=200 if ready else 503)
 
 

@@ -25,7 +25,7 @@ import re
 from typing import Any
 
 import orjson
-from flask import Flask, Response, current_app, has_request_context, request
+from flask import Flask, Response, current_app, g, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
@@ -68,17 +68,33 @@ class PayloadTooLarge(ServingError):
     reason = "payload_too_large"
 
 
+FIRST_LINE_CHARS = 300
+# TensorFlow heads an op's error with where it was defined; the line after says what failed.
+_TF_PREAMBLE = ("Graph execution error:", "Detected at node ", "<stack traces unavailable>")
+
+
+def _says_what_failed(line: str) -> bool:
+    # Indented lines are stack frames, and they carry install paths.
+    return bool(line.strip()) and not line[0].isspace() and not line.startswith(_TF_PREAMBLE)
+
+
 class PredictFailed(ServingError):
     status_code = 500
     reason = "predict_failed"
 
+    def __init__(self, message: str, *, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
+
     @classmethod
     def from_exception(cls, exc: BaseException) -> PredictFailed:
-        # TensorFlow's messages can run to pages of graph context: the head says what failed.
+        # TensorFlow's messages run to pages of graph context and install paths: the client
+        # gets the class and the first line, the log gets the rest (handle_serving_error).
         text = str(exc)
-        if len(text) > 1000:
-            text = text[:1000] + " ..."
-        return cls(f"model raised {type(exc).__name__}: {text}")
+        first = next((line.rstrip() for line in text.splitlines() if _says_what_failed(line)), "")
+        if len(first) > FIRST_LINE_CHARS:
+            first = first[:FIRST_LINE_CHARS] + " ..."
+        return cls(f"model raised {type(exc).__name__}: {first}", detail=f"{type(exc).__name__}: {text}")
 
 
 class Unavailable(ServingError):
@@ -110,7 +126,13 @@ def _answer(status: int, message: str, headers: dict[str, str] | None = None) ->
     return Response(orjson.dumps({"error": message}), status=status, mimetype="application/json", headers=headers)
 
 
+def _request_id() -> str | None:
+    return g.get("request_id") if has_request_context() else None
+
+
 def handle_serving_error(exc: ServingError) -> Response:
+    if isinstance(exc, PredictFailed) and exc.detail:
+        log.error("predict failed, request_id=%s: %s", _request_id(), exc.detail)
     return _answer(exc.status_code, exc.message, exc.headers)
 
 
@@ -142,7 +164,7 @@ def handle_http_error(exc: HTTPException) -> Response:
 
 
 def handle_unexpected(exc: Exception) -> Response:
-    log.exception("unhandled error")
+    log.exception("unhandled error, request_id=%s", _request_id())
     return _answer(500, f"internal error: {type(exc).__name__}")
 
 

@@ -54,6 +54,12 @@ class Metrics:
                                   ["model"], registry=reg, multiprocess_mode="max")
         self.warmup_seconds = Gauge("model_server_model_warmup_seconds", "Time to warm every bucket size.",
                                     ["model"], registry=reg, multiprocess_mode="max")
+        # One series per worker pid, dead ones kept ("all"): a start long after the first one is a
+        # restarted worker (deploy/prometheus/alerts.yml).
+        self.worker_started = Gauge("model_server_worker_start_time_seconds",
+                                    "When each worker process started serving (Unix time).",
+                                    registry=reg, multiprocess_mode="all")
+        self.worker_started.set_to_current_time()
 
     def observer(self, model: str) -> BatchObserver:
         return _ModelObserver(self, model)
@@ -76,6 +82,10 @@ class _ModelObserver(BatchObserver):
         self._predict = metrics.predict_seconds.labels(model)
         self._rejections = metrics.rejections
         self._model = model
+        # Every reason's series exists from the start, at 0: dashboards show 0 rather than
+        # "No data", and rate() and increase() count the very first rejection.
+        for reason in ("queue_full", "deadline", "shutting_down"):
+            metrics.rejections.labels(model, reason)
 
     def queue_depth(self, rows: int) -> None:
         self._queue_rows.set(rows)
@@ -97,9 +107,20 @@ def get_metrics(app: Flask) -> Metrics:
     return app.extensions["metrics"]
 
 
+# Label values come only from these sets: a client choosing the method or the path must not
+# create a series per request. gRPC calls are counted under the method GRPC, which no HTTP
+# request can claim.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+OTHER = "other"
+
+
 def _route() -> str:
     # The URL rule, not the path: unknown paths must not grow a series each.
-    return request.url_rule.rule if request.url_rule is not None else "unmatched"
+    return request.url_rule.rule if request.url_rule is not None else OTHER
+
+
+def _method() -> str:
+    return request.method if request.method in HTTP_METHODS else OTHER
 
 
 def _before() -> None:
@@ -110,7 +131,7 @@ def _before() -> None:
 def _after(response: Response) -> Response:
     metrics = get_metrics(current_app)
     route = _route()
-    metrics.requests.labels(route, request.method, str(response.status_code)).inc()
+    metrics.requests.labels(route, _method(), str(response.status_code)).inc()
     metrics.request_seconds.labels(route).observe(time.perf_counter() - g.started)
     return response
 

@@ -134,7 +134,16 @@ class Settings:
     max_request_rows: int = _env(
         "MAX_REQUEST_ROWS", validate_non_neg_int, 0,
         "Most rows one request may hold; beyond, 413. 0: 2 x MAX_BATCH_SIZE, at most MAX_QUEUE_ROWS.")
-    max_request_bytes: int = _env("MAX_REQUEST_BYTES", validate_pos_int, 16 * 1024 * 1024, "Largest body; beyond, 413.")
+    max_request_bytes: int = _env(
+        "MAX_REQUEST_BYTES", validate_non_neg_int, 0,
+        "Largest body; beyond, 413. 0: the longest JSON a valid request can be, from the models' "
+        "signatures and MAX_REQUEST_ROWS (16 MiB where a model takes strings or dimensions of any size).")
+    large_body_bytes: int = _env(
+        "LARGE_BODY_BYTES", validate_pos_int, 256 * 1024,
+        "Bodies larger than this (and chunked ones that grow past it) need one of LARGE_BODY_SLOTS.")
+    large_body_slots: int = _env(
+        "LARGE_BODY_SLOTS", validate_pos_int, 2,
+        "Large bodies read and handled at once per worker; others wait until their deadline, then 503.")
     batching: bool = _env(
         "BATCHING", validate_bool, True, "false: every request gets its own predict call (the naive server).")
     predict_method: str = _env(
@@ -150,6 +159,8 @@ class Settings:
     log_level: str = _env("LOG_LEVEL", validate_log_level, "INFO", "Logging level.")
     log_format: str = _env("LOG_FORMAT", validate_choice("text", "json"), "text", "text or json (one object a line).")
     access_log: bool = _env("ACCESS_LOG", validate_bool, True, "One log line per request.")
+    access_log_probes: bool = _env(
+        "ACCESS_LOG_PROBES", validate_bool, False, "true: /healthz, /readyz and /metrics are access-logged too.")
     readyz_detail: bool = _env(
         "READYZ_DETAIL", validate_bool, False, "true: /readyz also shows model sources and the worker's pid.")
     grpc_bind: str = _env(

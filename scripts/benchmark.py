@@ -176,9 +176,9 @@ class Server:
         self.log_path = log_path
         self.env = {key: value for key, value in os.environ.items()
                     if key not in SERVER_VARIABLES and key not in LOCUST_VARIABLES}
+        # READYZ_DETAIL: the workers are told apart by the pid /readyz then shows.
         self.env.update({"BIND": f"127.0.0.1:{self.port}", "GRPC_BIND": self.grpc_target,
-                         "TF_CPP_MIN_LOG_LEVEL": "2", "LOG_LEVEL": "WARNING",
-                         **config.env})
+                         "TF_CPP_MIN_LOG_LEVEL": "2", "LOG_LEVEL": "WARNING", "READYZ_DETAIL": "true", **config.env})
         if model_path:
             self.env["MODEL_PATH"] = model_path
         self.proc: subprocess.Popen | None = None

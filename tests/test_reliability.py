@@ -492,7 +492,8 @@ def test_model_names_never_reach_the_file_system(guarded_server, name):
     for method, path in [("POST", f"/v1/models/{name}:predict"), ("GET", f"/v1/models/{name}"),
                          ("GET", f"/v1/models/{name}/metadata"), ("GET", f"/v1/models/{name}/versions/1/metadata")]:
         answer = requests.request(method, guarded_server.url + path, data=ENCODED[0], headers=JSON, timeout=30)
-        assert answer.status_code == 404, (method, path, answer.text)
+        # The client resolves '..' away: '/v1/' is left, not a TF Serving URL, so 400 'Malformed request'.
+        assert answer.status_code in (400, 404), (method, path, answer.text)
         assert answer.headers["Content-Type"] == "application/json"
         error = answer.json()["error"]
         assert "root:" not in error and "/tmp" not in error and str(REPO) not in error

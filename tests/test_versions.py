@@ -64,6 +64,7 @@ def write_config(tmp_path, entry) -> Settings:
 
 
 def test_model_config_reads_version_policy_and_labels(tmp_path):
+    """config/model_server_config.proto: model_version_policy and version_labels, as JSON."""
     config, = model_configs(write_config(tmp_path, {
         "path": "/m", "model_version_policy": {"specific": {"versions": [2, 1]}},
         "version_labels": {"stable": 1, "canary": 2}}))
@@ -80,6 +81,7 @@ def test_model_config_reads_version_policy_and_labels(tmp_path):
     ({"version_labels": [1]}, "version_labels must be an object"),
 ])
 def test_bad_version_policy_or_labels_stop_start_up_with_a_message(tmp_path, entry, words):
+    """file_system_storage_path_source.proto: num_versions is at least 1, versions a list of numbers."""
     with pytest.raises(SettingsError, match=words):
         model_configs(write_config(tmp_path, {"path": "/m", **entry}))
 
@@ -119,7 +121,7 @@ def test_requests_held_queued_on_the_old_version_through_a_swap():
     """Issue #10 item 3: while v1 holds one request in predict and two queued (one pinned to
     v1), v2 comes in and v1 is retired. Those three are answered by v1; a request that chose
     v1 just before and arrives after is sent to v2 if unpinned, refused with TF Serving's
-    NotFound if pinned; nothing is lost and no rejection is counted."""
+    NotFound if pinned (core/basic_manager.cc); nothing is lost and no rejection is counted."""
     gate1, running1 = threading.Event(), threading.Event()
     v1, observer1 = gated_servable(1, gate1, running1)
     open_gate = threading.Event()
@@ -171,7 +173,8 @@ def test_requests_held_queued_on_the_old_version_through_a_swap():
 
 def test_retirement_waits_for_a_request_between_its_check_and_its_batcher():
     """A request that passed the retirement check but has not reached the batcher yet is
-    still answered by the old version: retirement closes the batcher only after it."""
+    still answered by the old version: retirement closes the batcher only after it, as TF
+    Serving unloads a servable only once its last handle is released (core/servable_handle.h)."""
     gate, running = threading.Event(), threading.Event()
     gate.set()
     v1, observer = gated_servable(1, gate, running)
@@ -319,7 +322,8 @@ def test_each_version_and_label_answers_with_its_own_version(server):
 
 
 def test_versions_batch_apart(server):
-    """Each version has its own batcher: four requests inside one 200 ms window, two per
+    """Each version has its own batcher (TF Serving: one servable, one session, per version;
+    core/aspired_versions_manager.h): four requests inside one 200 ms window, two per
     version, each answered by its own version, batches never holding the other's."""
     start = threading.Barrier(4)
 

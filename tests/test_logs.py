@@ -1,0 +1,159 @@
+"""Logs as an operator reads them: with LOG_FORMAT=json every line a server writes is JSON.
+
+One real `gunicorn -c gunicorn.conf.py wsgi:app` with two workers, started without
+TF_CPP_MIN_LOG_LEVEL (TensorFlow's C++ start-up lines ignore it anyway), serves a few
+requests and stops; then each line of its stdout and stderr must parse as a JSON object
+with a UTC timestamp that carries its zone, Gunicorn's own lines included. The rest are
+unit checks of the formatters and of the access log's probe rule, on Flask's test client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import logging.config
+import signal
+from datetime import datetime, timedelta
+
+import pytest
+import requests
+from flask import Flask
+
+from app import logs, runtime
+from tests.conftest import REPO, Server, integer_rows
+
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def json_log_lines(tmp_path_factory, exact_model_path) -> list[dict]:
+    server = Server(tmp_path_factory.mktemp("json-logs"), {"LOG_FORMAT": "json", "MODEL_PATH": str(exact_model_path),
+                                                            "MAX_BATCH_SIZE": "4", "MAX_QUEUE_ROWS": "16"})
+    server.env.pop("TF_CPP_MIN_LOG_LEVEL")
+    try:
+        server.start(workers=WORKERS)
+        assert server.predict(integer_rows(2)).status_code == 200
+        assert requests.get(server.url + "/no-such-route", timeout=30).status_code == 404
+        for probe in sorted(logs.PROBE_PATHS):
+            assert requests.get(server.url + probe, timeout=30).status_code == 200
+    finally:
+        assert server.stop(signum=signal.SIGTERM) == 0
+    text = server.log()
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines, text
+    parsed = []
+    for line in lines:
+        try:
+            parsed.append(json.loads(line))
+        except ValueError:
+            pytest.fail(f"not JSON: {line!r}\n--- whole log ---\n{text}")
+    return parsed
+
+
+def test_every_line_is_a_json_object_with_a_utc_time(json_log_lines):
+    for entry in json_log_lines:
+        assert isinstance(entry, dict)
+        assert {"time", "level", "logger", "pid", "message"} <= entry.keys(), entry
+        stamp = datetime.fromisoformat(entry["time"])
+        assert stamp.utcoffset() == timedelta(0), entry["time"]
+
+
+def test_gunicorn_lines_are_json_too(json_log_lines):
+    messages = [entry["message"] for entry in json_log_lines if entry["logger"] == "gunicorn.error"]
+    assert any(message.startswith("Starting gunicorn") for message in messages)
+    assert sum(message.startswith("Booting worker with pid") for message in messages) == WORKERS
+
+
+def test_tensorflow_configured_once_per_worker(json_log_lines):
+    configured = [entry["pid"] for entry in json_log_lines
+                  if entry["logger"] == "app.runtime" and entry["message"].startswith("tensorflow configured")]
+    assert len(configured) == len(set(configured)) == WORKERS
+
+
+def test_tensorflow_native_start_up_lines_are_not_logged_at_info(json_log_lines):
+    assert not [entry for entry in json_log_lines if "oneDNN" in entry["message"] or "absl" in entry["message"]]
+
+
+def test_one_access_line_per_request_and_none_for_probes(json_log_lines):
+    access = [entry for entry in json_log_lines if entry["message"] == "access"]
+    assert sorted((entry["method"], entry["path"], entry["status"]) for entry in access) == [
+        ("GET", "/no-such-route", 404), ("POST", "/predict", 200)]
+    assert all(entry["logger"] == "app.access" and entry["request_id"] for entry in access)
+
+
+@pytest.mark.parametrize("level", ["INFO", "DEBUG"])
+def test_tensorflow_native_lines_are_json_and_shown_only_at_debug(level):
+    code = ("from app import logs, runtime; from app.settings import Settings; "
+            f"logs.configure_logging({level!r}, 'json'); runtime.import_tensorflow(Settings(log_level={level!r}))")
+    environ = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environ, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    entries = [json.loads(line) for line in result.stderr.splitlines() if line.strip()]
+    native = [entry for entry in entries if "oneDNN" in entry["message"]]
+    assert all(entry["level"] == "DEBUG" and entry["logger"] == "app.runtime" for entry in native)
+    assert bool(native) == (level == "DEBUG")
+
+
+# ---------------------------------------------------------------------------- units
+
+
+def record(message: str = "hello", created: float = 0.0) -> logging.LogRecord:
+    entry = logging.LogRecord("app.test", logging.INFO, __file__, 1, message, None, None)
+    entry.created = created
+    return entry
+
+
+def test_json_and_text_lines_carry_utc_time_with_zone():
+    assert json.loads(logs.JsonFormatter().format(record(created=1.25)))["time"] == "1970-01-01T00:00:01.250+00:00"
+    assert logs.TextFormatter().format(record(created=1.25)).startswith("1970-01-01T00:00:01.250+00:00 INFO")
+
+
+def test_gunicorn_logconfig_gives_every_logger_the_one_json_handler():
+    root, app_logger = logging.getLogger(), logging.getLogger("app")
+    saved = (root.handlers[:], root.level, app_logger.level)
+    root.handlers.clear()
+    try:
+        logging.config.dictConfig(logs.gunicorn_logconfig("INFO", "json"))
+        [handler] = root.handlers
+        assert isinstance(handler.formatter, logs.JsonFormatter)
+        assert getattr(handler, "model_server") is True
+        assert logging.getLogger("gunicorn.error").handlers == []
+        assert logging.getLogger("gunicorn.error").propagate
+        # The worker's configure_logging finds that handler and adds no second one.
+        logs.configure_logging("INFO", "json")
+        assert root.handlers == [handler]
+    finally:
+        root.handlers[:], _, _ = saved
+        root.setLevel(saved[1])
+        app_logger.setLevel(saved[2])
+
+
+@pytest.mark.parametrize("line, level", [
+    ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR", logging.DEBUG),
+    ("I0000 00:00:1795436698.854311    6199 port.cc:153] oneDNN custom operations are on.", logging.DEBUG),
+    ("E0000 00:00:1795436698.854311    6199 cuda_dnn.cc:8] Unable to register cuDNN factory", logging.WARNING),
+    ("ImportError: libcudart.so.12: cannot open shared object file", logging.WARNING),
+])
+def test_native_lines_are_debug_only_when_known_noise(caplog, line, level):
+    with caplog.at_level(logging.DEBUG, logger="app.runtime"):
+        runtime.log_native_lines(line + "\n\n")
+    assert [(entry.levelno, entry.getMessage()) for entry in caplog.records] == [(level, f"tensorflow: {line}")]
+
+
+@pytest.mark.parametrize("probes, logged", [
+    (False, ["/predict"]),
+    (True, ["/healthz", "/metrics", "/predict", "/readyz"]),
+])
+def test_probes_are_access_logged_only_when_asked(caplog, probes, logged):
+    app = Flask("probe-logs")
+    logs.init_app(app, probes=probes)
+    for path in ("/healthz", "/readyz", "/metrics", "/predict"):
+        app.add_url_rule(path, path, lambda: "ok")
+    with caplog.at_level(logging.INFO, logger="app.access"), app.test_client() as client:
+        for path in ("/healthz", "/readyz", "/metrics", "/predict"):
+            assert client.get(path).status_code == 200
+    assert sorted(entry.fields["path"] for entry in caplog.records if entry.name == "app.access") == logged
