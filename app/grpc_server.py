@@ -236,7 +236,7 @@ def _set_model_spec(target: Any, model: LoadedModel, signature_name: str | None)
         target.signature_name = signature_name
 
 
-def decode_inputs(request: Any, model: Signature) -> dict[str, np.ndarray]:
+def decode_inputs(request: Any, model: Signature, *, max_rows: int, max_bytes: int) -> dict[str, np.ndarray]:
     wanted = {spec.name for spec in model.inputs}
     given = set(request.inputs.keys())
     if given != wanted:
@@ -244,7 +244,8 @@ def decode_inputs(request: Any, model: Signature) -> dict[str, np.ndarray]:
             f"input size does not match signature: {len(given)}!={len(wanted)} len({_names(given)}) != "
             f"len({_names(wanted)}). Sent extra: {_names(given - wanted)}. "
             f"Missing but required: {_names(wanted - given)}.")
-    return {spec.name: tensor_proto.to_ndarray(request.inputs[spec.name], spec, f"inputs['{spec.name}']")
+    return {spec.name: tensor_proto.to_ndarray(request.inputs[spec.name], spec, f"inputs['{spec.name}']",
+                                               max_rows=max_rows, max_bytes=max_bytes)
             for spec in model.inputs}
 
 
@@ -268,13 +269,14 @@ def _names(names: Any) -> str:
 
 
 class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
-    def __init__(self, models: ModelsAdapter, observed: _Observed) -> None:
+    def __init__(self, models: ModelsAdapter, observed: _Observed, *, max_bytes: int) -> None:
         # MultiInference stays the base class's UNIMPLEMENTED.
         self.Predict = observed("/tensorflow.serving.PredictionService/Predict", self._predict)
         self.Classify = observed("/tensorflow.serving.PredictionService/Classify", self._classify)
         self.Regress = observed("/tensorflow.serving.PredictionService/Regress", self._regress)
         self.GetModelMetadata = observed("/tensorflow.serving.PredictionService/GetModelMetadata", self._metadata)
         self._models = models
+        self._max_bytes = max_bytes
 
     def _servable(self, request: Any, call: _Call) -> tuple[Servable, bool]:
         if not request.HasField("model_spec"):
@@ -287,7 +289,8 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         servable, pinned = self._servable(request, call)
         signature = predict_signature(servable, request.model_spec.signature_name)
         outputs = output_specs(request.output_filter, signature)
-        inputs = decode_inputs(request, signature)
+        inputs = decode_inputs(request, signature, max_rows=servable.batchers[signature.name].max_request_rows,
+                               max_bytes=self._max_bytes)
         call.rows = next(iter(inputs.values())).shape[0]
         servable, result = self._models.predict(servable, inputs, signature=signature, pinned=pinned,
                                                 time_remaining_s=context.time_remaining())
@@ -438,7 +441,7 @@ class GrpcServer:
             options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", max_bytes)],
         )
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
-            PredictionServicer(models, observed), self._server)
+            PredictionServicer(models, observed, max_bytes=max_bytes), self._server)
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(models, observed), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         try:

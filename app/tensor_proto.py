@@ -8,8 +8,12 @@ than the shape holds is filled up with its last value (`make_tensor_proto(1.0, s
 sends one value) and an empty one means zeros; more values than the shape holds is refused.
 Answers go out as TensorFlow Serving writes them: `tensor_content`, strings in `string_val`.
 
-These run on gRPC request threads: numpy reads the bytes in place, where
-`tf.make_ndarray` would go through TensorFlow's own tensor machinery for every request.
+Why not `tf.make_ndarray`: it is numpy underneath too, and about as fast (12 us against 16
+for one row here, 28 against 21 for 32 rows of float_val, on this 2-core machine), but it
+checks nothing: a shape of a billion rows with one float_val value would be allocated whole.
+Here the dtype and per-row shape are checked against the signature, and the rows and bytes
+against the request limits, before anything is allocated, so bad input is a clear
+INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from app.errors import InvalidInput
+from app.errors import InvalidInput, PayloadTooLarge
 from app.models import STRING, TensorInfo
 
 
@@ -62,8 +66,9 @@ def _numpy_dtype(name: str) -> np.dtype:
     return _bfloat16() if dtype is _bfloat16 else np.dtype(dtype)
 
 
-def to_ndarray(proto: Any, spec: TensorInfo, where: str) -> np.ndarray:
-    """One input of a request: checked against the signature's dtype and per-row shape."""
+def to_ndarray(proto: Any, spec: TensorInfo, where: str, *, max_rows: int, max_bytes: int) -> np.ndarray:
+    """One input of a request: checked against the signature's dtype and per-row shape, and
+    against the request limits (rows, and bytes once decoded) before it is allocated."""
     given = _dtype_name(proto)
     if given != spec.tf_dtype:
         raise InvalidInput(f"{where}: input '{spec.name}' takes {spec.tf_dtype}; the tensor is {given}")
@@ -76,8 +81,14 @@ def to_ndarray(proto: Any, spec: TensorInfo, where: str) -> np.ndarray:
         wanted = "[" + ", ".join("-1" if dim is None else str(dim) for dim in spec.shape) + "]"
         raise InvalidInput(f"{where}: each row of input '{spec.name}' must have shape {wanted}; "
                            f"the tensor has shape {list(shape)}")
-    count = int(np.prod(shape))
+    if shape[0] > max_rows:
+        raise PayloadTooLarge(f"{where}: the tensor holds {shape[0]} rows; this model takes at most {max_rows} "
+                              "rows per request (MAX_REQUEST_ROWS)")
+    count = int(np.prod(shape, dtype=object))
     dtype = _numpy_dtype(given)
+    if count * dtype.itemsize > max_bytes:
+        raise PayloadTooLarge(f"{where}: shape {list(shape)} holds {count} values, more than a request may "
+                              f"carry ({max_bytes} bytes)")
     if proto.tensor_content:
         if dtype == STRING:
             raise InvalidInput(f"{where}: a DT_STRING tensor sends its values in string_val, not tensor_content")

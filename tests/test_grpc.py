@@ -277,6 +277,9 @@ BAD_INPUTS = {
                 "no rows"),
     "over-the-row-limit": (lambda r: r.inputs["features"].CopyFrom(
         make_tensor_proto(np.zeros((EXACT_ROW_LIMIT + 1, 4), np.float32))), "MAX_REQUEST_ROWS"),
+    # One value for a billion rows: refused before anything is allocated.
+    "a-billion-rows-of-one-value": (lambda r: r.inputs["features"].CopyFrom(_tensor(1, [10**9, 4], float_val=[1.0])),
+                                    "MAX_REQUEST_ROWS"),
     "unknown-output-alias": (lambda r: (r.inputs["features"].CopyFrom(make_tensor_proto(np.zeros((1, 4), np.float32))),
                                         r.output_filter.append("nope")),
                              "output tensor alias not found in signature: nope"),
@@ -488,6 +491,9 @@ DTYPES = [
 ]
 
 
+LIMITS = {"max_rows": 64, "max_bytes": 1 << 20}
+
+
 def _sample(dtype, values) -> np.ndarray:
     if dtype == "bfloat16":
         import ml_dtypes
@@ -527,7 +533,7 @@ def test_tensor_proto_decodes_every_form_as_tensorflow_does(name, dtype, values)
     array = _sample(dtype, values)
     spec = _spec(name, array)
     for proto in (make_tensor_proto(array), _typed_field_proto(name, array)):
-        decoded = tensor_proto.to_ndarray(proto, spec, "inputs['x']")
+        decoded = tensor_proto.to_ndarray(proto, spec, "inputs['x']", **LIMITS)
         reference = make_ndarray(proto)  # TensorFlow's own reading of the same proto
         assert decoded.dtype == reference.dtype == array.dtype
         np.testing.assert_array_equal(decoded, reference)
@@ -560,7 +566,7 @@ def test_a_short_typed_field_is_filled_with_its_last_value_as_tensorflow_does():
     proto.tensor_shape.dim[0].size = 2  # eight values wanted, four given
     spec = _spec("DT_INT32", np.zeros(1, np.int32))
 
-    decoded = tensor_proto.to_ndarray(proto, spec, "x")
+    decoded = tensor_proto.to_ndarray(proto, spec, "x", **LIMITS)
 
     np.testing.assert_array_equal(decoded, make_ndarray(proto))
     np.testing.assert_array_equal(decoded, [[1, 2, 3, 4], [4, 4, 4, 4]])
@@ -584,7 +590,23 @@ def test_typed_values_outside_the_dtype_are_invalid(name, values, expected):
     spec = _spec(name, np.zeros(1, np.float16 if name == "DT_HALF" else np.int8))
 
     with pytest.raises(InvalidInput, match=expected):
-        tensor_proto.to_ndarray(proto, spec, "x")
+        tensor_proto.to_ndarray(proto, spec, "x", **LIMITS)
+
+
+def test_a_tensor_too_large_once_decoded_is_refused_before_it_is_allocated():
+    from tensorflow.core.framework import tensor_pb2
+
+    from app import tensor_proto
+    from app.errors import PayloadTooLarge
+    from app.models import TensorInfo
+
+    proto = tensor_pb2.TensorProto(dtype=1, float_val=[1.0])
+    for size in (1, 10**9):
+        proto.tensor_shape.dim.add().size = size
+    spec = TensorInfo(name="x", shape=(None,), dtype=np.dtype(np.float32), tf_dtype="DT_FLOAT")
+
+    with pytest.raises(PayloadTooLarge, match=r"holds 1000000000 values, more than a request may carry"):
+        tensor_proto.to_ndarray(proto, spec, "x", **LIMITS)
 
 
 def test_every_serving_error_has_its_status_code():
