@@ -71,10 +71,24 @@ def post_fork(server, worker):
     runtime.configure(_settings, workers=server.cfg.workers)
 
 
+def post_worker_init(worker):
+    # gRPC starts in the worker once its models are loaded: grpc's threads would not survive
+    # a fork, so the master never imports it.
+    if _settings.grpc_bind:
+        from app import grpc_server
+
+        grpc_server.serve_in_worker(worker)
+
+
 def worker_exit(server, worker):
     app = getattr(worker, "wsgi", None)
     if app is not None and "models" in getattr(app, "extensions", {}):
         from app import shutdown_app
+
+        grpc_server = getattr(worker, "grpc_server", None)
+        if grpc_server is not None:
+            # Accepted gRPC calls finish first: they still need the batchers.
+            grpc_server.drain(timeout_s=server.cfg.graceful_timeout)
 
         shutdown_app(app, timeout_s=server.cfg.graceful_timeout)
 

@@ -1,13 +1,18 @@
-"""Load test: each user POSTs random instances to /predict, shaped from the model's metadata.
+"""Load test: each user sends random rows to the model, shaped from the model's metadata.
 
     locust -f locustfile.py --host http://localhost:8000            # dashboard on :8089
     locust -f locustfile.py --host URL --headless -u 20 -r 5 -t 60s --csv out/run
+    LOCUST_PROTOCOL=grpc locust -f locustfile.py --host grpc://localhost:8500
 
-The input names, per-row shapes and dtypes come from GET /v1/models/<model>/metadata,
-fetched once per host, so the same file loads any served model. A response fails on a
-status other than 200 and on a number of predictions other than the rows sent.
+Over HTTP a user POSTs instances to /predict; over gRPC it calls TensorFlow Serving's
+PredictionService/Predict with the stubs of `tensorflow-serving-api`, the inputs as
+tensor_content. The input names, per-row shapes and dtypes come from the model's metadata
+(GET /v1/models/<model>/metadata, or GetModelMetadata), fetched once per host, so the same
+file loads any served model. A call fails on a status other than 200 (OK) and on a number
+of output rows other than the rows sent.
 
 Environment knobs:
+    LOCUST_PROTOCOL         http (default) or grpc; with grpc, --host is the gRPC address
     LOCUST_MODEL            model whose metadata shapes the input (default "default")
     LOCUST_PATH             predict route (default /predict)
     LOCUST_ROWS             rows per request (default 1)
@@ -24,11 +29,13 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from typing import Any
 
 # Locust first: it monkey-patches ssl and sockets with gevent, which must precede requests' imports.
-from locust import FastHttpUser, LoadTestShape, between, events, task  # isort: skip
+from locust import FastHttpUser, LoadTestShape, User, between, events, task  # isort: skip
 
+import grpc
 import numpy as np
 import requests
 
@@ -53,6 +60,17 @@ WAIT_MIN = _env_number("LOCUST_WAIT_MIN", 1.0)
 WAIT_MAX = _env_number("LOCUST_WAIT_MAX", 3.0)
 if WAIT_MAX < WAIT_MIN:
     raise ValueError(f"LOCUST_WAIT_MAX={WAIT_MAX} is below LOCUST_WAIT_MIN={WAIT_MIN}")
+PROTOCOL = os.environ.get("LOCUST_PROTOCOL", "http").strip().lower() or "http"
+if PROTOCOL not in ("http", "grpc"):
+    raise ValueError(f"LOCUST_PROTOCOL={PROTOCOL!r}: expected 'http' or 'grpc'")
+if PROTOCOL == "grpc":
+    # After Locust's gevent monkey-patching, before any channel: grpc then yields to gevent.
+    import grpc.experimental.gevent
+
+    grpc.experimental.gevent.init_gevent()
+    # TensorFlow Serving's stubs import TensorFlow (seconds): before the run starts, not in it.
+    from tensorflow.core.framework import types_pb2
+    from tensorflow_serving.apis import get_model_metadata_pb2, predict_pb2, prediction_service_pb2_grpc
 SHAPE = os.environ.get("LOCUST_SHAPE", "").strip().lower()
 if SHAPE not in ("", "step"):
     raise ValueError(f"LOCUST_SHAPE={SHAPE!r}: expected 'step' or nothing")
@@ -155,6 +173,7 @@ def write_summary(environment: Any, **_: Any) -> None:
 
 class PredictUser(FastHttpUser):
     # FastHttpUser: a cheaper client, so that one load-generator process can drive more users.
+    abstract = PROTOCOL != "http"
     wait_time = between(WAIT_MIN, WAIT_MAX)
 
     def on_start(self) -> None:
@@ -178,6 +197,101 @@ class PredictUser(FastHttpUser):
                 response.failure(f"{len(predictions)} predictions for {ROWS} rows")
                 return
             batch_tally.add(response.headers)
+
+
+GRPC_PREDICT = "/tensorflow.serving.PredictionService/Predict"
+
+
+def grpc_target(host: str) -> str:
+    """host:port from --host, with or without a grpc:// scheme."""
+    return host.split("://", 1)[1] if "://" in host else host
+
+
+class GrpcPredictUser(User):
+    """Calls PredictionService/Predict over one channel (one connection) per user.
+
+    Locust runs under gevent: grpc is told so before any channel exists, or each call would
+    block every other user. TensorFlow Serving's stubs import TensorFlow's protos (and so
+    TensorFlow): only LOCUST_PROTOCOL=grpc pays for that.
+    """
+
+    abstract = PROTOCOL != "grpc"
+    wait_time = between(WAIT_MIN, WAIT_MAX)
+
+    def on_start(self) -> None:
+        self.channel = grpc.insecure_channel(grpc_target(self.host))
+        self.stub = prediction_service_pb2_grpc.PredictionServiceStub(self.channel)
+        self.specs = grpc_specs_for(self.host, self.stub)
+        self.rng = np.random.default_rng()
+
+    def on_stop(self) -> None:
+        self.channel.close()
+
+    @task
+    def predict(self) -> None:
+        request = grpc_request(self.specs, ROWS, self.rng)
+        started = time.perf_counter()
+        response, exception = None, None
+        try:
+            response = self.stub.Predict(request, timeout=60)
+            rows = {proto.tensor_shape.dim[0].size if proto.tensor_shape.dim else 0
+                    for proto in response.outputs.values()}
+            if rows != {ROWS}:
+                exception = WrongAnswer(f"{sorted(rows)} output rows for {ROWS} rows")
+        except grpc.RpcError as exc:
+            exception = exc
+        self.environment.events.request.fire(
+            request_type="grpc", name=GRPC_PREDICT, response_time=(time.perf_counter() - started) * 1000,
+            response_length=response.ByteSize() if response is not None else 0, exception=exception,
+            context={}, response=response)
+
+
+class WrongAnswer(Exception):
+    pass
+
+
+_grpc_specs_by_host: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
+
+
+def grpc_specs_for(host: str, stub: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The model's input specs from GetModelMetadata, once per host, outside Locust's statistics."""
+    with _specs_lock:
+        if host not in _grpc_specs_by_host:
+            request = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=["signature_def"])
+            request.model_spec.name = MODEL
+            response = stub.GetModelMetadata(request, timeout=30)
+            signatures = get_model_metadata_pb2.SignatureDefMap()
+            response.metadata["signature_def"].Unpack(signatures)
+            inputs = signatures.signature_def["serving_default"].inputs
+            _grpc_specs_by_host[host] = {
+                name: (tuple(1 if dim.size < 0 else dim.size for dim in info.tensor_shape.dim[1:]),
+                       types_pb2.DataType.Name(info.dtype))
+                for name, info in inputs.items()}
+        return _grpc_specs_by_host[host]
+
+
+def grpc_request(specs: dict[str, tuple[tuple[int, ...], str]], rows: int, rng: np.random.Generator) -> Any:
+    """A PredictRequest of random rows: tensor_content for numbers, string_val for strings."""
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = MODEL
+    for name, (shape, dtype_name) in specs.items():
+        tensor = request.inputs[name]
+        tensor.dtype = types_pb2.DataType.Value(dtype_name)
+        for size in (rows, *shape):
+            tensor.tensor_shape.dim.add().size = size
+        values = np.asarray([random_value(shape, dtype_name, rng) for _ in range(rows)])
+        if dtype_name == "DT_STRING":
+            tensor.string_val.extend(value.encode() for value in values.flat)
+        else:
+            dtype = np.dtype(_bfloat16() if dtype_name == "DT_BFLOAT16" else NUMPY_DTYPES[dtype_name])
+            tensor.tensor_content = values.astype(dtype.newbyteorder("<")).tobytes()
+    return request
+
+
+def _bfloat16() -> Any:
+    import ml_dtypes  # TensorFlow's numpy extension types
+
+    return ml_dtypes.bfloat16
 
 
 def step_users(run_time: float, *, step_seconds: float, max_users: int, hold_seconds: float) -> int | None:

@@ -129,6 +129,11 @@ def _request_id() -> str:
     return given if _SANE_ID.match(given) else uuid.uuid4().hex
 
 
+def accept_request_id(given: str) -> str:
+    """gRPC's x-request-id metadata, by the same rule as the header: kept if sane, else a new id."""
+    return given if _SANE_ID.match(given) else uuid.uuid4().hex
+
+
 def _start() -> None:
     g.request_id = _request_id()
     g.access_started = time.perf_counter()

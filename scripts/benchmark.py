@@ -1,6 +1,6 @@
 """Reproduce the experiment: the model alone, then real servers under real Locust load.
 
-    python scripts/benchmark.py                        # full run (about 21 min): docs/benchmarks.md, .png
+    python scripts/benchmark.py                        # full run (about 24 min): docs/benchmarks.md, .png
     python scripts/benchmark.py --quick --out /tmp/b   # a minute or two, for CI: never overwrites docs/
     python scripts/benchmark.py --configs naive,default --users 1,20 --duration 10
 
@@ -11,6 +11,8 @@
    in a closed loop (no think time) for throughput. Locust's own CPU use is measured too,
    so that a saturated load generator is not mistaken for a slow server.
 3. Ratios, tables and a plot.
+4. REST against gRPC: the `default` configuration loaded in a closed loop over HTTP/JSON and
+   over TensorFlow Serving's gRPC API (LOCUST_PROTOCOL=grpc), with the server's CPU per request.
 
 The built-in default model is used unless --model-path is given. Nothing here asserts a
 timing: the numbers are whatever this machine gives.
@@ -52,7 +54,7 @@ SERVER_COMMAND = ("gunicorn", "-c", "gunicorn.conf.py", "wsgi:app")
 SERVER_DEFAULTS = {name: default for name, default, _ in documented()}
 SERVER_VARIABLES = set(SERVER_DEFAULTS) | {
     "WORKERS", "THREADS", "BIND", "TIMEOUT", "GRACEFUL_TIMEOUT", "KEEPALIVE", "GUNICORN_CMD_ARGS"}
-LOCUST_VARIABLES = {"LOCUST_SHAPE", "LOCUST_ROWS", "LOCUST_PATH", "LOCUST_MODEL", "LOCUST_WAIT_MIN",
+LOCUST_VARIABLES = {"LOCUST_SHAPE", "LOCUST_ROWS", "LOCUST_PATH", "LOCUST_MODEL", "LOCUST_WAIT_MIN", "LOCUST_PROTOCOL",
                     "LOCUST_WAIT_MAX", "LOCUST_SUMMARY_FILE"}
 THINK_TIME_S = (1.0, 3.0)
 CLOSED_LOOP_LABEL = "closed loop"
@@ -169,12 +171,14 @@ class Server:
         self.config = config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # A gRPC port of its own: with SO_REUSEPORT, two servers on one port would share it.
+        self.grpc_target = f"127.0.0.1:{free_port()}"
         self.log_path = log_path
         self.env = {key: value for key, value in os.environ.items()
                     if key not in SERVER_VARIABLES and key not in LOCUST_VARIABLES}
         # READYZ_DETAIL: the workers are told apart by the pid /readyz then shows.
-        self.env.update({"BIND": f"127.0.0.1:{self.port}", "TF_CPP_MIN_LOG_LEVEL": "2", "LOG_LEVEL": "WARNING",
-                         "READYZ_DETAIL": "true", **config.env})
+        self.env.update({"BIND": f"127.0.0.1:{self.port}", "GRPC_BIND": self.grpc_target,
+                         "TF_CPP_MIN_LOG_LEVEL": "2", "LOG_LEVEL": "WARNING", "READYZ_DETAIL": "true", **config.env})
         if model_path:
             self.env["MODEL_PATH"] = model_path
         self.proc: subprocess.Popen | None = None
@@ -267,12 +271,12 @@ class Load:
         return self.think_s == (0.0, 0.0)
 
 
-def run_locust(url: str, load: Load, *, duration_s: int, prefix: Path) -> dict[str, Any]:
+def run_locust(url: str, load: Load, *, duration_s: int, prefix: Path, protocol: str = "http") -> dict[str, Any]:
     """One headless Locust run; its stats, and its own CPU use (measured, not guessed)."""
     summary_path = prefix.with_name(prefix.name + "_batches.json")
     env = {key: value for key, value in os.environ.items() if key not in LOCUST_VARIABLES}
     env.update({"LOCUST_WAIT_MIN": str(load.think_s[0]), "LOCUST_WAIT_MAX": str(load.think_s[1]),
-                "LOCUST_SUMMARY_FILE": str(summary_path)})
+                "LOCUST_SUMMARY_FILE": str(summary_path), "LOCUST_PROTOCOL": protocol})
     command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
                "-u", str(load.users), "-r", str(load.users), "-t", f"{duration_s}s", "--host", url,
                "--csv", str(prefix), "--json-file", str(prefix), "--only-summary", "--loglevel", "WARNING"]
@@ -343,6 +347,47 @@ def _number(text: str) -> float | None:
     return None if text in ("", "N/A") else float(text)
 
 
+def measure_load(server: Server, load: Load, args: argparse.Namespace, *, prefix: Path, what: str,
+                 protocol: str = "http") -> dict[str, Any]:
+    """One load point against a running server, with the server's CPU over it."""
+    server.wait_quiet(within_s=60)
+    cpu_before = server.cpu_seconds()
+    url = server.url if protocol == "http" else f"grpc://{server.grpc_target}"
+    stats = run_locust(url, load, duration_s=args.duration, prefix=prefix, protocol=protocol)
+    server_cpu_s = server.cpu_seconds() - cpu_before
+    stats["server_cpu_s"] = server_cpu_s
+    stats["server_cpu_ms_per_request"] = server_cpu_s / stats["requests"] * 1000 if stats.get("requests") else None
+    stats["server_cpu_share"] = server_cpu_s / stats["locust_wall_s"]
+    log(f"{what}: {stats.get('requests', 0)} requests, {stats.get('failures', 0)} failed, mean "
+        f"{_fmt(stats.get('mean_ms'))} ms, {_fmt(stats.get('rps'))} req/s, locust {stats['locust_cpu_share']:.0%} of a core")
+    return stats
+
+
+PROTOCOLS = ("http", "grpc")
+PROTOCOL_NAMES = {"http": "REST (HTTP/JSON)", "grpc": "gRPC (TensorProto)"}
+
+
+def run_protocols(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
+    """The reference configuration once, loaded over REST and over gRPC at each closed-loop user count."""
+    config = CONFIGS_BY_NAME[REFERENCE]
+    server = Server(config, model_path=args.model_path, log_path=work_dir / "gunicorn-protocols.log")
+    result: dict[str, Any] = {"config": config.name, "loads": []}
+    try:
+        result["start_s"] = server.start(ready_within_s=args.server_start_timeout)
+        for users in args.protocol_users:
+            load = Load(f"{users} closed", users, (0.0, 0.0))
+            for protocol in PROTOCOLS:
+                stats = measure_load(server, load, args, prefix=work_dir / f"protocols-{protocol}-{users}",
+                                     what=f"{protocol} {users} users closed loop", protocol=protocol)
+                result["loads"].append({"protocol": protocol, "users": users, **stats})
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        log(f"protocols: {result['error']}")
+    finally:
+        server.stop()
+    return result
+
+
 def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     server = Server(config, model_path=args.model_path, log_path=work_dir / f"gunicorn-{config.name}.log")
     result: dict[str, Any] = {"config": config.name, "loads": {}}
@@ -350,19 +395,8 @@ def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, 
         result["start_s"] = server.start(ready_within_s=args.server_start_timeout)
         log(f"{config.name}: ready in {result['start_s']:.1f} s")
         for load in loads:
-            server.wait_quiet(within_s=60)
-            cpu_before = server.cpu_seconds()
-            stats = run_locust(server.url, load, duration_s=args.duration,
-                               prefix=work_dir / f"{config.name}-{load.label.replace(' ', '_')}")
-            server_cpu_s = server.cpu_seconds() - cpu_before
-            stats["server_cpu_s"] = server_cpu_s
-            stats["server_cpu_ms_per_request"] = (server_cpu_s / stats["requests"] * 1000
-                                                  if stats.get("requests") else None)
-            stats["server_cpu_share"] = server_cpu_s / stats["locust_wall_s"]
-            result["loads"][load.label] = stats
-            log(f"{config.name} {load.label}: {stats.get('requests', 0)} requests, "
-                f"{stats.get('failures', 0)} failed, mean {_fmt(stats.get('mean_ms'))} ms, "
-                f"{_fmt(stats.get('rps'))} req/s, locust {stats['locust_cpu_share']:.0%} of a core")
+            result["loads"][load.label] = measure_load(server, load, args, prefix=work_dir / (
+                f"{config.name}-{load.label.replace(' ', '_')}"), what=f"{config.name} {load.label}")
     except Exception as exc:  # one configuration failing should not lose the others' numbers
         result["error"] = f"{type(exc).__name__}: {exc}"
         log(f"{config.name}: {result['error']}")
@@ -450,9 +484,38 @@ def nearest_row(alone: list[dict[str, Any]], batch_rows: float | None) -> dict[s
     return min(alone, key=lambda row: abs(row["batch"] - batch_rows))
 
 
+def protocol_lines(protocols: dict[str, Any]) -> list[str]:
+    lines = [f"The `{protocols['config']}` configuration (one server) loaded in a closed loop (no think time), "
+             "one random row per call: over REST, Locust's FastHttpUser POSTs JSON to /predict; over gRPC, "
+             "a Locust user calls TensorFlow Serving's PredictionService/Predict with the "
+             "`tensorflow-serving-api` stubs, the row as `tensor_content`. Both reach the same batcher. "
+             "Server CPU per request: the workers' and master's user + system CPU over the load point, "
+             "÷ the requests answered. Locust's gRPC user imports TensorFlow (for the stubs' protos) "
+             "before its run starts; its start-up CPU counts in its Locust CPU.", ""]
+    if "error" in protocols and not protocols["loads"]:
+        return lines + [f"Not measured: {protocols['error']}"]
+    rows = [(PROTOCOL_NAMES[entry["protocol"]], entry["users"], entry.get("requests", "–"), entry.get("failures", "–"),
+             _fmt(entry.get("mean_ms")), _fmt(entry.get("p50_ms")), _fmt(entry.get("p99_ms")), _fmt(entry.get("rps")),
+             _fmt(entry.get("server_cpu_ms_per_request"), 2), f"{entry['locust_cpu_share']:.0%}")
+            for entry in protocols["loads"]]
+    lines += _table(["protocol", "users", "requests", "failures", "mean ms", "p50 ms", "p99 ms", "req/s",
+                     "server CPU ms/request", "Locust CPU"], rows) + [""]
+    by_key = {(entry["protocol"], entry["users"]): entry for entry in protocols["loads"]}
+    for users in sorted({entry["users"] for entry in protocols["loads"]}):
+        rest, grpc_ = by_key.get(("http", users), {}), by_key.get(("grpc", users), {})
+        rest_cpu, grpc_cpu = rest.get("server_cpu_ms_per_request"), grpc_.get("server_cpu_ms_per_request")
+        if rest_cpu and grpc_cpu:
+            lines.append(f"- {users} {'user' if users == 1 else 'users'}: server CPU per request "
+                         f"{_fmt(rest_cpu, 2)} ms over REST, {_fmt(grpc_cpu, 2)} ms over gRPC "
+                         f"(REST ÷ gRPC {_ratio(rest_cpu, grpc_cpu)}); throughput {_fmt(rest.get('rps'))} and "
+                         f"{_fmt(grpc_.get('rps'))} req/s; mean latency {_fmt(rest.get('mean_ms'))} and "
+                         f"{_fmt(grpc_.get('mean_ms'))} ms.")
+    return lines
+
+
 def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, Any]], results: list[dict[str, Any]],
                  loads: Sequence[Load], machine: dict[str, str], started: datetime.datetime,
-                 elapsed_s: float) -> Path:
+                 elapsed_s: float, protocols: dict[str, Any] | None = None) -> Path:
     open_loads = [load for load in loads if not load.closed_loop]
     closed = next((load for load in loads if load.closed_loop), None)
     by_config = {result["config"]: result for result in results}
@@ -554,9 +617,11 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, A
 
     lines += ["## 4. Ratios", ""] + ratio_lines(by_config, open_loads, closed, ceiling) + [""]
     lines += ["## 5. The load generator", ""] + load_generator_lines(by_config) + [""]
+    if protocols is not None:
+        lines += ["## 6. REST and gRPC", ""] + protocol_lines(protocols) + [""]
     lines += ["## Plot", "", "![Mean latency against users, and closed-loop throughput](benchmarks.png)", ""]
     lines += ["## Reproduce", "", "```",
-              "python scripts/benchmark.py            # the full report, about 21 min",
+              "python scripts/benchmark.py            # the full report, about 24 min",
               "python scripts/benchmark.py --quick --out /tmp/bench", "```", "",
               "Add `--work-dir DIR` to keep the raw Locust CSV and JSON, the server logs and `results.json`.",
               ""]
@@ -733,6 +798,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--users", type=_int_list, help="user counts with think time (default 1,5,20,50; quick 1,5)")
     parser.add_argument("--closed-loop-users", type=int,
                         help="users of the closed loop, 0 to skip it (default 64; quick 16)")
+    parser.add_argument("--protocol-users", type=_int_list,
+                        help="closed-loop user counts of the REST and gRPC comparison (default 1,50; quick 1,5)")
+    parser.add_argument("--no-protocols", action="store_true", help="skip the REST and gRPC comparison")
     parser.add_argument("--max-batch", type=int, help="largest batch size of part 1 (default 64; quick 8)")
     parser.add_argument("--model-path", help="serve and time this model instead of the built-in default")
     parser.add_argument("--work-dir", type=Path, help="keep raw Locust output and server logs here (default: a temp folder)")
@@ -747,6 +815,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.duration = args.duration or (3 if quick else 30)
     args.configs = args.configs or (["naive", "default"] if quick else list(CONFIGS_BY_NAME))
     args.users = args.users or ([1, 5] if quick else [1, 5, 20, 50])
+    args.protocol_users = [] if args.no_protocols else (args.protocol_users or ([1, 5] if quick else [1, 50]))
     if args.closed_loop_users is None:
         args.closed_loop_users = 16 if quick else 64
     args.max_batch = args.max_batch or (8 if quick else 64)
@@ -763,7 +832,8 @@ def expected_minutes(args: argparse.Namespace, loads: Sequence[Load]) -> float:
     """A rough forecast from runs on a 2-core machine: Locust's own start and the idle wait add ~2 s a load."""
     model_alone_s = len(args.batch_sizes) * (2 * args.call_budget + 1) + 10
     per_config_s = 10 + len(loads) * (args.duration + 2)
-    return (model_alone_s + len(args.configs) * per_config_s) / 60
+    protocols_s = (10 + 2 * len(args.protocol_users) * (args.duration + 8)) if args.protocol_users else 0
+    return (model_alone_s + len(args.configs) * per_config_s + protocols_s) / 60
 
 
 def log(message: str) -> None:
@@ -801,13 +871,15 @@ def main(argv: Sequence[str]) -> int:
             f"{args.duration} s each; expect about {expected_minutes(args, loads):.0f} min")
         alone = run_model_alone(args, work_dir)
         results = [run_config(CONFIGS_BY_NAME[name], loads, args, work_dir) for name in args.configs]
-        (work_dir / "results.json").write_text(json.dumps({"model_alone": alone, "servers": results}, indent=1))
+        protocols = run_protocols(args, work_dir) if args.protocol_users else None
+        (work_dir / "results.json").write_text(json.dumps(
+            {"model_alone": alone, "servers": results, "protocols": protocols}, indent=1))
         report = write_report(args.out, args=args, alone=alone, results=results, loads=loads, machine=machine,
-                              started=started_at, elapsed_s=time.monotonic() - started)
+                              started=started_at, elapsed_s=time.monotonic() - started, protocols=protocols)
         plot = write_plot(args.out, results, loads)
     log(f"wrote {report} and {plot} in {(time.monotonic() - started) / 60:.1f} min")
     print(report.read_text())
-    return 1 if any("error" in result for result in results) else 0
+    return 1 if any("error" in result for result in results) or (protocols and "error" in protocols) else 0
 
 
 if __name__ == "__main__":

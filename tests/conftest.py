@@ -80,6 +80,10 @@ class Server:
                     "READYZ_DETAIL": "true", **(env or {})}
         self.args = args
         self.proc: subprocess.Popen | None = None
+        # Every server its own gRPC port (unless a test names one): with SO_REUSEPORT, two
+        # servers on one port would share it.
+        self.env["GRPC_BIND"] = (env or {}).get("GRPC_BIND", f"127.0.0.1:{free_port()}")
+        self.grpc_target = self.env["GRPC_BIND"]
 
     def start(self, *, workers: int = 1, ready_within_s: float = 180) -> Server:
         command = [sys.executable, "-m", *SERVER_COMMAND[:1], *SERVER_COMMAND[1:], f"--workers={workers}", *self.args]

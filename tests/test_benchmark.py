@@ -70,7 +70,8 @@ def quick_report(tmp_path_factory):
 def test_quick_benchmark_writes_a_report_and_a_plot(quick_report):
     markdown = (quick_report / "benchmarks.md").read_text()
     for heading in ("## Machine", "## Versions", "## Settings", "## 1. The model alone", "## 2. Servers under load",
-                    "## 3. Throughput and CPU in the closed loop", "## 4. Ratios", "## 5. The load generator"):
+                    "## 3. Throughput and CPU in the closed loop", "## 4. Ratios", "## 5. The load generator",
+                    "## 6. REST and gRPC"):
         assert heading in markdown
     assert "A quick run" in markdown
     plot = (quick_report / "benchmarks.png").read_bytes()
@@ -99,3 +100,14 @@ def test_ratios_compare_the_default_with_the_naive_server(quick_report):
     rows = table_rows((quick_report / "benchmarks.md").read_text(), "| configuration | 1 user")
     assert rows[0][0] == "`naive`"
     assert re.fullmatch(r"[\d,.]+×", rows[0][-1]), rows
+
+
+def test_rest_and_grpc_rows_have_server_cpu_per_request(quick_report):
+    markdown = (quick_report / "benchmarks.md").read_text()
+    rows = table_rows(markdown, "| protocol | users | requests")
+    assert [(row[0], row[1]) for row in rows] == [
+        (protocol, users) for users in ("1", "5") for protocol in ("REST (HTTP/JSON)", "gRPC (TensorProto)")]
+    for protocol, users, requests, failures, *_, cpu_per_request, locust_cpu in rows:
+        assert int(requests) > 0 and int(failures) == 0, (protocol, users)
+        assert is_number(cpu_per_request), (protocol, users)
+    assert re.search(r"- 5 users: server CPU per request [\d.]+ ms over REST, [\d.]+ ms over gRPC", markdown)

@@ -17,10 +17,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import requests
 
 from conftest import REPO
 
 LOCUST_TIMEOUT_S = 90
+USERS = 5
 
 
 def locust_env(**overrides: str) -> dict[str, str]:
@@ -35,10 +37,10 @@ def aggregated_row(csv_prefix: Path) -> dict[str, str]:
 
 
 def run_headless_locust(url: str, csv_prefix: Path, env: dict[str, str], *,
-                        seconds: int = 5) -> subprocess.CompletedProcess:
+                        seconds: int = 5, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py"), "--headless",
-               "-u", "5", "-r", "5", "-t", f"{seconds}s", "--host", url, "--csv", str(csv_prefix),
-               "--only-summary"]
+               "-u", str(USERS), "-r", str(USERS), "-t", f"{seconds}s", "--host", url, "--csv", str(csv_prefix),
+               "--only-summary", *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=LOCUST_TIMEOUT_S)
 
 
@@ -131,6 +133,96 @@ def test_locust_sends_the_rows_asked_for(start_server, exact_model_path, tmp_pat
     assert run.returncode == 0, run.stdout + run.stderr
     row = aggregated_row(tmp_path / "run")
     assert int(row["Failure Count"]) == 0 and int(row["Request Count"]) > 0
+
+
+def metric(server, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+@pytest.mark.parametrize("protocol, route, ok", [
+    ("http", "/predict", "200"),
+    ("grpc", "/tensorflow.serving.PredictionService/Predict", "OK"),
+])
+def test_locust_rows_match_what_the_server_received(start_server, exact_model_path, tmp_path, protocol, route, ok):
+    server = start_server({"MODEL_PATH": str(exact_model_path), "MODEL_POLL_SECONDS": "0"})
+    host = server.url if protocol == "http" else f"grpc://{server.grpc_target}"
+    env = locust_env(LOCUST_PROTOCOL=protocol, LOCUST_ROWS="3", LOCUST_WAIT_MIN="0.01", LOCUST_WAIT_MAX="0.05")
+
+    # The JSON file is written once, at exit, with every call counted (the CSV is rewritten
+    # once a second and may miss the last one).
+    run = run_headless_locust(host, tmp_path / "run", env, seconds=3,
+                              args=("--stop-timeout", "30", "--json-file", str(tmp_path / "run")))
+
+    assert run.returncode == 0, run.stdout + run.stderr
+    (entry,) = json.loads((tmp_path / "run.json").read_text())
+    counted = entry["num_requests"]
+    assert entry["num_failures"] == 0 and counted > 10, entry
+    received = metric(server, "model_server_requests_total", route=route, status=ok)
+    # A call cut off as Locust stops its users can reach the server uncounted: one per user at most.
+    assert counted <= received <= counted + USERS
+    # Every call the server received held the rows Locust was asked to send: its batches'
+    # real rows add up to 3 per call.
+    assert metric(server, "model_server_batch_size_rows_sum", model="default") == 3 * received
+
+
+class FakePredictionService:
+    """A gRPC server answering GetModelMetadata with the default model's inputs, and Predict with a canned answer."""
+
+    def __init__(self, answer_rows: int | None) -> None:
+        import grpc
+        from concurrent import futures
+        from tensorflow_serving.apis import prediction_service_pb2_grpc
+
+        self.answer_rows = answer_rows
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        servicer = prediction_service_pb2_grpc.PredictionServiceServicer()
+        servicer.GetModelMetadata = self.metadata
+        servicer.Predict = self.predict
+        prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(servicer, self.server)
+        self.target = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def metadata(self, request, context):
+        from tensorflow_serving.apis import get_model_metadata_pb2
+
+        signatures = get_model_metadata_pb2.SignatureDefMap()
+        features = signatures.signature_def["serving_default"].inputs["features"]
+        features.dtype = 1  # DT_FLOAT
+        for size in (-1, 4):
+            features.tensor_shape.dim.add().size = size
+        response = get_model_metadata_pb2.GetModelMetadataResponse()
+        response.metadata["signature_def"].Pack(signatures)
+        return response
+
+    def predict(self, request, context):
+        import grpc
+        import numpy as np
+        import tensorflow as tf
+        from tensorflow_serving.apis import predict_pb2
+
+        if self.answer_rows is None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        response = predict_pb2.PredictResponse()
+        response.outputs["scores"].CopyFrom(tf.make_tensor_proto(np.zeros((self.answer_rows, 3), np.float32)))
+        return response
+
+
+@pytest.mark.parametrize("answer_rows", [2, None], ids=["wrong-count", "resource-exhausted"])
+def test_locust_grpc_user_counts_a_bad_answer_as_a_failure(tmp_path, answer_rows):
+    fake = FakePredictionService(answer_rows)
+    env = locust_env(LOCUST_PROTOCOL="grpc", LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1")
+    try:
+        run = run_headless_locust(f"grpc://{fake.target}", tmp_path / "run", env, seconds=2)
+    finally:
+        fake.server.stop(None)
+
+    assert run.returncode != 0
+    row = aggregated_row(tmp_path / "run")
+    assert int(row["Failure Count"]) == int(row["Request Count"]) > 0, row
 
 
 def shape_script(body: str, env: dict[str, str] | None = None) -> dict:
