@@ -30,7 +30,7 @@ import numpy as np
 import orjson
 
 from app.errors import BadRequest, InvalidInput, PayloadTooLarge
-from app.models import STRING, LoadedModel, TensorInfo
+from app.models import STRING, TensorInfo
 
 ROW = "row"
 COLUMNAR = "columnar"
@@ -124,14 +124,6 @@ def decode_inputs(parsed: ParsedRequest, spec: TensorSpecs) -> dict[str, np.ndar
         arrays = decoder.columns(parsed.payload)
     parsed.scalar_rows = decoder.scalar_rows
     return arrays
-
-
-def decode_request(body: bytes, model: LoadedModel) -> tuple[dict[str, np.ndarray], str]:
-    """Parse a predict body into one array per model input, and say which format it used."""
-    parsed = parse_request(body)
-    if parsed.signature_name != DEFAULT_SIGNATURE:
-        raise BadRequest(f"unknown signature_name {parsed.signature_name!r}; this model serves 'serving_default'")
-    return decode_inputs(parsed, model), parsed.format
 
 
 class _Decoder:

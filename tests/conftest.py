@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -19,6 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 # The exact command the Dockerfile runs; the deployment tests check that they agree.
 SERVER_COMMAND = ("gunicorn", "-c", "gunicorn.conf.py", "wsgi:app")
 FEATURES = 4
+# The address TensorFlow Serving's docs send their curl lines to.
+TF_SERVING_DOCS_URL = "http://localhost:8501"
 
 
 def free_port() -> int:
@@ -117,6 +120,22 @@ class Server:
     def predict(self, rows, *, path: str = "/predict", **kwargs) -> requests.Response:
         body = {"instances": np.asarray(rows).tolist()}
         return requests.post(self.url + path, json=body, timeout=kwargs.pop("timeout", 60), **kwargs)
+
+    def curl(self, documented: str, *, timeout_s: float = 60) -> str:
+        """Run a curl line as TensorFlow Serving's docs write it (to localhost:8501), pointed at this server."""
+        args = shlex.split(documented.replace(TF_SERVING_DOCS_URL, self.url))
+        assert args[0] == "curl"
+        done = subprocess.run([*args, "--silent", "--show-error"], capture_output=True, text=True,
+                              timeout=timeout_s, check=True)
+        return done.stdout
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum over workers of the /metrics samples named `name` whose labels include `labels`."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = requests.get(self.url + "/metrics", timeout=30).text
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -23,14 +23,12 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 from tensorflow_serving.apis import (
     get_model_metadata_pb2,
     get_model_status_pb2,
@@ -74,14 +72,6 @@ def wait_for(predicate, *, within_s: float = 30, what: str = "a condition"):
         time.sleep(0.05)
 
 
-def metric(server: Server, name: str, **labels: str) -> float:
-    text = requests.get(server.url + "/metrics", timeout=30).text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def access_lines(server: Server) -> list[dict]:
@@ -335,10 +325,10 @@ def test_a_message_over_max_request_bytes_is_refused(stub):
 
 
 def test_a_full_queue_is_resource_exhausted_at_once_and_the_server_caps_the_deadline(served, stub, exact_model):
-    wait_for(lambda: metric(served, "model_server_queue_rows", model="held") == 0, what="an empty queue")
+    wait_for(lambda: served.metric("model_server_queue_rows", model="held") == 0, what="an empty queue")
     # Four rows fill the held model's queue and wait in its 6 s batch window.
     first = stub.Predict.future(predict_request("held", integer_rows(HELD_QUEUE_ROWS)), timeout=60)
-    wait_for(lambda: metric(served, "model_server_queue_rows", model="held") == HELD_QUEUE_ROWS,
+    wait_for(lambda: served.metric("model_server_queue_rows", model="held") == HELD_QUEUE_ROWS,
              what="the first request queued")
 
     started = time.monotonic()
@@ -357,7 +347,7 @@ def test_a_full_queue_is_resource_exhausted_at_once_and_the_server_caps_the_dead
 
 
 def test_the_clients_deadline_becomes_the_requests(served, stub):
-    wait_for(lambda: metric(served, "model_server_queue_rows", model="held") == 0, within_s=HELD_WINDOW_MS / 500,
+    wait_for(lambda: served.metric("model_server_queue_rows", model="held") == 0, within_s=HELD_WINDOW_MS / 500,
              what="an empty queue")
     request_id = f"deadline-{uuid.uuid4().hex}"
 
@@ -440,8 +430,8 @@ def test_health_does_not_know_other_services(channel):
 
 
 def test_calls_are_counted_and_logged_like_http_requests(served, stub):
-    ok_before = metric(served, "model_server_requests_total", route=PREDICT, method="GRPC", status="OK")
-    seconds_before = metric(served, "model_server_request_duration_seconds_count", route=PREDICT)
+    ok_before = served.metric("model_server_requests_total", route=PREDICT, method="GRPC", status="OK")
+    seconds_before = served.metric("model_server_request_duration_seconds_count", route=PREDICT)
     request_id = f"counted-{uuid.uuid4().hex}"
 
     for index in range(3):
@@ -450,9 +440,9 @@ def test_calls_are_counted_and_logged_like_http_requests(served, stub):
     with pytest.raises(grpc.RpcError):
         stub.Predict(predict_request("nope", integer_rows(1)), timeout=30, metadata=[("x-request-id", request_id)])
 
-    assert metric(served, "model_server_requests_total", route=PREDICT, method="GRPC", status="OK") == ok_before + 3
-    assert metric(served, "model_server_request_duration_seconds_count", route=PREDICT) >= seconds_before + 4
-    assert metric(served, "model_server_requests_total", route=PREDICT, method="GRPC", status="NOT_FOUND") >= 1
+    assert served.metric("model_server_requests_total", route=PREDICT, method="GRPC", status="OK") == ok_before + 3
+    assert served.metric("model_server_request_duration_seconds_count", route=PREDICT) >= seconds_before + 4
+    assert served.metric("model_server_requests_total", route=PREDICT, method="GRPC", status="NOT_FOUND") >= 1
     ok_line = access_line(served, f"{request_id}-0")
     assert {key: ok_line[key] for key in ("method", "path", "status", "rows", "batch_rows", "model")} == {
         "method": "GRPC", "path": PREDICT, "status": "OK", "rows": 2, "batch_rows": ok_line["batch_rows"],
@@ -750,7 +740,7 @@ def test_sigterm_under_grpc_load_answers_every_accepted_call(start_server, exact
         held.append(threading.Thread(target=http_call))
         for thread in held:
             thread.start()
-        wait_for(lambda: metric(server, "model_server_queue_rows", model="default") == 9,
+        wait_for(lambda: server.metric("model_server_queue_rows", model="default") == 9,
                  what="eight calls and a request queued")
         loaders = [threading.Thread(target=keep_calling, args=(stub, range(start, 40, 4))) for start in (8, 9)]
         for thread in loaders:

@@ -17,7 +17,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import requests
 
 from conftest import REPO
 
@@ -135,12 +134,6 @@ def test_locust_sends_the_rows_asked_for(start_server, exact_model_path, tmp_pat
     assert int(row["Failure Count"]) == 0 and int(row["Request Count"]) > 0
 
 
-def metric(server, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = requests.get(server.url + "/metrics", timeout=30).text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
 
 
 @pytest.mark.parametrize("protocol, route, ok", [
@@ -161,12 +154,12 @@ def test_locust_rows_match_what_the_server_received(start_server, exact_model_pa
     (entry,) = json.loads((tmp_path / "run.json").read_text())
     counted = entry["num_requests"]
     assert entry["num_failures"] == 0 and counted > 10, entry
-    received = metric(server, "model_server_requests_total", route=route, status=ok)
+    received = server.metric("model_server_requests_total", route=route, status=ok)
     # A call cut off as Locust stops its users can reach the server uncounted: one per user at most.
     assert counted <= received <= counted + USERS
     # Every call the server received held the rows Locust was asked to send: its batches'
     # real rows add up to 3 per call.
-    assert metric(server, "model_server_batch_size_rows_sum", model="default") == 3 * received
+    assert server.metric("model_server_batch_size_rows_sum", model="default") == 3 * received
 
 
 class FakePredictionService:

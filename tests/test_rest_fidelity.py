@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import base64
 import json
-import shlex
-import subprocess
 
 import pytest
 import requests
@@ -22,7 +20,6 @@ from tests.conftest import Server
 
 TIMEOUT_S = 60
 MAX_REQUEST_ROWS = 4
-TF_SERVING = "http://localhost:8501"
 
 
 def save(module, path, signature) -> None:
@@ -83,13 +80,6 @@ def server(tmp_path_factory):
     running.stop()
 
 
-def curl(server, documented: str) -> str:
-    """Run a documented curl line as written, pointed at this server."""
-    args = shlex.split(documented.replace(TF_SERVING, server.url))
-    assert args[0] == "curl"
-    done = subprocess.run([*args, "--silent", "--show-error"], capture_output=True, text=True, timeout=TIMEOUT_S,
-                          check=True)
-    return done.stdout
 
 
 def post(server, path: str, data, **kwargs) -> requests.Response:
@@ -99,20 +89,20 @@ def post(server, path: str, data, **kwargs) -> requests.Response:
 def test_readme_half_plus_two_curl_line_answers_as_documented(server):
     """tensorflow/serving README.md (Serve a Tensorflow model in 60 seconds), also g3doc/docker.md;
     the documented line's backslash-newline joined."""
-    out = curl(server, "curl -d '{\"instances\": [1.0, 2.0, 5.0]}' "
+    out = server.curl("curl -d '{\"instances\": [1.0, 2.0, 5.0]}' "
                        "-X POST http://localhost:8501/v1/models/half_plus_two:predict")
     assert json.loads(out) == {"predictions": [2.5, 3.0, 4.5]}
 
 
 def test_api_rest_guide_curl_lines_answer_as_documented(server):
     """g3doc/api_rest.md, section Example: status, predict, and the 404 for an unknown model."""
-    status = curl(server, "curl http://localhost:8501/v1/models/half_plus_three")
+    status = server.curl("curl http://localhost:8501/v1/models/half_plus_three")
     assert json.loads(status) == {"model_version_status": [
         {"version": "123", "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": ""}}]}
-    predict = curl(server, "curl -d '{\"instances\": [1.0,2.0,5.0]}' -X POST "
+    predict = server.curl("curl -d '{\"instances\": [1.0,2.0,5.0]}' -X POST "
                            "http://localhost:8501/v1/models/half_plus_three:predict")
     assert json.loads(predict) == {"predictions": [3.5, 4.0, 5.5]}
-    missing = curl(server, "curl -i -d '{\"instances\": [1.0,5.0]}' -X POST "
+    missing = server.curl("curl -i -d '{\"instances\": [1.0,5.0]}' -X POST "
                            "http://localhost:8501/v1/models/half:predict")
     head, _, body = missing.partition("\n\n")  # text mode reads CRLF as LF
     assert head.startswith("HTTP/1.1 404")

@@ -11,8 +11,6 @@ sent as written (no Content-Type). Every expected value is exact in float32.
 from __future__ import annotations
 
 import json
-import shlex
-import subprocess
 import threading
 
 import pytest
@@ -21,7 +19,6 @@ import requests
 from tests.conftest import Server
 
 TIMEOUT_S = 60
-TF_SERVING = "http://localhost:8501"
 
 
 def save_half_plus_three_tf1(path) -> None:
@@ -85,11 +82,6 @@ def server(tmp_path_factory):
     running.stop()
 
 
-def curl(server, documented: str) -> str:
-    args = shlex.split(documented.replace(TF_SERVING, server.url))
-    done = subprocess.run([*args, "--silent", "--show-error"], capture_output=True, text=True, timeout=TIMEOUT_S,
-                          check=True)
-    return done.stdout
 
 
 def post(server, path: str, body) -> requests.Response:
@@ -99,13 +91,13 @@ def post(server, path: str, body) -> requests.Response:
 def test_tf1_half_plus_three_in_folder_00000123_answers_the_documented_curl_lines(server):
     """g3doc/api_rest.md, section Example: status, predict and regress, verbatim. The version
     folder 00000123 is version 123 (storage_path.cc reads version folders as numbers)."""
-    status = curl(server, "curl http://localhost:8501/v1/models/half_plus_three")
+    status = server.curl("curl http://localhost:8501/v1/models/half_plus_three")
     assert json.loads(status) == {"model_version_status": [
         {"version": "123", "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": ""}}]}
-    predict = curl(server, "curl -d '{\"instances\": [1.0,2.0,5.0]}' -X POST "
+    predict = server.curl("curl -d '{\"instances\": [1.0,2.0,5.0]}' -X POST "
                            "http://localhost:8501/v1/models/half_plus_three:predict")
     assert json.loads(predict) == {"predictions": [3.5, 4.0, 5.5]}
-    regress = curl(server, "curl -d '{\"signature_name\": \"tensorflow/serving/regress\", \"examples\": "
+    regress = server.curl("curl -d '{\"signature_name\": \"tensorflow/serving/regress\", \"examples\": "
                            "[{\"x\": 1.0}, {\"x\": 2.0}]}' -X POST "
                            "http://localhost:8501/v1/models/half_plus_three:regress")
     assert json.loads(regress) == {"results": [3.5, 4.0]}
