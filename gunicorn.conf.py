@@ -10,6 +10,8 @@ import shutil
 import signal
 import tempfile
 
+from gunicorn import glogging
+
 from app import logs
 from app.settings import Settings, model_configs, parse, validate_pos_int
 
@@ -45,6 +47,23 @@ loglevel = _settings.log_level.lower()
 # One handler, set up here in the master before any worker forks: Gunicorn's error and access
 # lines, the app's and TensorFlow's Python loggers all come out in LOG_FORMAT (app/logs.py).
 logconfig_dict = logs.gunicorn_logconfig(_settings.log_level, _settings.log_format)
+
+
+class _Logger(glogging.Logger):
+    """Gunicorn's logger without its access line.
+
+    The app writes one access line per request (app.access: request id, rows, batch, model);
+    with logconfig_dict set, Gunicorn would also build its own for every request (a few % of
+    the request threads' time under load) only to drop it.
+    """
+
+    access_log_enabled = False
+
+    def access(self, resp, req, environ, request_time):
+        pass
+
+
+logger_class = _Logger
 
 
 # prometheus_client's multiprocess mode: each worker writes its values to files in this
