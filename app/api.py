@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 
 import orjson
-from flask import Blueprint, Flask, Response, current_app, g, request
+from flask import Blueprint, Flask, Response, current_app
 from werkzeug.routing import BaseConverter
 
-from app import classify, codec, metadata, models, runtime
+from app import classify, codec, limits, logs, metadata, models, runtime
 from app.batching import BatchResult
 from app.errors import BadRequest
 from app.registry import Servable, get_registry
@@ -23,27 +23,29 @@ class ModelNameConverter(BaseConverter):
     regex = MODEL_NAME_PATTERN.pattern.strip("^$")
 
 
-def _json(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(body, status=status, mimetype="application/json", headers=headers)
+def _json(body: bytes, status: int = 200, headers: list[tuple[str, str]] | None = None) -> Response:
+    return Response(body, status=status, content_type="application/json", headers=headers)
 
 
 def _predict(servable: Servable, *, pinned: bool = False) -> Response:
     """Parse, queue, wait, answer: the request thread never touches TensorFlow."""
-    g.model = servable.model.name
+    entry = logs.record()
+    entry.model = servable.model.name
     # Like TensorFlow Serving, the body is JSON whatever its Content-Type says.
-    parsed = codec.parse_request(request.get_data(cache=False), max_rows=servable.batcher.max_request_rows)
+    parsed = codec.parse_request(limits.body(), max_rows=servable.batcher.max_request_rows)
     signature = servable.signature(parsed.signature_name)
     inputs = codec.decode_inputs(parsed, signature)
-    g.rows = next(iter(inputs.values())).shape[0]
+    entry.rows = next(iter(inputs.values())).shape[0]
     servable, result = get_registry(current_app).predict(servable, inputs, timeout_s=_timeout_s(),
                                                          signature_name=signature.name, pinned=pinned)
     body = codec.encode_response(result.outputs, servable.signature(signature.name), parsed)
-    return _answer(servable, result, body)
+    return _answer(entry, servable, result, body)
 
 
 def _classify_or_regress(servable: Servable, method: str, *, pinned: bool = False) -> Response:
-    g.model = servable.model.name
-    signature_name, examples = classify.parse(request.get_data(cache=False), method,
+    entry = logs.record()
+    entry.model = servable.model.name
+    signature_name, examples = classify.parse(limits.body(), method,
                                               max_rows=servable.batcher.max_request_rows)
     if not signature_name and models.DEFAULT_SIGNATURE not in servable.model.signatures:
         signature_name = servable.model.default_signature
@@ -52,23 +54,23 @@ def _classify_or_regress(servable: Servable, method: str, *, pinned: bool = Fals
         raise BadRequest(f"No signature was found with the name: {signature_name}")
     signature = servable.signature(signature_name)
     input_name = classify.check_signature(signature, method)
-    g.rows = len(examples)
+    entry.rows = len(examples)
     servable, result = get_registry(current_app).predict(servable, {input_name: examples}, timeout_s=_timeout_s(),
                                                          signature_name=signature.name, pinned=pinned)
-    return _answer(servable, result, classify.encode(result.outputs, method, len(examples)))
+    return _answer(entry, servable, result, classify.encode(result.outputs, method, len(examples)))
 
 
 def _timeout_s() -> float:
     return current_app.extensions["settings"].request_timeout_ms / 1000.0
 
 
-def _answer(servable: Servable, result: BatchResult, body: bytes) -> Response:
-    g.batch_rows, g.batch_requests = result.batch_rows, result.batch_requests
-    return _json(body, headers={
-        "X-Batch-Size": str(result.batch_rows),
-        "X-Batch-Requests": str(result.batch_requests),
-        "X-Model-Version": str(servable.model.version),
-    })
+def _answer(entry: logs.RequestRecord, servable: Servable, result: BatchResult, body: bytes) -> Response:
+    entry.batch_rows, entry.batch_requests = result.batch_rows, result.batch_requests
+    return _json(body, headers=[
+        ("X-Batch-Size", str(result.batch_rows)),
+        ("X-Batch-Requests", str(result.batch_requests)),
+        ("X-Model-Version", str(servable.model.version)),
+    ])
 
 
 @bp.post("/predict")

@@ -322,13 +322,23 @@ class Batcher:
 
     # -- the row count ---------------------------------------------------------------
 
-    def _uncount(self, pending: _Pending, rows: int | None = None) -> None:
-        """Stop counting rows of a request (all of them by default); each row is released once."""
+    def _uncount(self, pending: _Pending) -> None:
+        """Stop counting whatever rows of a request still count (its future is done)."""
+        # Lock-free when nothing is left: counted only falls, and an answered request's rows
+        # were released when its predict call started.
+        if pending.counted:
+            self._release([(pending, pending.counted)])
+
+    def _release(self, releases: list[tuple[_Pending, int]]) -> None:
+        """Stop counting rows of requests, each row once; the gauge hears of it once per call."""
         with self._lock:
-            rows = pending.counted if rows is None else min(rows, pending.counted)
-            if rows:
+            released = 0
+            for pending, rows in releases:
+                rows = min(rows, pending.counted)
                 pending.counted -= rows
-                self._queued_rows -= rows
+                released += rows
+            if released:
+                self._queued_rows -= released
                 self._notify("queue_depth", self._queued_rows)
 
     def _notify(self, hook: str, *args: Any, **kwargs: Any) -> None:
@@ -435,14 +445,15 @@ class Batcher:
             if not pending.future.set_running_or_notify_cancel():
                 return False
             self._notify("queue_wait", self._clock() - pending.enqueued_at)
-        # Rows count as queued until their predict call starts: a forming batch waits too.
-        self._uncount(pending, piece.rows)
         return True
 
     def _run_batch(self, batch: _Batch) -> None:
         slices = [piece for piece in batch.slices if self._start(piece)]
         if not slices:
             return
+        # Rows count as queued until their predict call starts (a forming batch waits too);
+        # released together, once per batch, not once per request.
+        self._release([(piece.pending, piece.rows) for piece in slices])
         # One try around the whole batch: whatever goes wrong reaches every future in it,
         # or those requests would wait until their deadline for an answer that never comes.
         try:

@@ -25,8 +25,10 @@ import re
 from typing import Any
 
 import orjson
-from flask import Flask, Response, current_app, g, has_request_context, request
+from flask import Flask, Response, current_app, has_request_context, request
 from werkzeug.exceptions import HTTPException
+
+from app.logs import current_request_id
 
 log = logging.getLogger(__name__)
 
@@ -126,13 +128,9 @@ def _answer(status: int, message: str, headers: dict[str, str] | None = None) ->
     return Response(orjson.dumps({"error": message}), status=status, mimetype="application/json", headers=headers)
 
 
-def _request_id() -> str | None:
-    return g.get("request_id") if has_request_context() else None
-
-
 def handle_serving_error(exc: ServingError) -> Response:
     if isinstance(exc, PredictFailed) and exc.detail:
-        log.error("predict failed, request_id=%s: %s", _request_id(), exc.detail)
+        log.error("predict failed, request_id=%s: %s", current_request_id(), exc.detail)
     return _answer(exc.status_code, exc.message, exc.headers)
 
 
@@ -164,7 +162,7 @@ def handle_http_error(exc: HTTPException) -> Response:
 
 
 def handle_unexpected(exc: Exception) -> Response:
-    log.exception("unhandled error, request_id=%s", _request_id())
+    log.exception("unhandled error, request_id=%s", current_request_id())
     return _answer(500, f"internal error: {type(exc).__name__}")
 
 

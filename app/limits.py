@@ -58,6 +58,9 @@ BODY_OVERHEAD = 64 * 1024  # "signature_name", the outer keys, whitespace
 UNBOUNDED_INPUT_BYTES = 16 * 1024 * 1024
 
 REFUSAL_KEY = "model_server.body_refused"
+# The body as this layer read it: the views take it from here rather than through Werkzeug's
+# stream wrappers again (see body()).
+BODY_KEY = "model_server.body"
 
 
 def derived_max_request_bytes(model: LoadedModel | Signature, max_rows: int) -> int:
@@ -122,6 +125,7 @@ class BodyLimits:
             environ["wsgi.input"] = io.BytesIO(body)
             environ["CONTENT_LENGTH"] = str(len(body))
             environ.pop("HTTP_TRANSFER_ENCODING", None)
+            environ[BODY_KEY] = body
             del body
             return self.app(environ, start_response)
         finally:
@@ -241,6 +245,12 @@ _FRAMING_MESSAGES = {
 def _framing_message(exc: BaseException) -> str:
     # By name: the app imports no Gunicorn class it does not need.
     return _FRAMING_MESSAGES.get(type(exc).__name__, type(exc).__name__)
+
+
+def body() -> bytes:
+    """The current request's body: what BodyLimits read, or (no layer, no length) Werkzeug's reading."""
+    read = request.environ.get(BODY_KEY)
+    return read if read is not None else request.get_data(cache=False)
 
 
 def _raise_refusal() -> None:

@@ -14,15 +14,22 @@ that carry their zone.
 
 from __future__ import annotations
 
+import atexit
+import collections
+import dataclasses
 import logging
 import re
+import threading
 import time
+import traceback
 import uuid
+from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import Any
 
 import orjson
-from flask import Flask, Response, current_app, g, request
+from flask import Flask, has_request_context, request
+from werkzeug.wsgi import get_path_info
 
 access_log = logging.getLogger("app.access")
 
@@ -30,7 +37,9 @@ REQUEST_ID_HEADER = "X-Request-ID"
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # Asked every few seconds by orchestrators and Prometheus: not worth a line each.
 PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
-_PROBES_KEY = "ACCESS_LOG_PROBES"
+# Where a request's RequestRecord lives in its WSGI environ.
+RECORD_KEY = "model_server.request"
+_REQUEST_ID_ENVIRON = "HTTP_" + REQUEST_ID_HEADER.upper().replace("-", "_")
 # Marks the handler this module installs, so configuring again never adds a second one.
 _HANDLER_MARK = "model_server"
 
@@ -124,42 +133,177 @@ def gunicorn_logconfig(level: str, fmt: str = "text") -> dict[str, Any]:
     }
 
 
-def _request_id() -> str:
-    given = request.headers.get(REQUEST_ID_HEADER, "")
-    return given if _SANE_ID.match(given) else uuid.uuid4().hex
-
-
 def accept_request_id(given: str) -> str:
-    """gRPC's x-request-id metadata, by the same rule as the header: kept if sane, else a new id."""
+    """The client's X-Request-ID (or gRPC's x-request-id metadata) if it is a sane token, else a new id."""
     return given if _SANE_ID.match(given) else uuid.uuid4().hex
 
 
-def _start() -> None:
-    g.request_id = _request_id()
-    g.access_started = time.perf_counter()
+@dataclasses.dataclass
+class RequestRecord:
+    """What a request's access line says beyond the HTTP basics; the views fill it in."""
+
+    request_id: str
+    status: int = 500
+    model: str | None = None
+    rows: int | None = None
+    batch_rows: int | None = None
+    batch_requests: int | None = None
 
 
-def _finish(response: Response) -> Response:
-    response.headers[REQUEST_ID_HEADER] = g.request_id
-    probe = request.path in PROBE_PATHS
-    if access_log.isEnabledFor(logging.INFO) and (not probe or current_app.config[_PROBES_KEY]):
-        fields = {
-            "method": request.method,
-            "path": request.path,
-            "status": response.status_code,
-            "latency_ms": round((time.perf_counter() - g.access_started) * 1000, 3),
-            "rows": g.get("rows"),
-            "batch_rows": g.get("batch_rows"),
-            "batch_requests": g.get("batch_requests"),
-            "model": g.get("model"),
-            "request_id": g.request_id,
-        }
+def record() -> RequestRecord:
+    """The current request's record (a detached one outside the access-log layer)."""
+    found = request.environ.get(RECORD_KEY) if has_request_context() else None
+    return found if found is not None else RequestRecord("")
+
+
+def current_request_id() -> str | None:
+    found = request.environ.get(RECORD_KEY) if has_request_context() else None
+    return found.request_id if found is not None else None
+
+
+class AccessWriter:
+    """Access lines made into log records and handed to the handlers by one background thread.
+
+    A request thread only appends its fields to a deque: making the record, formatting it and
+    writing it (a write and a flush per line) happen here, in batches. The thread wakes for the
+    first line of a batch, lingers `linger_s` while more arrive, then writes them all: under load
+    that is one wake-up per batch, not per request. Lines are never dropped: past `max_pending`
+    unwritten lines (a stalled stderr), request threads write their own, as they did before.
+    """
+
+    def __init__(self, logger: logging.Logger, *, linger_s: float = 0.02, max_pending: int = 10_000) -> None:
+        self._logger = logger
+        self._linger_s = linger_s
+        self._max_pending = max_pending
+        self._pending: collections.deque[tuple[float, dict[str, Any]]] = collections.deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        # Held while records are handed over, so that flush() and the thread keep the lines in order.
+        self._writing = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="access-log", daemon=True)
+        self._thread.start()
+
+    def put(self, created: float, fields: dict[str, Any]) -> None:
+        if len(self._pending) >= self._max_pending:
+            with self._writing:
+                self._write_pending()
+                self._write(created, fields)
+            return
+        self._pending.append((created, fields))
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def flush(self) -> None:
+        """Write every line put so far, from the calling thread."""
+        with self._writing:
+            self._write_pending()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(5)
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._stop.wait(self._linger_s)  # returns at once when stopping
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception:  # a failing handler reports through handleError; this is anything else
+                traceback.print_exc()
+
+    def _write_pending(self) -> None:
+        while True:
+            try:
+                created, fields = self._pending.popleft()
+            except IndexError:
+                return
+            self._write(created, fields)
+
+    def _write(self, created: float, fields: dict[str, Any]) -> None:
+        entry = self._logger.makeRecord(self._logger.name, logging.INFO, "", 0, "access", (), None,
+                                        extra={"fields": fields})
+        # The time the request ended, not the time this thread got to it.
+        entry.created = created
+        entry.msecs = int((created - int(created)) * 1000) + 0.0
+        entry.relativeCreated = (created - logging._startTime) * 1000
+        self._logger.handle(entry)
+
+
+_writer: AccessWriter | None = None
+_writer_lock = threading.Lock()
+
+
+def start_access_writer() -> AccessWriter:
+    """The process's one access-log thread (started once, however many apps the process makes)."""
+    global _writer
+    with _writer_lock:
+        if _writer is None:
+            _writer = AccessWriter(access_log)
+            atexit.register(_writer.close)
+        return _writer
+
+
+def flush_access_log() -> None:
+    if _writer is not None:
+        _writer.flush()
+
+
+def log_access(fields: dict[str, Any], *, writer: AccessWriter | None = None) -> None:
+    if writer is not None:
+        writer.put(time.time(), fields)
+    else:
         access_log.info("access", extra={"fields": fields})
-    return response
 
 
-def init_app(app: Flask, *, access: bool = True, probes: bool = False) -> None:
-    app.config[_PROBES_KEY] = probes
-    app.before_request(_start)
-    app.after_request(_finish)
+class _AccessLayer:
+    """WSGI layer: every request gets an id, echoed in X-Request-ID, and one access line.
+
+    A WSGI layer rather than Flask before/after hooks: a hook costs Flask an
+    `iscoroutinefunction` check and the request-local proxies on every call, and this is
+    all per-request work.
+    """
+
+    def __init__(self, app: Callable[..., Iterable[bytes]], *, probes: bool, writer: AccessWriter | None) -> None:
+        self.app = app
+        self.probes = probes
+        self.writer = writer
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        started = time.perf_counter()
+        entry = RequestRecord(accept_request_id(environ.get(_REQUEST_ID_ENVIRON, "")))
+        environ[RECORD_KEY] = entry
+
+        def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            entry.status = int(status[:3])
+            headers.append((REQUEST_ID_HEADER, entry.request_id))
+            return start_response(status, headers, exc_info)
+
+        try:
+            return self.app(environ, start)
+        finally:
+            self._log(environ, entry, started)
+
+    def _log(self, environ: dict[str, Any], entry: RequestRecord, started: float) -> None:
+        path = "/" + get_path_info(environ).lstrip("/")  # as Werkzeug's request.path reads it
+        if (path in PROBE_PATHS and not self.probes) or not access_log.isEnabledFor(logging.INFO):
+            return
+        log_access({
+            "method": environ.get("REQUEST_METHOD", ""),
+            "path": path,
+            "status": entry.status,
+            "latency_ms": round((time.perf_counter() - started) * 1000, 3),
+            "rows": entry.rows,
+            "batch_rows": entry.batch_rows,
+            "batch_requests": entry.batch_requests,
+            "model": entry.model,
+            "request_id": entry.request_id,
+        }, writer=self.writer)
+
+
+def init_app(app: Flask, *, access: bool = True, probes: bool = False, writer: AccessWriter | None = None) -> None:
+    """Request ids and access lines for `app`; with a writer, lines are written off the request threads."""
+    app.wsgi_app = _AccessLayer(app.wsgi_app, probes=probes, writer=writer)  # type: ignore[method-assign]
     access_log.disabled = not access

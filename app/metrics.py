@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from flask import Flask, Response, current_app, g, request
+from flask import Flask, Request, Response, current_app
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import multiprocess
+from werkzeug.routing import Rule
 
 from app.batching import BatchObserver
 
@@ -119,31 +122,67 @@ HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTI
 OTHER = "other"
 
 
-def _route() -> str:
-    # The URL rule, not the path: unknown paths must not grow a series each.
-    return request.url_rule.rule if request.url_rule is not None else OTHER
+# Where the matched URL rule of a request is left for the metrics layer: Flask clears
+# environ["werkzeug.request"] when its request context ends, before the layer counts.
+ROUTE_KEY = "model_server.route"
 
 
-def _method() -> str:
-    return request.method if request.method in HTTP_METHODS else OTHER
+class RoutedRequest(Request):
+    """Flask's request class, leaving the URL rule it matched in the WSGI environ."""
+
+    @property
+    def url_rule(self) -> Rule | None:
+        return self.__dict__.get("_url_rule")
+
+    @url_rule.setter
+    def url_rule(self, rule: Rule | None) -> None:
+        self.__dict__["_url_rule"] = rule
+        self.environ[ROUTE_KEY] = rule.rule if rule is not None else None
 
 
-def _before() -> None:
-    g.started = time.perf_counter()
-    get_metrics(current_app).in_flight.inc()
+class _MetricsLayer:
+    """WSGI layer: requests in flight, and each answer counted and timed by route, method and status.
 
+    Label children are looked up once per label set and kept: prometheus_client's labels()
+    takes a lock and builds a key on every call.
+    """
 
-def _after(response: Response) -> Response:
-    metrics = get_metrics(current_app)
-    route = _route()
-    metrics.requests.labels(route, _method(), str(response.status_code)).inc()
-    metrics.request_seconds.labels(route).observe(time.perf_counter() - g.started)
-    return response
+    def __init__(self, app: Callable[..., Iterable[bytes]], metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+        self._counters: dict[tuple[str, str, int], Any] = {}
+        self._timers: dict[str, Any] = {}
 
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        started = time.perf_counter()
+        status = [500]
 
-def _teardown(_exc: BaseException | None) -> None:
-    if "started" in g:
-        get_metrics(current_app).in_flight.dec()
+        def start(line: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            status[0] = int(line[:3])
+            return start_response(line, headers, exc_info)
+
+        self.metrics.in_flight.inc()
+        try:
+            return self.app(environ, start)
+        finally:
+            self.metrics.in_flight.dec()
+            self._count(environ, status[0], time.perf_counter() - started)
+
+    def _count(self, environ: dict[str, Any], status: int, seconds: float) -> None:
+        # The URL rule, not the path: unknown paths must not grow a series each.
+        route = environ.get(ROUTE_KEY) or OTHER
+        method = environ.get("REQUEST_METHOD", "")
+        if method not in HTTP_METHODS:
+            method = OTHER
+        key = (route, method, status)
+        counter = self._counters.get(key)
+        if counter is None:
+            counter = self._counters[key] = self.metrics.requests.labels(route, method, str(status))
+        counter.inc()
+        timer = self._timers.get(route)
+        if timer is None:
+            timer = self._timers[route] = self.metrics.request_seconds.labels(route)
+        timer.observe(seconds)
 
 
 def metrics_view() -> Response:
@@ -153,8 +192,7 @@ def metrics_view() -> Response:
 def init_app(app: Flask, metrics: Metrics | None = None) -> Metrics:
     metrics = metrics or Metrics()
     app.extensions["metrics"] = metrics
-    app.before_request(_before)
-    app.after_request(_after)
-    app.teardown_request(_teardown)
+    app.request_class = RoutedRequest
+    app.wsgi_app = _MetricsLayer(app.wsgi_app, metrics)  # type: ignore[method-assign]
     app.add_url_rule("/metrics", "metrics", metrics_view, methods=["GET"])
     return metrics

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import subprocess
+import threading
 import sys
 import logging.config
 import signal
@@ -157,3 +158,88 @@ def test_probes_are_access_logged_only_when_asked(caplog, probes, logged):
         for path in ("/healthz", "/readyz", "/metrics", "/predict"):
             assert client.get(path).status_code == 200
     assert sorted(entry.fields["path"] for entry in caplog.records if entry.name == "app.access") == logged
+
+
+class _Collecting(logging.Handler):
+    """Keeps the records it is handed; `gate` (when set) holds each emit until it opens."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.arrived = threading.Condition()
+        self.gate = gate
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.gate is not None:
+            self.gate.wait()
+        with self.arrived:
+            self.records.append(record)
+            self.arrived.notify_all()
+
+    def wait_for(self, count: int) -> None:
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: len(self.records) >= count, timeout=30), len(self.records)
+
+
+@pytest.fixture
+def access_logger():
+    logger = logging.getLogger("test.access-writer")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    yield logger
+    logger.handlers.clear()
+
+
+def test_access_writer_writes_every_line_off_the_request_threads_in_order(access_logger):
+    handler = _Collecting()
+    access_logger.addHandler(handler)
+    writer = logs.AccessWriter(access_logger)
+    per_thread = 250
+
+    def put(thread: int) -> None:
+        for index in range(per_thread):
+            writer.put(1_000_000.0 + index / 1000, {"thread": thread, "index": index})
+
+    threads = [threading.Thread(target=put, args=(number,)) for number in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    handler.wait_for(4 * per_thread)  # no flush(): the writer's own thread delivers them
+    writer.close()
+    assert len(handler.records) == 4 * per_thread
+    assert {record.threadName for record in handler.records} == {"access-log"}
+    for number in range(4):
+        mine = [record for record in handler.records if record.fields["thread"] == number]
+        assert [record.fields["index"] for record in mine] == list(range(per_thread))
+        # The time a line carries is the request's, not the time the writer reached it.
+        assert [record.created for record in mine] == [1_000_000.0 + index / 1000 for index in range(per_thread)]
+    assert {(record.name, record.levelno, record.getMessage()) for record in handler.records} == {
+        ("test.access-writer", logging.INFO, "access")}
+
+
+def test_access_writer_holds_a_bounded_backlog_when_its_output_stalls(access_logger):
+    gate = threading.Event()
+    handler = _Collecting(gate)
+    access_logger.addHandler(handler)
+    writer = logs.AccessWriter(access_logger, linger_s=0, max_pending=3)
+    putter = threading.Thread(target=lambda: [writer.put(float(index), {"index": index}) for index in range(10)])
+    putter.start()
+    # The writer is stuck in the handler with one line; three more may wait; the putter then
+    # writes its own line, which waits on the stalled output too, rather than piling up.
+    putter.join(0.5)
+    assert putter.is_alive() and len(writer._pending) <= 3
+    gate.set()
+    putter.join(30)
+    writer.close()
+    assert [record.fields["index"] for record in handler.records] == list(range(10))
+
+
+def test_close_writes_what_is_still_pending(access_logger):
+    handler = _Collecting()
+    access_logger.addHandler(handler)
+    writer = logs.AccessWriter(access_logger, linger_s=60)  # would not write for a minute by itself
+    for index in range(5):
+        writer.put(float(index), {"index": index})
+    writer.close()
+    assert [record.fields["index"] for record in handler.records] == list(range(5))
