@@ -48,7 +48,7 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import classify, errors, tensor_proto
+from app import classify, errors, logs, tensor_proto
 from app.logs import access_log, accept_request_id
 from app.models import DEFAULT_SIGNATURE, LoadedModel, Signature, TensorInfo
 from app.registry import Servable
@@ -175,7 +175,7 @@ def _log_access(route: str, code: grpc.StatusCode, started: float, call: _Call, 
             "model": call.model,
             "request_id": request_id,
         }
-        access_log.info("access", extra={"fields": fields})
+        logs.log_access(fields, writer=logs.process_writer())
 
 
 def predict_signature(servable: Servable, signature_name: str) -> Signature:
