@@ -549,6 +549,7 @@ def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, 
     result: dict[str, Any] = {"config": config.name, "loads": {}}
     try:
         result["start_s"] = server.start(ready_within_s=args.server_start_timeout)
+        result["cwd"] = psutil.Process(server.proc.pid).cwd()  # the tree it really runs, as the OS sees it
         log(f"{config.name}: ready in {result['start_s']:.1f} s")
         for load in loads:
             result["loads"][load.label] = measure_load(server, load, args, prefix=work_dir / (
@@ -812,7 +813,10 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: dict[str, Any], 
     lines += ["## Plot", "", "![Mean latency against users, and closed-loop throughput](benchmarks.png)", ""]
     lines += ["## Reproduce", "", "```",
               "python scripts/benchmark.py            # the full report, about 24 min",
-              "python scripts/benchmark.py --quick --out /tmp/bench", "```", "",
+              "python scripts/benchmark.py --quick --out /tmp/bench",
+              "# the performance issue's setup, before (commit REF) and after in one run:",
+              "python scripts/benchmark.py --model wide --closed-loop-users 32 --users 1,50 --configs default "
+              "--baseline-ref REF --no-protocols", "```", "",
               "Add `--work-dir DIR` to keep the raw Locust CSV and JSON, the server logs and `results.json`.",
               ""]
     path = out / "benchmarks.md"
@@ -874,8 +878,8 @@ def ceiling_lines(by_config: dict[str, dict[str, Any]], configs: dict[str, Confi
     lines = []
     figures = {}
     if closed:
-        lines += [f"The closed loop ({closed.users} users, one row per request). `batch rows`: the real rows per "
-                  "predict call, from the server's `model_server_batch_size_rows` histogram over the load point; "
+        lines += [f"The closed loop ({closed.users} users, one row per request). `rows per call`: the real rows "
+                  "per predict call, from the server's `model_server_batch_size_rows` histogram over the load point; "
                   "each call was padded to the next bucket size. `ceiling`: the rows/s of the model alone (part 1, "
                   "the configuration's predict path) running those same padded calls back to back: real rows ÷ "
                   "Σ calls × median ms per call. `ratio`: req/s ÷ ceiling. `predict wall`: the server's own "
@@ -894,7 +898,7 @@ def ceiling_lines(by_config: dict[str, dict[str, Any]], configs: dict[str, Confi
                          _fmt(numbers.get("predict_wall_ms_per_request"), 2),
                          _fmt(numbers.get("cpu_ms_per_request"), 2), _fmt(numbers.get("predict_cpu_ms_per_request"), 2),
                          _fmt(numbers.get("other_cpu_ms_per_request"), 2)))
-        lines += _table(["configuration", "req/s", "batch rows", "ceiling rows/s", "ratio", "predict wall ms/request",
+        lines += _table(["configuration", "req/s", "rows per call", "ceiling rows/s", "ratio", "predict wall ms/request",
                          "server CPU ms/request", "of which predict", "of which everything else"], rows) + [""]
         reference = figures.get(REFERENCE)
         for name, numbers in figures.items():

@@ -28,6 +28,11 @@ BENCHMARK_TIMEOUT_S = 300
 pytestmark = pytest.mark.timeout(BENCHMARK_TIMEOUT_S + 90)
 
 
+def quick_configs() -> list[str]:
+    """The quick run's configurations: the baseline of --baseline-ref HEAD first."""
+    return [f"baseline@{git('rev-parse', '--short', 'HEAD')}", "naive", "default"]
+
+
 def load_benchmark_module():
     spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
     module = importlib.util.module_from_spec(spec)
@@ -40,8 +45,9 @@ benchmark = load_benchmark_module()
 
 
 def run_quick_benchmark(out, work_dir) -> subprocess.CompletedProcess:
+    # --baseline-ref HEAD: the before/after machinery end to end (a second tree, its own server).
     command = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--quick", "--out", str(out),
-               "--work-dir", str(work_dir)]
+               "--work-dir", str(work_dir), "--baseline-ref", "HEAD"]
     env = {key: value for key, value in os.environ.items() if not key.startswith("LOCUST_")}
     # A session of its own, so that a timeout stops the servers and Locust it started as well.
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -118,7 +124,7 @@ def test_model_alone_table_has_numbers_for_every_batch_size(quick_report):
 def test_load_table_has_every_configuration_and_load_without_failures(quick_report):
     rows = table_rows((quick_report / "benchmarks.md").read_text(), "| configuration | users | requests | failures")
     assert [(row[0], row[1]) for row in rows] == [
-        (f"`{config}`", load) for config in ("naive", "default") for load in ("1", "5", "closed loop")
+        (f"`{config}`", load) for config in quick_configs() for load in ("1", "5", "closed loop")
     ]
     for config, load, requests, failures, mean, p50, p95, p99, rps, *_ in rows:
         assert int(failures) == 0, (config, load)
@@ -128,8 +134,8 @@ def test_load_table_has_every_configuration_and_load_without_failures(quick_repo
 
 def test_ratios_compare_the_default_with_the_naive_server(quick_report):
     rows = table_rows((quick_report / "benchmarks.md").read_text(), "| configuration | 1 user")
-    assert rows[0][0] == "`naive`"
-    assert re.fullmatch(r"[\d,.]+×", rows[0][-1]), rows
+    assert [row[0] for row in rows] == [f"`{config}`" for config in quick_configs() if config != "default"]
+    assert all(re.fullmatch(r"[\d,.]+×", row[-1]) for row in rows), rows
 
 
 def test_rest_and_grpc_rows_have_server_cpu_per_request(quick_report):
@@ -146,23 +152,29 @@ def test_rest_and_grpc_rows_have_server_cpu_per_request(quick_report):
 def test_new_section_compares_the_closed_loop_with_the_models_own_ceiling(quick_report):
     markdown = (quick_report / "benchmarks.md").read_text()
     assert "## 7. Closed loop against the model's own ceiling" in markdown
-    rows = table_rows(markdown, "| configuration | req/s | batch rows | ceiling rows/s")
-    assert [row[0] for row in rows] == ["`naive`", "`default`"]
+    rows = table_rows(markdown, "| configuration | req/s | rows per call | ceiling rows/s")
+    assert [row[0] for row in rows] == [f"`{config}`" for config in quick_configs()]
     for name, rps, batch_rows, ceiling, ratio, predict_wall, cpu, predict_cpu, other_cpu in rows:
         assert all(is_number(cell) for cell in (rps, batch_rows, ceiling, predict_wall, cpu, predict_cpu)), name
         assert re.fullmatch(r"[\d,]+%", ratio) and is_signed_number(other_cpu), name
-    assert rows[0][2] == "1.0"  # the naive server never batches: every call is one row
+    assert rows[1][2] == "1.0"  # the naive server never batches: every call is one row
+    baseline = quick_configs()[0]
+    assert re.search(rf"- `default` ÷ `{baseline}`: req/s [\d.,]+×; server CPU outside predict per request "
+                     r"-?[\d.,]+× \(-?[\d.]+ against -?[\d.]+ ms\)", markdown)
 
 
 def test_one_user_is_set_against_a_bare_call_after_idling(quick_run):
     out, work = quick_run
     after_idle = json.loads((work / "model_alone.json").read_text())["after_idle"]
     assert after_idle["calls"] == len(after_idle["wall_ms"]) == 2  # --quick's count
+    one_user = {result["config"]: result["loads"]["1"]
+                for result in json.loads((work / "results.json").read_text())["servers"]}
     rows = table_rows((out / "benchmarks.md").read_text(), "| configuration | 1 user mean ms")
-    assert [row[0] for row in rows] == ["`naive`", "`default`"]
+    assert [row[0] for row in rows] == [f"`{config}`" for config in quick_configs()]
     for name, mean, p50, bare, difference in rows:
-        assert float(bare) == round(after_idle["mean_ms"], 2), name
-        assert is_signed_number(difference) and float(difference) == pytest.approx(float(mean) - float(bare), abs=0.011)
+        expected = one_user[name.strip("`")]["mean_ms"] - after_idle["mean_ms"]
+        assert bare == benchmark._fmt(after_idle["mean_ms"], 2) and is_number(bare), name
+        assert difference == benchmark._fmt(expected, 2) and is_signed_number(difference), name
 
 
 def test_servers_run_with_their_default_access_log(quick_run):
@@ -245,3 +257,11 @@ def test_baseline_tree_is_the_commit_and_is_removed_even_on_error():
             raise RuntimeError("inside")
     assert not tree.exists()
     assert str(tree) not in git("worktree", "list")
+
+
+def test_baseline_server_ran_from_its_own_tree(quick_run):
+    _, work = quick_run
+    cwd = {result["config"]: result["cwd"] for result in json.loads((work / "results.json").read_text())["servers"]}
+    baseline = quick_configs()[0]
+    assert cwd["default"] == str(REPO) and cwd["naive"] == str(REPO)
+    assert cwd[baseline] != str(REPO) and "benchmark-baseline-" in cwd[baseline]
