@@ -126,8 +126,11 @@ def model_alone(model_path: str | None, batch_sizes: Sequence[int], *, budget_s:
     """Time per call, items/s and CPU of both predict paths, then batch-1 calls after idling; run in a child."""
     import numpy as np
 
+    from app import runtime
     from app.models import example_batch, load_model
 
+    # TensorFlow's thread pools as in one worker of a default server, so its calls are the ones timed here.
+    runtime.configure(Settings(), workers=1)
     model = load_model(model_path, name="default")
     keras_model = model.keras_model
     rng = np.random.default_rng(0)
@@ -737,7 +740,8 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: dict[str, Any], 
               "One process, no server: median wall time per call, rows per second, and the process's "
               "CPU time per row (`time.process_time` around the calls, all threads). `model.predict` is "
               "Keras' own (called with batch_size = the batch); the predict path is the server's compiled "
-              "`tf.function`, the one the batcher calls.", ""]
+              "`tf.function`, the one the batcher calls. TensorFlow's thread pools are sized as in one worker "
+              "of a default server.", ""]
     alone_rows = []
     for row in alone_batches:
         keras_row = row.get("keras_predict")
