@@ -13,9 +13,21 @@
 3. Ratios, tables and a plot.
 4. REST against gRPC: the `default` configuration loaded in a closed loop over HTTP/JSON and
    over TensorFlow Serving's gRPC API (LOCUST_PROTOCOL=grpc), with the server's CPU per request.
+5. The closed loop against the model's own ceiling: the batch sizes each server actually
+   ran (from its /metrics), what the model alone does with those same batches back to back,
+   and the server's CPU per request split into the model's own and everything else.
 
-The built-in default model is used unless --model-path is given. Nothing here asserts a
-timing: the numbers are whatever this machine gives.
+The built-in default model is used unless --model wide (1,024 floats in, 4 x 4,096 hidden,
+1,000 out, ~235 MB, built from seeds at the start of the run) or --model-path is given.
+--baseline-ref REF adds the configuration `baseline@<sha>`: the server of commit REF (checked
+out into a temporary git worktree), its defaults, 1 worker, the same model, side by side with
+`default`. Nothing here asserts a timing: the numbers are whatever this machine gives.
+
+Performance issue's setup (wide model, one row per request, 32 clients in the closed loop,
+1 and 50 users with think time), before and after in one run:
+
+    python scripts/benchmark.py --model wide --closed-loop-users 32 --users 1,50 --configs default \\
+        --baseline-ref REF --no-protocols
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import resource
 import signal
 import socket
@@ -35,18 +48,20 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from importlib import metadata as package_metadata
 from pathlib import Path
 from typing import Any
 
 import psutil
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from app.settings import Settings, documented  # noqa: E402  (after the path is set; imports no TensorFlow)
+from app.batching import bucket_sizes  # noqa: E402  (after the path is set; imports no TensorFlow)
+from app.settings import Settings, documented  # noqa: E402
 
 LOCUSTFILE = REPO / "locustfile.py"
 SERVER_COMMAND = ("gunicorn", "-c", "gunicorn.conf.py", "wsgi:app")
@@ -60,6 +75,13 @@ THINK_TIME_S = (1.0, 3.0)
 CLOSED_LOOP_LABEL = "closed loop"
 # A load generator above this share of one core may itself have limited the load.
 LOCUST_BUSY_SHARE = 0.8
+# The performance issue's wide-input model: build_default_model's arguments.
+WIDE_MODEL = {"features": 1024, "depth": 3, "outputs": 1000}
+WIDE_MODEL_NAME = "1,024 floats in, 4 × 4,096 hidden, 1,000 out dense, ~235 MB of float32 weights"
+# The batch bucket sizes every configuration pads to (the server's default MAX_BATCH_SIZE).
+SERVER_BUCKETS = bucket_sizes(Settings().max_batch_size)
+BATCH_ROWS_METRIC = "model_server_batch_size_rows"
+PREDICT_SECONDS_METRIC = "model_server_predict_duration_seconds"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +91,12 @@ class Config:
     env: dict[str, str]
     what: str
     baseline: bool  # a configuration the default is compared against
+    tree: Path = REPO  # the checkout whose gunicorn.conf.py and app/ it runs
+
+    @property
+    def predict_path(self) -> str:
+        """The part-1 timing that matches this configuration's predict calls."""
+        return "keras_predict" if self.env.get("PREDICT_METHOD") == "keras_predict" else "function"
 
 
 CONFIGS = [
@@ -93,12 +121,16 @@ REFERENCE = "default"
 # 1. The model alone
 
 
-def model_alone(model_path: str | None, batch_sizes: Sequence[int], *, budget_s: float) -> list[dict[str, Any]]:
-    """Time per call, items/s and CPU per row of both predict paths; run in a child process."""
+def model_alone(model_path: str | None, batch_sizes: Sequence[int], *, budget_s: float,
+                idle_calls: int, think_s: tuple[float, float]) -> dict[str, Any]:
+    """Time per call, items/s and CPU of both predict paths, then batch-1 calls after idling; run in a child."""
     import numpy as np
 
+    from app import runtime
     from app.models import example_batch, load_model
 
+    # TensorFlow's thread pools as in one worker of a default server, so its calls are the ones timed here.
+    runtime.configure(Settings(), workers=1)
     model = load_model(model_path, name="default")
     keras_model = model.keras_model
     rng = np.random.default_rng(0)
@@ -115,7 +147,11 @@ def model_alone(model_path: str | None, batch_sizes: Sequence[int], *, budget_s:
         for label, call in paths.items():
             row[label] = _time_calls(call, budget_s=budget_s, batch_size=batch_size)
         rows.append(row)
-    return rows
+    one_row = {name: rng.standard_normal(array.shape).astype(array.dtype)
+               for name, array in example_batch(model, 1).items()}
+    after_idle = _time_after_idle(lambda: model.predict(one_row), calls=idle_calls, think_s=think_s,
+                                  rng=random.Random(0))
+    return {"batches": rows, "after_idle": after_idle}
 
 
 def _time_calls(call: Any, *, budget_s: float, batch_size: int, max_calls: int = 200) -> dict[str, float]:
@@ -132,22 +168,62 @@ def _time_calls(call: Any, *, budget_s: float, batch_size: int, max_calls: int =
     wall.sort()
     median_s = wall[len(wall) // 2]
     return {"calls": len(wall), "median_ms": median_s * 1000, "mean_ms": sum(wall) / len(wall) * 1000,
-            "items_per_s": batch_size / median_s, "cpu_ms_per_row": cpu_s / len(wall) / batch_size * 1000}
+            "items_per_s": batch_size / median_s, "cpu_ms_per_call": cpu_s / len(wall) * 1000,
+            "cpu_ms_per_row": cpu_s / len(wall) / batch_size * 1000}
 
 
-def run_model_alone(args: argparse.Namespace, work_dir: Path) -> list[dict[str, Any]]:
+def _time_after_idle(call: Any, *, calls: int, think_s: tuple[float, float], rng: random.Random) -> dict[str, Any]:
+    """Batch-1 calls, each after an idle pause drawn like a Locust user's think time.
+
+    After an idle second the weights may have left the caches and TensorFlow's threads gone to
+    sleep: this, not a back-to-back call, is what one user with think time can hope for.
+    """
+    call()
+    wall = []
+    for _ in range(calls):
+        time.sleep(rng.uniform(*think_s))  # the idle time itself is what is measured against
+        started = time.perf_counter()
+        call()
+        wall.append(time.perf_counter() - started)
+    ordered = sorted(wall)
+    return {"calls": calls, "think_s": list(think_s), "mean_ms": sum(wall) / calls * 1000,
+            "median_ms": ordered[calls // 2] * 1000, "wall_ms": [value * 1000 for value in wall]}
+
+
+def run_model_alone(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     out = work_dir / "model_alone.json"
     command = [sys.executable, __file__, "--model-alone-json", str(out), "--batch-sizes",
-               ",".join(map(str, args.batch_sizes)), "--call-budget", str(args.call_budget)]
-    if args.model_path:
-        command += ["--model-path", args.model_path]
+               ",".join(map(str, args.batch_sizes)), "--call-budget", str(args.call_budget),
+               "--idle-calls", str(args.idle_calls)]
+    if args.served_model_path:
+        command += ["--model-path", args.served_model_path]
+    log(f"model alone: batch sizes {args.batch_sizes}, then {args.idle_calls} calls after idling")
+    _run_child(command, work_dir / "model_alone.log", timeout_s=args.model_alone_timeout)
+    return json.loads(out.read_text())
+
+
+def build_wide_model(work_dir: Path) -> str:
+    """The issue's wide-input model, built from seeds and saved once for every configuration."""
+    path = work_dir / "wide.keras"
+    log(f"building the wide model ({WIDE_MODEL_NAME})")
+    _run_child([sys.executable, __file__, "--build-wide-model", str(path)], work_dir / "build_model.log",
+               timeout_s=600)
+    return str(path)
+
+
+def save_wide_model(path: Path) -> None:
+    from app.models import build_default_model
+
+    build_default_model(**WIDE_MODEL).save(path)
+
+
+def _run_child(command: list[str], log_path: Path, *, timeout_s: float) -> None:
+    """This script again, in a child process: TensorFlow is never loaded in this one."""
     env = {key: value for key, value in os.environ.items() if key not in SERVER_VARIABLES}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    log(f"model alone: batch sizes {args.batch_sizes}")
-    with open(work_dir / "model_alone.log", "wb") as output:
-        subprocess.run(command, cwd=REPO, env=env, check=True, timeout=args.model_alone_timeout,
+    with open(log_path, "wb") as output:
+        subprocess.run(command, cwd=REPO, env=env, check=True, timeout=timeout_s,
                        stdout=output, stderr=subprocess.STDOUT)
-    return json.loads(out.read_text())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,9 +252,10 @@ class Server:
         self.log_path = log_path
         self.env = {key: value for key, value in os.environ.items()
                     if key not in SERVER_VARIABLES and key not in LOCUST_VARIABLES}
-        # READYZ_DETAIL: the workers are told apart by the pid /readyz then shows.
+        # READYZ_DETAIL: the workers are told apart by the pid /readyz then shows. LOG_LEVEL and
+        # ACCESS_LOG stay the server's defaults: writing the access log is part of a request's cost.
         self.env.update({"BIND": f"127.0.0.1:{self.port}", "GRPC_BIND": self.grpc_target,
-                         "TF_CPP_MIN_LOG_LEVEL": "2", "LOG_LEVEL": "WARNING", "READYZ_DETAIL": "true", **config.env})
+                         "TF_CPP_MIN_LOG_LEVEL": "2", "READYZ_DETAIL": "true", **config.env})
         if model_path:
             self.env["MODEL_PATH"] = model_path
         self.proc: subprocess.Popen | None = None
@@ -187,7 +264,8 @@ class Server:
         started = time.monotonic()
         command = [sys.executable, "-m", *SERVER_COMMAND, f"--workers={self.config.workers}"]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(command, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(command, cwd=self.config.tree, env=self.env, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
         self._wait_ready(within_s=ready_within_s)
         return time.monotonic() - started
 
@@ -203,11 +281,20 @@ class Server:
             try:
                 answer = requests.get(self.url + "/readyz", timeout=5, headers={"Connection": "close"})
                 if answer.status_code == 200:
-                    seen.add(answer.json()["pid"])
+                    # An older tree (a --baseline-ref) may not show the pid: one worker needs none.
+                    seen.add(answer.json().get("pid", 0))
                     continue
             except (requests.ConnectionError, requests.Timeout):
                 pass  # a worker that still loads its model answers nothing yet
             time.sleep(0.2)  # nothing listens, or a worker still loads: there is no event to wait on
+
+    def metrics(self) -> dict[str, Any] | None:
+        """The batching figures of /metrics (all workers added up), or None where it cannot be read."""
+        try:
+            answer = requests.get(self.url + "/metrics", timeout=10)
+        except (requests.ConnectionError, requests.Timeout):
+            return None
+        return metric_snapshot(answer.text) if answer.status_code == 200 else None
 
     def processes(self) -> list[psutil.Process]:
         try:
@@ -347,14 +434,86 @@ def _number(text: str) -> float | None:
     return None if text in ("", "N/A") else float(text)
 
 
+def metric_snapshot(text: str) -> dict[str, Any]:
+    """The batch-size histogram and predict time from a /metrics page, added up over models and labels."""
+    snapshot: dict[str, Any] = {"buckets": {}, "rows": 0.0, "calls": 0.0, "predict_s": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name not in (BATCH_ROWS_METRIC, PREDICT_SECONDS_METRIC):
+            continue
+        for sample in family.samples:
+            if family.name == PREDICT_SECONDS_METRIC:
+                if sample.name == PREDICT_SECONDS_METRIC + "_sum":
+                    snapshot["predict_s"] += sample.value
+            elif sample.name == BATCH_ROWS_METRIC + "_bucket":
+                upper = float(sample.labels["le"])
+                snapshot["buckets"][upper] = snapshot["buckets"].get(upper, 0.0) + sample.value
+            elif sample.name == BATCH_ROWS_METRIC + "_sum":
+                snapshot["rows"] += sample.value
+            elif sample.name == BATCH_ROWS_METRIC + "_count":
+                snapshot["calls"] += sample.value
+    return snapshot
+
+
+def batch_delta(before: dict[str, Any], after: dict[str, Any], buckets: Sequence[int] = SERVER_BUCKETS
+                ) -> dict[str, Any]:
+    """Predict calls per padded batch size, real rows and predict seconds between two snapshots.
+
+    The histogram counts real rows per call, cumulatively (le=1, 2, 4, ...): the calls in
+    (lower, upper] are the ones the server padded up to the smallest bucket size >= upper
+    (or its largest, which no call exceeds).
+    """
+    calls: dict[int, int] = {}
+    previous = 0.0
+    for upper in sorted(after["buckets"]):
+        cumulative = after["buckets"][upper] - before["buckets"].get(upper, 0.0)
+        count = round(cumulative - previous)
+        previous = cumulative
+        if count:
+            padded = next((size for size in buckets if size >= upper), buckets[-1])
+            calls[padded] = calls.get(padded, 0) + count
+    return {"calls_per_bucket": calls, "rows": round(after["rows"] - before["rows"]),
+            "calls": round(after["calls"] - before["calls"]), "predict_s": after["predict_s"] - before["predict_s"]}
+
+
+def ceiling_figures(batches: dict[str, Any], timings: dict[int, dict[str, float]], *, requests: int, rps: float,
+                    server_cpu_s: float) -> dict[str, float | None]:
+    """The model alone's throughput at the batches the server ran, and the server's CPU split.
+
+    `timings` is part 1's figures per batch size for the server's predict path. Ceiling: the real
+    rows served ÷ the time the model alone takes to run the same calls back to back. Predict
+    CPU: the model's own CPU for those calls; everything else is the server's CPU less that.
+    """
+    calls = {int(size): count for size, count in batches["calls_per_bucket"].items()}
+    figures: dict[str, float | None] = {
+        "mean_batch_rows": batches["rows"] / batches["calls"] if batches["calls"] else None,
+        "predict_wall_ms_per_request": batches["predict_s"] / requests * 1000 if requests else None,
+        "cpu_ms_per_request": server_cpu_s / requests * 1000 if requests else None,
+        "ceiling_rows_per_s": None, "ratio": None, "predict_cpu_ms_per_request": None,
+        "other_cpu_ms_per_request": None}
+    if not calls or not requests or any(size not in timings for size in calls):
+        return figures
+    alone_s = sum(count * timings[size]["median_ms"] for size, count in calls.items()) / 1000
+    predict_cpu_s = sum(count * timings[size]["cpu_ms_per_call"] for size, count in calls.items()) / 1000
+    ceiling = batches["rows"] / alone_s
+    figures.update(ceiling_rows_per_s=ceiling, ratio=rps / ceiling,
+                   predict_cpu_ms_per_request=predict_cpu_s / requests * 1000,
+                   other_cpu_ms_per_request=(server_cpu_s - predict_cpu_s) / requests * 1000)
+    return figures
+
+
 def measure_load(server: Server, load: Load, args: argparse.Namespace, *, prefix: Path, what: str,
                  protocol: str = "http") -> dict[str, Any]:
     """One load point against a running server, with the server's CPU over it."""
     server.wait_quiet(within_s=60)
+    # /metrics is read outside the CPU window: the scrape is not part of the load.
+    metrics_before = server.metrics()
     cpu_before = server.cpu_seconds()
     url = server.url if protocol == "http" else f"grpc://{server.grpc_target}"
     stats = run_locust(url, load, duration_s=args.duration, prefix=prefix, protocol=protocol)
     server_cpu_s = server.cpu_seconds() - cpu_before
+    metrics_after = server.metrics()
+    if metrics_before and metrics_after:
+        stats["server_batches"] = batch_delta(metrics_before, metrics_after)
     stats["server_cpu_s"] = server_cpu_s
     stats["server_cpu_ms_per_request"] = server_cpu_s / stats["requests"] * 1000 if stats.get("requests") else None
     stats["server_cpu_share"] = server_cpu_s / stats["locust_wall_s"]
@@ -370,7 +529,7 @@ PROTOCOL_NAMES = {"http": "REST (HTTP/JSON)", "grpc": "gRPC (TensorProto)"}
 def run_protocols(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     """The reference configuration once, loaded over REST and over gRPC at each closed-loop user count."""
     config = CONFIGS_BY_NAME[REFERENCE]
-    server = Server(config, model_path=args.model_path, log_path=work_dir / "gunicorn-protocols.log")
+    server = Server(config, model_path=args.served_model_path, log_path=work_dir / "gunicorn-protocols.log")
     result: dict[str, Any] = {"config": config.name, "loads": []}
     try:
         result["start_s"] = server.start(ready_within_s=args.server_start_timeout)
@@ -389,10 +548,11 @@ def run_protocols(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
 
 
 def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
-    server = Server(config, model_path=args.model_path, log_path=work_dir / f"gunicorn-{config.name}.log")
+    server = Server(config, model_path=args.served_model_path, log_path=work_dir / f"gunicorn-{config.name}.log")
     result: dict[str, Any] = {"config": config.name, "loads": {}}
     try:
         result["start_s"] = server.start(ready_within_s=args.server_start_timeout)
+        result["cwd"] = psutil.Process(server.proc.pid).cwd()  # the tree it really runs, as the OS sees it
         log(f"{config.name}: ready in {result['start_s']:.1f} s")
         for load in loads:
             result["loads"][load.label] = measure_load(server, load, args, prefix=work_dir / (
@@ -403,6 +563,27 @@ def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, 
     finally:
         server.stop()
     return result
+
+
+@contextmanager
+def baseline_tree(ref: str) -> Iterator[tuple[Path, str]]:
+    """Commit `ref` checked out in a temporary detached git worktree, and its short sha; removed after."""
+    short = subprocess.run(["git", "rev-parse", "--short", f"{ref}^{{commit}}"], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="benchmark-baseline-") as folder:
+        tree = Path(folder) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), ref], cwd=REPO, check=True,
+                       capture_output=True, text=True)
+        try:
+            yield tree, short
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
+            subprocess.run(["git", "worktree", "prune"], cwd=REPO, capture_output=True)
+
+
+def baseline_config(tree: Path, short_sha: str) -> Config:
+    return Config(f"baseline@{short_sha}", 1, {}, f"the server of commit {short_sha}: its defaults, 1 worker",
+                  True, tree)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,9 +694,13 @@ def protocol_lines(protocols: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, Any]], results: list[dict[str, Any]],
+def write_report(out: Path, *, args: argparse.Namespace, alone: dict[str, Any], results: list[dict[str, Any]],
                  loads: Sequence[Load], machine: dict[str, str], started: datetime.datetime,
-                 elapsed_s: float, protocols: dict[str, Any] | None = None) -> Path:
+                 elapsed_s: float, protocols: dict[str, Any] | None = None,
+                 configs: dict[str, Config] | None = None) -> Path:
+    configs = configs or CONFIGS_BY_NAME
+    after_idle = alone["after_idle"]
+    alone_batches = alone["batches"]
     open_loads = [load for load in loads if not load.closed_loop]
     closed = next((load for load in loads if load.closed_loop), None)
     by_config = {result["config"]: result for result in results}
@@ -529,7 +714,8 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, A
 
     lines += ["## Machine", ""] + _table(["", ""], machine.items()) + [""]
     lines += ["## Versions", ""] + _table(["package", "version"], versions().items()) + [""]
-    default_model = "the built-in default model (4 → 4096 ×5 → 3 dense, ~268 MB of float32 weights)"
+    default_model = ("the built-in default model (4 → 4096 ×5 → 3 dense, ~268 MB of float32 weights)"
+                     if args.model == "default" else f"the wide-input model ({WIDE_MODEL_NAME}), built from seeds")
     max_batch_size = SERVER_DEFAULTS["MAX_BATCH_SIZE"]
     lines += ["## Settings", "",
               f"- Model: {Path(args.model_path).name if args.model_path else default_model}.",
@@ -545,31 +731,38 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, A
               f"- Other settings are the server's defaults (MAX_BATCH_SIZE {max_batch_size}, "
               f"MAX_QUEUE_ROWS {Settings().max_queue_rows}, THREADS = MAX_QUEUE_ROWS + 2 × MAX_BATCH_SIZE, "
               "TF threads = cores ÷ workers).", ""]
-    config_rows = [(f"`{name}`", CONFIGS_BY_NAME[name].workers,
-                    " ".join(f"{k}={v}" for k, v in CONFIGS_BY_NAME[name].env.items()) or "(defaults)",
-                    CONFIGS_BY_NAME[name].what) for name in by_config]
+    config_rows = [(f"`{name}`", configs[name].workers,
+                    " ".join(f"{k}={v}" for k, v in configs[name].env.items()) or "(defaults)",
+                    configs[name].what) for name in by_config]
     lines += _table(["configuration", "workers", "environment", "what it is"], config_rows) + [""]
 
     lines += ["## 1. The model alone", "",
               "One process, no server: median wall time per call, rows per second, and the process's "
               "CPU time per row (`time.process_time` around the calls, all threads). `model.predict` is "
               "Keras' own (called with batch_size = the batch); the predict path is the server's compiled "
-              "`tf.function`, the one the batcher calls.", ""]
+              "`tf.function`, the one the batcher calls. TensorFlow's thread pools are sized as in one worker "
+              "of a default server.", ""]
     alone_rows = []
-    for row in alone:
+    for row in alone_batches:
         keras_row = row.get("keras_predict")
         function_row = row["function"]
         alone_rows.append((row["batch"], _fmt(keras_row["median_ms"]) if keras_row else "–",
                            _fmt(keras_row["items_per_s"]) if keras_row else "–",
                            _fmt(function_row["median_ms"]), _fmt(function_row["items_per_s"]),
                            _fmt(function_row["cpu_ms_per_row"], 2),
-                           _ratio(keras_row["median_ms"], function_row["median_ms"]) if keras_row else "–"))
+                           _ratio(keras_row["median_ms"], function_row["median_ms"]) if keras_row else "–",
+                           _fmt(function_row["cpu_ms_per_call"], 2)))
     lines += _table(["batch", "model.predict ms/call", "model.predict rows/s", "predict path ms/call",
-                     "predict path rows/s", "predict path CPU ms/row", "model.predict ÷ predict path"],
-                    alone_rows) + [""]
-    ceiling = best_function_throughput(alone)
+                     "predict path rows/s", "predict path CPU ms/row", "model.predict ÷ predict path",
+                     "predict path CPU ms/call"], alone_rows) + [""]
+    ceiling = best_function_throughput(alone_batches)
     if ceiling:
         lines += [f"Ceiling: **{ceiling[0]:,.0f} rows/s** at batch {ceiling[1]} (best of the predict path).", ""]
+    back_to_back = alone_batches[0]["function"]["median_ms"] if alone_batches and alone_batches[0]["batch"] == 1 else None
+    lines += [f"A bare call after idling: {after_idle['calls']} calls of the predict path at batch 1, each after "
+              f"a pause drawn from {THINK_TIME_S[0]:g}–{THINK_TIME_S[1]:g} s (a user's think time): mean "
+              f"**{_fmt(after_idle['mean_ms'], 2)} ms**, median {_fmt(after_idle['median_ms'], 2)} ms "
+              f"(back to back: median {_fmt(back_to_back, 2)} ms).", ""]
 
     lines += ["## 2. Servers under load", "",
               "Latencies in ms as Locust measured them (client side, including HTTP and JSON); "
@@ -598,12 +791,12 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, A
                   "requests served. Beside it, the model's own CPU per row from part 1 at batch 1 and at "
                   "the batch size nearest the mean batch the server ran.", ""]
         cpu_rows = []
-        batch_one = alone[0] if alone else None
+        batch_one = alone_batches[0] if alone_batches else None
         for name, result in by_config.items():
             stats = result["loads"].get(closed.label)
             if not stats:
                 continue
-            near = nearest_row(alone, stats.get("mean_batch_rows"))
+            near = nearest_row(alone_batches, stats.get("mean_batch_rows"))
             cpu_rows.append((f"`{name}`", _fmt(stats.get("rps")), _fmt(stats.get("mean_ms")),
                              _fmt(stats.get("p99_ms")), _fmt(stats.get("mean_batch_rows")),
                              _fmt(stats.get("server_cpu_ms_per_request"), 2),
@@ -615,14 +808,19 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, A
                          "model CPU ms/row, batch 1", "model CPU ms/row, near that batch", "Locust CPU"],
                         cpu_rows) + [""]
 
-    lines += ["## 4. Ratios", ""] + ratio_lines(by_config, open_loads, closed, ceiling) + [""]
+    lines += ["## 4. Ratios", ""] + ratio_lines(by_config, open_loads, closed, ceiling, configs) + [""]
     lines += ["## 5. The load generator", ""] + load_generator_lines(by_config) + [""]
     if protocols is not None:
         lines += ["## 6. REST and gRPC", ""] + protocol_lines(protocols) + [""]
+    lines += ["## 7. Closed loop against the model's own ceiling", ""]
+    lines += ceiling_lines(by_config, configs, alone, closed, open_loads) + [""]
     lines += ["## Plot", "", "![Mean latency against users, and closed-loop throughput](benchmarks.png)", ""]
     lines += ["## Reproduce", "", "```",
               "python scripts/benchmark.py            # the full report, about 24 min",
-              "python scripts/benchmark.py --quick --out /tmp/bench", "```", "",
+              "python scripts/benchmark.py --quick --out /tmp/bench",
+              "# the performance issue's setup, before (commit REF) and after in one run:",
+              "python scripts/benchmark.py --model wide --closed-loop-users 32 --users 1,50 --configs default "
+              "--baseline-ref REF --no-protocols", "```", "",
               "Add `--work-dir DIR` to keep the raw Locust CSV and JSON, the server logs and `results.json`.",
               ""]
     path = out / "benchmarks.md"
@@ -631,7 +829,7 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: list[dict[str, A
 
 
 def ratio_lines(by_config: dict[str, dict[str, Any]], open_loads: Sequence[Load], closed: Load | None,
-                ceiling: tuple[float, int] | None) -> list[str]:
+                ceiling: tuple[float, int] | None, configs: dict[str, Config]) -> list[str]:
     reference = by_config.get(REFERENCE)
     if not reference or not reference["loads"]:
         return [f"No ratios: the `{REFERENCE}` configuration was not run."]
@@ -650,7 +848,7 @@ def ratio_lines(by_config: dict[str, dict[str, Any]], open_loads: Sequence[Load]
         parts = []
         for name, result in by_config.items():
             mean = result["loads"].get(load.label, {}).get("mean_ms")
-            if name != REFERENCE and CONFIGS_BY_NAME[name].baseline and mean and ref_mean:
+            if name != REFERENCE and configs[name].baseline and mean and ref_mean:
                 parts.append(f"`{name}` {_fmt(mean)} ms ({_ratio(mean, ref_mean)})")
         if parts and ref_mean:
             lines.append(f"- {_load_name(load.label)}: `{REFERENCE}` {_fmt(ref_mean)} ms mean; " + ", ".join(parts) + ".")
@@ -667,6 +865,70 @@ def ratio_lines(by_config: dict[str, dict[str, Any]], open_loads: Sequence[Load]
                 lines.append(f"- The model alone peaks at {ceiling[0]:,.0f} rows/s (batch {ceiling[1]}): "
                              f"`{REFERENCE}` serves {ref_rps / ceiling[0]:.0%} of that ceiling over HTTP, "
                              "with the load generator on the same cores.")
+    return lines
+
+
+def load_ceiling(config: Config, stats: dict[str, Any], alone: dict[str, Any]) -> dict[str, float | None]:
+    """ceiling_figures for one load point, from its /metrics batches and part 1's timings."""
+    timings = {row["batch"]: row[config.predict_path] for row in alone["batches"] if config.predict_path in row}
+    if "server_batches" not in stats:
+        return {}
+    return ceiling_figures(stats["server_batches"], timings, requests=stats.get("requests", 0),
+                           rps=stats.get("rps", 0.0), server_cpu_s=stats["server_cpu_s"])
+
+
+def ceiling_lines(by_config: dict[str, dict[str, Any]], configs: dict[str, Config], alone: dict[str, Any],
+                  closed: Load | None, open_loads: Sequence[Load]) -> list[str]:
+    lines = []
+    figures = {}
+    if closed:
+        lines += [f"The closed loop ({closed.users} users, one row per request). `rows per call`: the real rows "
+                  "per predict call, from the server's `model_server_batch_size_rows` histogram over the load point; "
+                  "each call was padded to the next bucket size. `ceiling`: the rows/s of the model alone (part 1, "
+                  "the configuration's predict path) running those same padded calls back to back: real rows ÷ "
+                  "Σ calls × median ms per call. `ratio`: req/s ÷ ceiling. `predict wall`: the server's own "
+                  "`model_server_predict_duration_seconds` ÷ requests. Server CPU per request (master and workers, "
+                  "psutil) is split into `predict` (Σ calls × the model alone's CPU per call at that size) and "
+                  "`everything else` (the rest: HTTP, JSON, Flask, logging, batching, metrics).", ""]
+        rows = []
+        for name, result in by_config.items():
+            stats = result["loads"].get(closed.label)
+            if not stats:
+                continue
+            figures[name] = numbers = load_ceiling(configs[name], stats, alone)
+            rows.append((f"`{name}`", _fmt(stats.get("rps")), _fmt(numbers.get("mean_batch_rows")),
+                         _fmt(numbers.get("ceiling_rows_per_s")),
+                         f"{numbers['ratio']:.0%}" if numbers.get("ratio") else "–",
+                         _fmt(numbers.get("predict_wall_ms_per_request"), 2),
+                         _fmt(numbers.get("cpu_ms_per_request"), 2), _fmt(numbers.get("predict_cpu_ms_per_request"), 2),
+                         _fmt(numbers.get("other_cpu_ms_per_request"), 2)))
+        lines += _table(["configuration", "req/s", "rows per call", "ceiling rows/s", "ratio", "predict wall ms/request",
+                         "server CPU ms/request", "of which predict", "of which everything else"], rows) + [""]
+        reference = figures.get(REFERENCE)
+        for name, numbers in figures.items():
+            if name.startswith("baseline@") and reference:
+                ref_rps = by_config[REFERENCE]["loads"][closed.label].get("rps")
+                rps = by_config[name]["loads"][closed.label].get("rps")
+                lines.append(f"- `{REFERENCE}` ÷ `{name}`: req/s {_ratio(ref_rps, rps)}; server CPU outside predict "
+                             f"per request {_ratio(reference.get('other_cpu_ms_per_request'), numbers.get('other_cpu_ms_per_request'))} "
+                             f"({_fmt(reference.get('other_cpu_ms_per_request'), 2)} against "
+                             f"{_fmt(numbers.get('other_cpu_ms_per_request'), 2)} ms).")
+        lines.append("")
+    one_user = next((load for load in open_loads if load.users == 1), None)
+    after_idle = alone["after_idle"]
+    if one_user:
+        lines += [f"One user with {THINK_TIME_S[0]:g}–{THINK_TIME_S[1]:g} s think time against a bare call of the "
+                  f"model after the same idle time (part 1: mean {_fmt(after_idle['mean_ms'], 2)} ms over "
+                  f"{after_idle['calls']} calls): the difference is what the server adds to one request.", ""]
+        rows = []
+        for name, result in by_config.items():
+            stats = result["loads"].get(one_user.label)
+            if not stats or stats.get("mean_ms") is None:
+                continue
+            rows.append((f"`{name}`", _fmt(stats.get("mean_ms"), 2), _fmt(stats.get("p50_ms"), 2),
+                         _fmt(after_idle["mean_ms"], 2), _fmt(stats["mean_ms"] - after_idle["mean_ms"], 2)))
+        lines += _table(["configuration", "1 user mean ms", "1 user p50 ms", "bare call after idle, mean ms",
+                         "difference ms"], rows)
     return lines
 
 
@@ -802,13 +1064,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="closed-loop user counts of the REST and gRPC comparison (default 1,50; quick 1,5)")
     parser.add_argument("--no-protocols", action="store_true", help="skip the REST and gRPC comparison")
     parser.add_argument("--max-batch", type=int, help="largest batch size of part 1 (default 64; quick 8)")
-    parser.add_argument("--model-path", help="serve and time this model instead of the built-in default")
+    parser.add_argument("--model", choices=("default", "wide"), default="default",
+                        help=f"the built-in default model, or the wide-input model ({WIDE_MODEL_NAME}), "
+                             "built from seeds at the start of the run")
+    parser.add_argument("--model-path", help="serve and time this model (any MODEL_PATH); wins over --model")
+    parser.add_argument("--baseline-ref", metavar="REF",
+                        help="also run the server of this git commit (a temporary worktree), defaults and 1 worker, "
+                             "as configuration baseline@<sha>, side by side with default")
+    parser.add_argument("--idle-calls", type=int,
+                        help="batch-1 calls of the model alone, each after 1-3 s idle (default 8; quick 2)")
     parser.add_argument("--work-dir", type=Path, help="keep raw Locust output and server logs here (default: a temp folder)")
     parser.add_argument("--server-start-timeout", type=float, default=300)
     # Internal: part 1 runs in a child process, so that TensorFlow is not loaded in this one.
     parser.add_argument("--model-alone-json", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--batch-sizes", type=_int_list, help=argparse.SUPPRESS)
     parser.add_argument("--call-budget", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--build-wide-model", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv_shown = list(argv)
     quick = args.quick
@@ -820,20 +1091,27 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.closed_loop_users = 16 if quick else 64
     args.max_batch = args.max_batch or (8 if quick else 64)
     if args.batch_sizes is None:
-        args.batch_sizes = [size for size in (2**power for power in range(16)) if size <= args.max_batch]
+        # Every size the servers pad to, so that their batches can be timed alone.
+        args.batch_sizes = sorted({size for size in (2**power for power in range(16)) if size <= args.max_batch}
+                                  | set(SERVER_BUCKETS))
+    if args.idle_calls is None:
+        args.idle_calls = 2 if quick else 8
     args.call_budget = args.call_budget or (0.5 if quick else 3.0)
     args.model_alone_timeout = 300 if quick else 900
     if args.model_path:
         args.model_path = str(Path(args.model_path).resolve())
+    args.served_model_path = args.model_path  # set to the wide model's file once it is built
     return args
 
 
 def expected_minutes(args: argparse.Namespace, loads: Sequence[Load]) -> float:
     """A rough forecast from runs on a 2-core machine: Locust's own start and the idle wait add ~2 s a load."""
-    model_alone_s = len(args.batch_sizes) * (2 * args.call_budget + 1) + 10
+    model_alone_s = len(args.batch_sizes) * (2 * args.call_budget + 1) + 10 + args.idle_calls * 2.5
+    build_s = 15 if args.model == "wide" and not args.model_path else 0
     per_config_s = 10 + len(loads) * (args.duration + 2)
+    configs = len(args.configs) + (1 if args.baseline_ref else 0)
     protocols_s = (10 + 2 * len(args.protocol_users) * (args.duration + 8)) if args.protocol_users else 0
-    return (model_alone_s + len(args.configs) * per_config_s + protocols_s) / 60
+    return (build_s + model_alone_s + configs * per_config_s + protocols_s) / 60
 
 
 def log(message: str) -> None:
@@ -854,9 +1132,13 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     # SIGTERM as SystemExit, so that the finally blocks stop the servers and Locust.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.build_wide_model:
+        save_wide_model(args.build_wide_model)
+        return 0
     if args.model_alone_json:
-        rows = model_alone(args.model_path, args.batch_sizes, budget_s=args.call_budget)
-        args.model_alone_json.write_text(json.dumps(rows))
+        alone = model_alone(args.model_path, args.batch_sizes, budget_s=args.call_budget,
+                            idle_calls=args.idle_calls, think_s=THINK_TIME_S)
+        args.model_alone_json.write_text(json.dumps(alone))
         return 0
 
     started_at = datetime.datetime.now(datetime.timezone.utc)
@@ -866,16 +1148,23 @@ def main(argv: Sequence[str]) -> int:
     if args.closed_loop_users:
         loads.append(Load(CLOSED_LOOP_LABEL, args.closed_loop_users, (0.0, 0.0)))
     args.out.mkdir(parents=True, exist_ok=True)
-    with working_folder(args.work_dir) as work_dir:
-        log(f"working folder {work_dir}; configurations {args.configs}; loads {[l.label for l in loads]}; "
-            f"{args.duration} s each; expect about {expected_minutes(args, loads):.0f} min")
+    with working_folder(args.work_dir) as work_dir, ExitStack() as stack:
+        configs = [CONFIGS_BY_NAME[name] for name in args.configs]
+        if args.baseline_ref:
+            tree, short_sha = stack.enter_context(baseline_tree(args.baseline_ref))
+            configs.insert(0, baseline_config(tree, short_sha))
+        log(f"working folder {work_dir}; configurations {[config.name for config in configs]}; loads "
+            f"{[l.label for l in loads]}; {args.duration} s each; expect about {expected_minutes(args, loads):.0f} min")
+        if args.model == "wide" and not args.model_path:
+            args.served_model_path = build_wide_model(work_dir)
         alone = run_model_alone(args, work_dir)
-        results = [run_config(CONFIGS_BY_NAME[name], loads, args, work_dir) for name in args.configs]
+        results = [run_config(config, loads, args, work_dir) for config in configs]
         protocols = run_protocols(args, work_dir) if args.protocol_users else None
         (work_dir / "results.json").write_text(json.dumps(
             {"model_alone": alone, "servers": results, "protocols": protocols}, indent=1))
         report = write_report(args.out, args=args, alone=alone, results=results, loads=loads, machine=machine,
-                              started=started_at, elapsed_s=time.monotonic() - started, protocols=protocols)
+                              started=started_at, elapsed_s=time.monotonic() - started, protocols=protocols,
+                              configs={config.name: config for config in configs})
         plot = write_plot(args.out, results, loads)
     log(f"wrote {report} and {plot} in {(time.monotonic() - started) / 60:.1f} min")
     print(report.read_text())

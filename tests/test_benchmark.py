@@ -1,10 +1,14 @@
 """scripts/benchmark.py --quick end to end: real servers, real Locust, a report and a plot.
 
-Only the shape of the report is checked: timings are whatever the machine gives.
+Only the shape of the report is checked: timings are whatever the machine gives. The
+arithmetic behind the figures (calls per batch size from a /metrics page, the model's
+ceiling at those batches, the CPU split) is checked exactly, from given inputs.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 import signal
@@ -12,20 +16,38 @@ import subprocess
 import sys
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
+from app.batching import bucket_sizes
+from app.metrics import Metrics
+from app.settings import Settings
 from conftest import REPO
-
-# The plot needs it; pinned in requirements-dev.txt. Skipped (and listed by -ra) where it is missing.
-pytest.importorskip("matplotlib")
 
 BENCHMARK_TIMEOUT_S = 300
 # The run happens in the first test's set-up: leave room past our own timeout to stop it cleanly.
 pytestmark = pytest.mark.timeout(BENCHMARK_TIMEOUT_S + 90)
 
 
+def quick_configs() -> list[str]:
+    """The quick run's configurations: the baseline of --baseline-ref HEAD first."""
+    return [f"baseline@{git('rev-parse', '--short', 'HEAD')}", "naive", "default"]
+
+
+def load_benchmark_module():
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+benchmark = load_benchmark_module()
+
+
 def run_quick_benchmark(out, work_dir) -> subprocess.CompletedProcess:
+    # --baseline-ref HEAD: the before/after machinery end to end (a second tree, its own server).
     command = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--quick", "--out", str(out),
-               "--work-dir", str(work_dir)]
+               "--work-dir", str(work_dir), "--baseline-ref", "HEAD"]
     env = {key: value for key, value in os.environ.items() if not key.startswith("LOCUST_")}
     # A session of its own, so that a timeout stops the servers and Locust it started as well.
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -59,12 +81,24 @@ def is_number(cell: str) -> bool:
     return re.fullmatch(r"[\d,]+(\.\d+)?", cell) is not None
 
 
+def is_signed_number(cell: str) -> bool:
+    # CPU outside predict is a difference of two measurements: on a busy machine it can dip below 0.
+    return re.fullmatch(r"-?[\d,]+(\.\d+)?", cell) is not None
+
+
 @pytest.fixture(scope="module")
-def quick_report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("benchmark-out")
-    run = run_quick_benchmark(out, tmp_path_factory.mktemp("benchmark-work"))
+def quick_run(tmp_path_factory):
+    # The plot needs it; pinned in requirements-dev.txt. Skipped (and listed by -ra) where it is missing.
+    pytest.importorskip("matplotlib")
+    out, work = tmp_path_factory.mktemp("benchmark-out"), tmp_path_factory.mktemp("benchmark-work")
+    run = run_quick_benchmark(out, work)
     assert run.returncode == 0, run.stdout[-5000:]
-    return out
+    return out, work
+
+
+@pytest.fixture(scope="module")
+def quick_report(quick_run):
+    return quick_run[0]
 
 
 def test_quick_benchmark_writes_a_report_and_a_plot(quick_report):
@@ -80,15 +114,17 @@ def test_quick_benchmark_writes_a_report_and_a_plot(quick_report):
 
 def test_model_alone_table_has_numbers_for_every_batch_size(quick_report):
     rows = table_rows((quick_report / "benchmarks.md").read_text(), "| batch | model.predict ms/call")
-    assert [row[0] for row in rows] == ["1", "2", "4", "8"]
+    # --quick's sizes up to 8, and every size the server pads a batch to.
+    expected = sorted({1, 2, 4, 8} | set(bucket_sizes(Settings().max_batch_size)))
+    assert [row[0] for row in rows] == [str(size) for size in expected]
     for row in rows:
-        assert all(is_number(cell) for cell in row[1:6]), row
+        assert all(is_number(cell) for cell in row[1:6]) and is_number(row[7]), row
 
 
 def test_load_table_has_every_configuration_and_load_without_failures(quick_report):
     rows = table_rows((quick_report / "benchmarks.md").read_text(), "| configuration | users | requests | failures")
     assert [(row[0], row[1]) for row in rows] == [
-        (f"`{config}`", load) for config in ("naive", "default") for load in ("1", "5", "closed loop")
+        (f"`{config}`", load) for config in quick_configs() for load in ("1", "5", "closed loop")
     ]
     for config, load, requests, failures, mean, p50, p95, p99, rps, *_ in rows:
         assert int(failures) == 0, (config, load)
@@ -98,8 +134,8 @@ def test_load_table_has_every_configuration_and_load_without_failures(quick_repo
 
 def test_ratios_compare_the_default_with_the_naive_server(quick_report):
     rows = table_rows((quick_report / "benchmarks.md").read_text(), "| configuration | 1 user")
-    assert rows[0][0] == "`naive`"
-    assert re.fullmatch(r"[\d,.]+×", rows[0][-1]), rows
+    assert [row[0] for row in rows] == [f"`{config}`" for config in quick_configs() if config != "default"]
+    assert all(re.fullmatch(r"[\d,.]+×", row[-1]) for row in rows), rows
 
 
 def test_rest_and_grpc_rows_have_server_cpu_per_request(quick_report):
@@ -111,3 +147,121 @@ def test_rest_and_grpc_rows_have_server_cpu_per_request(quick_report):
         assert int(requests) > 0 and int(failures) == 0, (protocol, users)
         assert is_number(cpu_per_request), (protocol, users)
     assert re.search(r"- 5 users: server CPU per request [\d.]+ ms over REST, [\d.]+ ms over gRPC", markdown)
+
+
+def test_new_section_compares_the_closed_loop_with_the_models_own_ceiling(quick_report):
+    markdown = (quick_report / "benchmarks.md").read_text()
+    assert "## 7. Closed loop against the model's own ceiling" in markdown
+    rows = table_rows(markdown, "| configuration | req/s | rows per call | ceiling rows/s")
+    assert [row[0] for row in rows] == [f"`{config}`" for config in quick_configs()]
+    for name, rps, batch_rows, ceiling, ratio, predict_wall, cpu, predict_cpu, other_cpu in rows:
+        assert all(is_number(cell) for cell in (rps, batch_rows, ceiling, predict_wall, cpu, predict_cpu)), name
+        assert re.fullmatch(r"[\d,]+%", ratio) and is_signed_number(other_cpu), name
+    assert rows[1][2] == "1.0"  # the naive server never batches: every call is one row
+    baseline = quick_configs()[0]
+    assert re.search(rf"- `default` ÷ `{baseline}`: req/s [\d.,]+×; server CPU outside predict per request "
+                     r"-?[\d.,]+× \(-?[\d.]+ against -?[\d.]+ ms\)", markdown)
+
+
+def test_one_user_is_set_against_a_bare_call_after_idling(quick_run):
+    out, work = quick_run
+    after_idle = json.loads((work / "model_alone.json").read_text())["after_idle"]
+    assert after_idle["calls"] == len(after_idle["wall_ms"]) == 2  # --quick's count
+    one_user = {result["config"]: result["loads"]["1"]
+                for result in json.loads((work / "results.json").read_text())["servers"]}
+    rows = table_rows((out / "benchmarks.md").read_text(), "| configuration | 1 user mean ms")
+    assert [row[0] for row in rows] == [f"`{config}`" for config in quick_configs()]
+    for name, mean, p50, bare, difference in rows:
+        expected = one_user[name.strip("`")]["mean_ms"] - after_idle["mean_ms"]
+        assert bare == benchmark._fmt(after_idle["mean_ms"], 2) and is_number(bare), name
+        assert difference == benchmark._fmt(expected, 2) and is_signed_number(difference), name
+
+
+def test_servers_run_with_their_default_access_log(quick_run):
+    """The access log is part of each request's cost: every answered /predict is logged."""
+    _, work = quick_run
+    results = json.loads((work / "results.json").read_text())
+    default = next(result for result in results["servers"] if result["config"] == "default")
+    answered = sum(stats["requests"] for stats in default["loads"].values())
+    logged = (work / "gunicorn-default.log").read_text().count("path=/predict status=200")
+    assert answered > 0 and logged >= answered
+
+
+def observed_metrics(calls: list[tuple[str, int, float]], metrics: Metrics | None = None) -> str:
+    """A real /metrics page after predict calls of (model, real rows, predict seconds)."""
+    metrics = metrics or Metrics(CollectorRegistry())
+    for model, rows, seconds in calls:
+        metrics.observer(model).batch_done(rows=rows, requests=rows, padded_rows=0, predict_s=seconds)
+    return generate_latest(metrics.registry).decode()
+
+
+def test_calls_per_padded_batch_size_from_the_metrics_page(monkeypatch):
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    metrics = Metrics(CollectorRegistry())
+    before = benchmark.metric_snapshot(observed_metrics([("a", 1, 0.25), ("a", 3, 0.5)], metrics))
+    # Two models: the page has one series each, added up. Real rows r are padded to the next power of 2.
+    after = benchmark.metric_snapshot(observed_metrics(
+        [("a", 1, 0.125), ("b", 2, 0.25), ("a", 3, 0.5), ("b", 5, 1.0), ("a", 32, 2.0), ("b", 17, 0.125)], metrics))
+    delta = benchmark.batch_delta(before, after, bucket_sizes(32))
+    assert delta == {"calls_per_bucket": {1: 1, 2: 1, 4: 1, 8: 1, 32: 2}, "rows": 60, "calls": 6, "predict_s": 4.0}
+
+
+def test_a_max_batch_size_off_the_powers_of_two_pads_to_itself(monkeypatch):
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    metrics = Metrics(CollectorRegistry())
+    empty = benchmark.metric_snapshot(observed_metrics([], metrics))
+    # The histogram's bucket le=64 holds 33..64 rows; with MAX_BATCH_SIZE 48 the server padded them to 48.
+    after = benchmark.metric_snapshot(observed_metrics([("m", 40, 0.5), ("m", 20, 0.5)], metrics))
+    assert benchmark.batch_delta(empty, after, bucket_sizes(48))["calls_per_bucket"] == {48: 1, 32: 1}
+
+
+TIMINGS = {1: {"median_ms": 10.0, "cpu_ms_per_call": 8.0}, 4: {"median_ms": 20.0, "cpu_ms_per_call": 16.0},
+           8: {"median_ms": 40.0, "cpu_ms_per_call": 30.0}}
+
+
+def test_ceiling_ratio_and_cpu_split_at_the_batches_the_server_ran():
+    # 2 calls at batch 1 and 3 padded to 4: 14 real rows; the model alone needs 2 x 10 + 3 x 20 = 80 ms.
+    batches = {"calls_per_bucket": {"1": 2, "4": 3}, "rows": 14, "calls": 5, "predict_s": 0.7}
+    figures = benchmark.ceiling_figures(batches, TIMINGS, requests=14, rps=7.0, server_cpu_s=0.5)
+    assert figures == pytest.approx({
+        "mean_batch_rows": 14 / 5,
+        "ceiling_rows_per_s": 14 / 0.080,  # 175 rows/s
+        "ratio": 7.0 / 175,
+        "predict_wall_ms_per_request": 700 / 14,
+        "cpu_ms_per_request": 500 / 14,
+        "predict_cpu_ms_per_request": (2 * 8 + 3 * 16) / 14,  # 64 ms of the model's own CPU
+        "other_cpu_ms_per_request": (500 - 64) / 14,
+    }, rel=1e-12)
+
+
+def test_no_ceiling_for_a_batch_size_part_one_did_not_time():
+    batches = {"calls_per_bucket": {1: 1, 16: 1}, "rows": 10, "calls": 2, "predict_s": 0.1}
+    figures = benchmark.ceiling_figures(batches, TIMINGS, requests=10, rps=5.0, server_cpu_s=0.2)
+    assert figures["ceiling_rows_per_s"] is None and figures["ratio"] is None
+    assert figures["other_cpu_ms_per_request"] is None
+    assert figures["cpu_ms_per_request"] == pytest.approx(20.0) and figures["mean_batch_rows"] == 5.0
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_baseline_tree_is_the_commit_and_is_removed_even_on_error():
+    with pytest.raises(RuntimeError, match="inside"):
+        with benchmark.baseline_tree("HEAD") as (tree, short_sha):
+            assert short_sha == git("rev-parse", "--short", "HEAD")
+            assert (tree / "gunicorn.conf.py").read_text() == git("show", "HEAD:gunicorn.conf.py") + "\n"
+            assert str(tree) in git("worktree", "list")
+            config = benchmark.baseline_config(tree, short_sha)
+            assert (config.name, config.workers, config.env, config.tree) == (f"baseline@{short_sha}", 1, {}, tree)
+            raise RuntimeError("inside")
+    assert not tree.exists()
+    assert str(tree) not in git("worktree", "list")
+
+
+def test_baseline_server_ran_from_its_own_tree(quick_run):
+    _, work = quick_run
+    cwd = {result["config"]: result["cwd"] for result in json.loads((work / "results.json").read_text())["servers"]}
+    baseline = quick_configs()[0]
+    assert cwd["default"] == str(REPO) and cwd["naive"] == str(REPO)
+    assert cwd[baseline] != str(REPO) and "benchmark-baseline-" in cwd[baseline]
