@@ -57,9 +57,9 @@ V1_HYBRID = "12:memory:/job\n4:cpu,cpuacct:/job/task\n1:name=systemd:/job\n0::/j
     # v1, no limit
     ("3:cpu:/\n", {"sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1\n", "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n"},
      None),
-    # a quota of another controller's hierarchy is not read
-    ("5:memory:/x\n", {"sys/fs/cgroup/memory/x/cpu.cfs_quota_us": "100000\n",
-                       "sys/fs/cgroup/memory/x/cpu.cfs_period_us": "100000\n"}, None),
+    # another controller's hierarchy is not read, even one whose name starts with "cpu"
+    ("5:cpuset:/x\n", {"sys/fs/cgroup/cpuset/x/cpu.cfs_quota_us": "100000\n",
+                       "sys/fs/cgroup/cpuset/x/cpu.cfs_period_us": "100000\n"}, None),
     # files that cannot be read, or read as garbage, are no limit
     ("0::/\n", {"sys/fs/cgroup/cpu.max": "lots\n"}, None),
     ("0::/\n", {}, None),
