@@ -38,10 +38,10 @@ _configured: dict[str, Any] | None = None
 _NATIVE_NOISE = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\)|I\d{4} )")
 
 
-# Workers per usable CPU. Measured with the wide model (1,024 floats in, 4 x 4,096 hidden),
-# closed loop, on a 16-core machine (issue 15; docs/scaling.md): 1 worker 469 req/s, 2 917,
-# 4 1,142 (the best), 8 979. One worker keeps about 4 cores busy: its GIL-bound request
-# threads plus TensorFlow's pools; on 2 cores one worker is the best too.
+# Usable CPUs per worker. Issue 15's closed-loop runs of a wide model (1,024 floats in,
+# 4 x 4,096 hidden) on a 16-core machine (table in docs/scaling.md): 1 worker 469 req/s
+# (5.8 cores busy), 2 917, 4 1,142 (the best), 8 979. One worker's request threads share
+# one GIL, so it cannot fill a big machine; past 16 / 4 workers they contend for the cores.
 CPUS_PER_WORKER = 4
 
 
