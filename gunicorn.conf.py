@@ -13,6 +13,7 @@ import tempfile
 from gunicorn import glogging
 
 from app import logs
+from app.runtime import default_workers, usable_cpus
 from app.settings import Settings, model_configs, parse, validate_pos_int
 
 # Validated here, in the master, so a bad value stops start-up once with a clear message.
@@ -25,7 +26,9 @@ def _env(name, default, validator=validate_pos_int):
 
 
 bind = os.environ.get("BIND", "0.0.0.0:8000")
-workers = _env("WORKERS", 1)
+# Derived from the CPUs this process may use (affinity, cgroup CPU quota), not the host's
+# count: one worker per CPUS_PER_WORKER of them (app/runtime.py has the measurements).
+workers = _env("WORKERS", default_workers(usable_cpus().count))
 worker_class = "gthread"
 # A batch can only hold as many requests as there are threads waiting on it, and overload
 # must meet the queue's fast 503 (MAX_QUEUE_ROWS) before it meets a thread pool where

@@ -1,7 +1,8 @@
 """TensorFlow's process set-up: thread pools and GPU memory, before the first TF op.
 
 Gunicorn's post_fork hook calls `configure()` in each worker with the worker count, so
-that N workers share the cores instead of each starting pools as wide as the machine.
+that N workers share the usable CPUs (`usable_cpus()`: the affinity, capped by a cgroup CPU
+quota) instead of each starting pools as wide as the machine.
 `create_app()` calls it again; the second call changes nothing.
 
 TensorFlow's C++ libraries write start-up lines (oneDNN, CPU features, absl's "before
@@ -15,6 +16,7 @@ LOG_FORMAT), anything else (an import error, say) at WARNING.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -36,39 +38,122 @@ _configured: dict[str, Any] | None = None
 _NATIVE_NOISE = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\)|I\d{4} )")
 
 
-def available_cores() -> int:
-    """Cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota.
+# Usable CPUs per worker. Issue 15's closed-loop runs of a wide model (1,024 floats in,
+# 4 x 4,096 hidden) on a 16-core machine (table in docs/scaling.md): 1 worker 469 req/s
+# (5.8 cores busy), 2 917, 4 1,142 (the best), 8 979. One worker's request threads share
+# one GIL, so it cannot fill a big machine; past 16 / 4 workers they contend for the cores.
+CPUS_PER_WORKER = 4
 
-    In a container with a CPU limit the affinity still lists every core of the node;
-    the quota (cpu.max) is what the limit really allows.
+
+@dataclasses.dataclass(frozen=True)
+class UsableCpus:
+    """The CPUs this process may use, and what limits them."""
+
+    count: int
+    source: str  # "affinity" or "cgroup cpu quota": whichever gives fewer
+    affinity: int
+    quota: float | None  # CPUs the tightest CFS quota allows (1.5 for "150000 100000"); None: no quota
+
+
+def usable_cpus(*, root: str = "/", affinity: int | None = None) -> UsableCpus:
+    """The fewer of the CPUs in this process's affinity and its cgroup's CPU quota, rounded up.
+
+    In a container with a CPU limit the affinity still lists every core of the node, and
+    os.cpu_count() every core of the machine; the quota is what the limit really allows.
+    (Python 3.13's os.process_cpu_count() reads the affinity only; joblib's loky reads the
+    quota only at the cgroup root.) `root` and `affinity` are for tests.
+    """
+    if affinity is None:
+        try:
+            affinity = len(os.sched_getaffinity(0))
+        except AttributeError:
+            affinity = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(root)
+    if quota is not None and math.ceil(quota) < affinity:
+        return UsableCpus(max(1, math.ceil(quota)), "cgroup cpu quota", affinity, quota)
+    return UsableCpus(affinity, "affinity", affinity, quota)
+
+
+def default_workers(cpus: int) -> int:
+    return max(1, cpus // CPUS_PER_WORKER)
+
+
+def cgroup_cpu_quota(root: str = "/") -> float | None:
+    """CPUs the tightest CFS quota on this process's cgroup or an ancestor allows; None: none.
+
+    The cgroup comes from /proc/self/cgroup: v2 ("0::/path", cpu.max "200000 100000", or
+    "max ..." for no limit) or v1's cpu controller (cpu.cfs_quota_us, -1 for no limit, over
+    cpu.cfs_period_us). A parent's quota binds its children too, so every level up to the
+    mount is read. Inside a container without its own cgroup namespace the listed path is
+    the host's and does not exist under the mount: the levels that do exist still count.
     """
     try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    quota = cgroup_cpu_quota()
-    return max(1, min(cores, quota)) if quota else cores
+        with open(os.path.join(root, "proc/self/cgroup")) as own:
+            lines = own.read().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        hierarchy, controllers, path = fields
+        if hierarchy == "0" and not controllers:
+            mounts, read = ["sys/fs/cgroup"], _cgroup2_quota
+        elif "cpu" in controllers.split(","):
+            # v1's cpu controller: mounted alone, or with cpuacct and a "cpu" link to it.
+            mounts, read = [f"sys/fs/cgroup/{controllers}", "sys/fs/cgroup/cpu"], _cgroup1_quota
+        else:
+            continue
+        for mount in dict.fromkeys(mounts):
+            for directory in _levels(os.path.join(root, mount), path):
+                quota = read(directory)
+                if quota is not None:
+                    quotas.append(quota)
+    return min(quotas, default=None)
 
 
-def cgroup_cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
+def _levels(mount: str, path: str) -> Iterator[str]:
+    parts = [part for part in path.split("/") if part]
+    for depth in range(len(parts), -1, -1):
+        yield os.path.join(mount, *parts[:depth])
+
+
+def _cgroup2_quota(directory: str) -> float | None:
     try:
-        with open(path) as limits:
+        with open(os.path.join(directory, "cpu.max")) as limits:
             quota, period = limits.read().split()[:2]
+        return None if quota == "max" else _cpus(int(quota), int(period))
     except (OSError, ValueError):
         return None
-    if quota == "max":
+
+
+def _cgroup1_quota(directory: str) -> float | None:
+    try:
+        with open(os.path.join(directory, "cpu.cfs_quota_us")) as quota, \
+                open(os.path.join(directory, "cpu.cfs_period_us")) as period:
+            return _cpus(int(quota.read()), int(period.read()))
+    except (OSError, ValueError):
         return None
-    return max(1, math.ceil(int(quota) / int(period)))
+
+
+def _cpus(quota_us: int, period_us: int) -> float | None:
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
 
 
 def configure(settings: Settings, *, workers: int = 1) -> dict[str, Any]:
-    """Size TF's pools to cores / workers and cap GPU memory; idempotent per process."""
+    """Size TF's pools to usable CPUs / workers and cap GPU memory; idempotent per process."""
     global _configured
     with _lock:
         if _configured is not None:
             return _configured
         tf = import_tensorflow(settings)
-        share = max(1, available_cores() // max(1, workers))
+        cpus = usable_cpus()
+        # Each worker's pools get its share of the usable CPUs: N workers with pools as wide
+        # as the machine would oversubscribe it N times. Inter-op threads run independent ops
+        # of one graph side by side; a served model's graph is mostly a chain, so the same
+        # share costs it nothing and keeps N workers from each starting one per core.
+        share = max(1, cpus.count // max(1, workers))
         intra = settings.tf_intra_op_threads or share
         inter = settings.tf_inter_op_threads or share
         tf.config.threading.set_intra_op_parallelism_threads(intra)
@@ -86,6 +171,9 @@ def configure(settings: Settings, *, workers: int = 1) -> dict[str, Any]:
             "inter_op_threads": inter,
             "gpus": len(gpus),
             "gpu_memory_limit_mb": settings.gpu_memory_limit_mb or None,
+            "workers": workers,
+            "usable_cpus": cpus.count,
+            "usable_cpus_from": cpus.source,
         }
         log.info("tensorflow configured in pid %d: %s", os.getpid(), _configured)
         return _configured

@@ -150,9 +150,9 @@ class Settings:
         "PREDICT_METHOD", validate_choice("function", "keras_predict"), "function",
         "function: a compiled tf.function; keras_predict: Keras model.predict (slow, for comparison).")
     tf_intra_op_threads: int = _env(
-        "TF_INTRA_OP_THREADS", validate_non_neg_int, 0, "TensorFlow intra-op threads; 0: cores / workers.")
+        "TF_INTRA_OP_THREADS", validate_non_neg_int, 0, "TensorFlow intra-op threads; 0: usable CPUs / workers.")
     tf_inter_op_threads: int = _env(
-        "TF_INTER_OP_THREADS", validate_non_neg_int, 0, "TensorFlow inter-op threads; 0: cores / workers.")
+        "TF_INTER_OP_THREADS", validate_non_neg_int, 0, "TensorFlow inter-op threads; 0: usable CPUs / workers.")
     gpu_memory_limit_mb: int = _env(
         "GPU_MEMORY_LIMIT_MB", validate_non_neg_int, 0,
         "GPU memory per worker process; 0: grow as needed.")

@@ -62,16 +62,6 @@ def test_readme_documents_every_setting():
     assert names <= table, f"not in the README's settings table: {sorted(names - table)}"
 
 
-@pytest.mark.parametrize("content,expected", [("max 100000\n", None), ("150000 100000\n", 2), ("50000 100000", 1)])
-def test_cgroup_cpu_quota_caps_the_cores_tensorflow_gets(tmp_path, content, expected):
-    from app.runtime import cgroup_cpu_quota
-
-    limits = tmp_path / "cpu.max"
-    limits.write_text(content)
-    assert cgroup_cpu_quota(str(limits)) == expected
-    assert cgroup_cpu_quota(str(tmp_path / "absent")) is None
-
-
 def write_config(tmp_path, document) -> dict[str, str]:
     path = tmp_path / "models.json"
     path.write_text(json.dumps(document))
