@@ -42,6 +42,9 @@ RUN pip install --no-cache-dir -r requirements-gpu.lock \
     && pip install --no-cache-dir --no-deps -r requirements-nodeps.txt
 COPY wsgi.py gunicorn.conf.py ./
 COPY app/ app/
+# The derived worker count (one per 4 CPUs) is a CPU rule: on a GPU every worker holds a model
+# copy on the card, so the image starts one; more take WORKERS with GPU_MEMORY_LIMIT_MB.
+ENV WORKERS=1
 USER 10001:10001
 
 # TensorFlow Serving's gRPC stubs import TensorFlow's generated protocol buffer modules

@@ -385,7 +385,7 @@ def compose_settings() -> list[tuple[str, object]]:
     from app.settings import documented
 
     return [(name, default) for name, default, _ in documented()] + [
-        ("BIND", "0.0.0.0:8000"), ("WORKERS", 1), ("THREADS", None), ("TIMEOUT", 120),
+        ("BIND", "0.0.0.0:8000"), ("WORKERS", None), ("THREADS", None), ("TIMEOUT", 120),
         ("GRACEFUL_TIMEOUT", 30), ("KEEPALIVE", 5), ("PROMETHEUS_MULTIPROC_DIR", None)]
 
 
