@@ -100,6 +100,9 @@ def post_worker_init(worker):
         from app import grpc_server
 
         grpc_server.serve_in_worker(worker)
+    from app import runtime
+
+    runtime.freeze_heap()
 
 
 def worker_exit(server, worker):

@@ -3,6 +3,7 @@ classify and regress, model status and metadata, and health."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import orjson
@@ -148,6 +149,8 @@ def readyz() -> Response:
         "ready": ready,
         "tensorflow": runtime.configured(),
         "large_bodies_in_flight": current_app.extensions["body_limits"].large_bodies_in_flight,
+        # Objects start-up left out of the garbage collector's full passes (runtime.freeze_heap).
+        "gc_frozen_objects": gc.get_freeze_count(),
         "models": models,
     }
     if detail:

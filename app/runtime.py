@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -219,3 +220,19 @@ def log_native_lines(text: str) -> None:
 
 def configured() -> dict[str, Any]:
     return dict(_configured or {})
+
+
+def freeze_heap() -> int:
+    """Put every object that start-up made out of the cyclic garbage collector's reach.
+
+    Loading TensorFlow, Keras and a model leaves hundreds of thousands of long-lived objects,
+    and each full collection walks them all: a stop-the-world pause (216 ms measured on the
+    2-core machine with the wide model) that held every request in flight and set the p99 at
+    light load. Frozen, they stay alive as before (nothing loaded is ever freed anyway), and
+    a full collection only walks what came after. Called once a worker has loaded its models.
+    """
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info("froze %d objects left by start-up (pid %d)", frozen, os.getpid())
+    return frozen

@@ -136,9 +136,13 @@ def test_one_usable_cpu_reaches_tensorflow_through_gunicorn(tmp_path):
     server = _PinnedServer(tmp_path)
     try:
         server.start()
-        tensorflow = requests.get(server.url + "/readyz", timeout=60).json()["tensorflow"]
+        readyz = requests.get(server.url + "/readyz", timeout=60).json()
+        tensorflow = readyz["tensorflow"]
     finally:
         server.stop()
+    # The worker froze what loading left (gunicorn.conf.py's post_worker_init): TensorFlow alone
+    # leaves far more than this many objects.
+    assert readyz["gc_frozen_objects"] > 10_000
     # No cgroup quota on a CI machine is below one CPU: the affinity is what limits here.
     assert tensorflow == {
         "intra_op_threads": 1, "inter_op_threads": 1, "gpus": 0, "gpu_memory_limit_mb": None,
