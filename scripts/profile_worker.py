@@ -1,0 +1,339 @@
+"""Where one worker's time goes under closed-loop load: a py-spy profile, per stage.
+
+    python scripts/profile_worker.py --model wide --baseline-ref 166bcbf     # docs/profile.md, ~4 min
+    python scripts/profile_worker.py --model wide --out /tmp/profile         # this tree alone
+
+For each tree (this one, and with --baseline-ref a git worktree of that commit), a real
+`gunicorn -c gunicorn.conf.py wsgi:app` with one worker serves the model while a headless
+Locust runs a closed loop (no think time, one row per request). py-spy (PyPI) samples the
+worker twice, one load run each:
+
+- `--gil`: only the thread holding the GIL, i.e. where the worker's Python runs. Each sample
+  is put in the stage of the frame nearest the leaf that belongs to one (STAGES below): so
+  numpy called from the codec counts as the codec, Werkzeug's proxies called from a view as
+  Flask. Shares of GIL samples are turned into GIL milliseconds per request with the share of
+  wall time the GIL was held (GIL samples ÷ sampling ticks).
+- wall (`--idle`): every thread, idle or not; the samples say what each kind of thread spends
+  its time on, waiting included.
+
+py-spy runs `--nonblocking` (it never pauses the worker) at a low rate, so it slows the worker
+little; it still takes CPU on the same cores, so the req/s beside a profile are below a
+benchmark's. The report states how many samples py-spy could not read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import datetime
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import benchmark  # noqa: E402  (scripts/benchmark.py: servers, Locust, the wide model)
+
+# (stage, substrings of a py-spy frame "function (path:line)"), tried in order for each frame
+# from the leaf up; the first frame that matches any names the stage.
+STAGES: list[tuple[str, tuple[str, ...]]] = [
+    ("model: TensorFlow call", ("tensorflow/", "keras/", "app/models.py")),
+    # Before the decode row: both are in app/codec.py, told apart by function.
+    ("JSON encode", tuple(f"{name} (app/codec.py" for name in (
+        "encode_response", "_jsonable", "_squeezed", "_batch_size", "_non_finite_json", "_token", "_encode_strings"))),
+    ("JSON decode and checks", ("(app/codec.py", "(app/classify.py")),
+    ("access log", ("app/logs.py", "logging/")),
+    ("metrics", ("prometheus_client/", "app/metrics.py")),
+    ("batch thread: gather, pad, deliver", ("Batcher._loop", "Batcher._run", "_execute", "_run_batch", "deliver",
+                                             "_concatenate", "_pad", "_check_outputs")),
+    ("request thread: queue and wait", ("app/batching.py", "app/registry.py", "concurrent/futures/_base.py")),
+    ("body limits", ("app/limits.py",)),
+    ("views (app/api.py)", ("app/api.py", "app/errors.py")),
+    ("Flask and Werkzeug", ("flask/", "werkzeug/")),
+    ("Gunicorn: HTTP, threads, polling", ("gunicorn/", "selectors.py", "concurrent/futures/thread.py")),
+    ("gRPC server", ("grpc/",)),
+]
+OTHER_STAGE = "other"
+# Thread roles for the wall profile, by the thread's root frames.
+ROLES: list[tuple[str, tuple[str, ...]]] = [
+    ("batch thread", ("Batcher._run",)),
+    ("access-log thread", ("AccessWriter._run",)),
+    ("request threads", ("concurrent/futures/thread.py",)),
+    ("main thread (Gunicorn's poller)", ("ThreadWorker.run", "Arbiter.run")),
+    ("gRPC threads", ("grpc/",)),
+]
+WAITING = ("Condition.wait", "Event.wait", "lock.acquire", "select (selectors.py", "EpollSelector.select",
+           "_worker (concurrent/futures/thread.py", "Thread._wait_for_tstate_lock",
+           # gRPC's server thread polls its completion queue in C, without the GIL.
+           "_serve (grpc/_server.py")
+
+
+@dataclasses.dataclass
+class Profile:
+    label: str
+    samples: collections.Counter  # stack -> count
+    errors: int
+    ticks: int  # sampling ticks over the recording (rate × seconds)
+
+
+def stage_of(stack: str) -> str:
+    for frame in reversed(stack.split(";")):
+        for stage, needles in STAGES:
+            if any(needle in frame for needle in needles):
+                return stage
+    return OTHER_STAGE
+
+
+def role_of(stack: str) -> str:
+    for role, needles in ROLES:
+        if any(needle in stack for needle in needles):
+            return role
+    return "other threads"
+
+
+def is_waiting(stack: str) -> bool:
+    leaf = stack.rsplit(";", 1)[-1]
+    return any(needle in leaf for needle in WAITING)
+
+
+def read_raw(path: Path) -> collections.Counter:
+    """py-spy's raw (collapsed) format: 'frame;frame;... count' per line."""
+    samples: collections.Counter = collections.Counter()
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            samples[stack] += int(count)
+    return samples
+
+
+def record(pid: int, *, seconds: float, rate: int, gil: bool, out: Path) -> tuple[collections.Counter, int]:
+    command = ["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", str(rate),
+               "--nonblocking", "--format", "raw", "--output", str(out)]
+    command += ["--gil"] if gil else ["--idle"]
+    finished = subprocess.run([str(Path(sys.executable).parent / command[0]), *command[1:]],
+                              capture_output=True, text=True, timeout=seconds + 120)
+    errors = 0
+    for line in (finished.stdout + finished.stderr).splitlines():
+        # py-spy> Wrote raw flamegraph data to '...'. Samples: 306 Errors: 97
+        if "Errors:" in line:
+            errors = int(line.rsplit("Errors:", 1)[1].split()[0])
+    if finished.returncode != 0 or not out.exists():
+        raise RuntimeError(f"py-spy failed ({finished.returncode}): {finished.stderr[-2000:]}")
+    return read_raw(out), errors
+
+
+def profile_tree(label: str, tree: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    config = benchmark.Config(label, 1, {}, f"{label}: one worker, defaults", False, tree)
+    server = benchmark.Server(config, model_path=args.model_path, log_path=work / f"gunicorn-{label}.log")
+    result: dict[str, Any] = {"label": label}
+    try:
+        server.start(ready_within_s=300)
+        workers = [process.pid for process in server.processes()[1:]]
+        if len(workers) != 1:
+            raise RuntimeError(f"expected one worker, found {workers}")
+        pid = workers[0]
+        load = benchmark.Load("closed loop", args.users, (0.0, 0.0))
+        # A first run settles the worker (its first batches of each size, its thread pool).
+        benchmark.run_locust(server.url, load, duration_s=10, prefix=work / f"{label}-settle")
+        for mode in ("gil", "wall"):
+            out = work / f"{label}-{mode}.txt"
+            started = time.monotonic()
+            spy = _start_in_thread(record, pid, seconds=args.seconds, rate=args.rate, gil=mode == "gil", out=out)
+            stats = benchmark.run_locust(server.url, load, duration_s=int(args.seconds) + 4,
+                                         prefix=work / f"{label}-{mode}")
+            samples, errors = spy.result()
+            result[mode] = Profile(label, samples, errors, int(args.rate * args.seconds))
+            result[f"{mode}_rps"] = stats.get("rps")
+            result[f"{mode}_requests_in_window"] = (stats.get("rps") or 0) * args.seconds
+            benchmark.log(f"{label} {mode}: {sum(samples.values())} samples, {errors} errors, "
+                          f"{stats.get('rps', 0):.0f} req/s, {time.monotonic() - started:.0f} s")
+    finally:
+        server.stop()
+    return result
+
+
+class _Result:
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.thread: Any = None
+
+    def result(self) -> Any:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def _start_in_thread(function: Any, *args: Any, **kwargs: Any) -> _Result:
+    import threading
+
+    holder = _Result()
+
+    def run() -> None:
+        try:
+            holder.value = function(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller by result()
+            holder.error = exc
+
+    holder.thread = threading.Thread(target=run, daemon=True)
+    holder.thread.start()
+    return holder
+
+
+def gil_table(results: Sequence[dict[str, Any]]) -> list[str]:
+    stages = [stage for stage, _ in STAGES] + [OTHER_STAGE]
+    header = ["stage"]
+    per_result = []
+    for result in results:
+        profile: Profile = result["gil"]
+        total = sum(profile.samples.values()) or 1
+        by_stage: collections.Counter = collections.Counter()
+        for stack, count in profile.samples.items():
+            by_stage[stage_of(stack)] += count
+        held_share = total / profile.ticks  # of wall time, the GIL was held
+        requests = result["gil_requests_in_window"] or 1
+        ms_per_request = held_share * result["seconds"] * 1000 / requests
+        per_result.append((by_stage, total, ms_per_request))
+        header += [f"{result['label']}: share of GIL samples", f"{result['label']}: GIL ms/request"]
+    rows = []
+    for stage in stages:
+        if not any(by_stage[stage] for by_stage, _, _ in per_result):
+            continue
+        row = [stage]
+        for by_stage, total, ms in per_result:
+            row += [f"{by_stage[stage] / total:.1%}", f"{by_stage[stage] / total * ms:.3f}"]
+        rows.append(row)
+    total_row = ["**all (GIL held)**"]
+    for _, total, ms in per_result:
+        total_row += ["100%", f"**{ms:.3f}**"]
+    rows.append(total_row)
+    return benchmark._table(header, rows)
+
+
+def wall_table(results: Sequence[dict[str, Any]]) -> list[str]:
+    header = ["thread", *[f"{result['label']}: {what}" for result in results for what in ("threads sampled", "busy share")]]
+    roles: dict[str, list[Any]] = {}
+    for index, result in enumerate(results):
+        profile: Profile = result["wall"]
+        count: collections.Counter = collections.Counter()
+        busy: collections.Counter = collections.Counter()
+        for stack, samples in profile.samples.items():
+            role = role_of(stack)
+            count[role] += samples
+            if not is_waiting(stack):
+                busy[role] += samples
+        for role in count:
+            roles.setdefault(role, [None] * len(results))[index] = (count[role] / profile.ticks, busy[role] / count[role])
+    rows = []
+    for role, cells in roles.items():
+        row = [role]
+        for cell in cells:
+            row += ["–", "–"] if cell is None else [f"{cell[0]:.1f}", f"{cell[1]:.0%}"]
+        rows.append(row)
+    return benchmark._table(header, rows)
+
+
+def top_frames(profile: Profile, limit: int = 12) -> list[str]:
+    """The leaf frames that held the GIL most: what a stage's share is made of."""
+    leaves: collections.Counter = collections.Counter()
+    for stack, count in profile.samples.items():
+        leaves[(stack.rsplit(";", 1)[-1], stage_of(stack))] += count
+    total = sum(leaves.values()) or 1
+    rows = [(f"`{frame.replace('|', '/')}`", f"{count / total:.1%}", stage) for (frame, stage), count in
+            leaves.most_common(limit)]
+    return benchmark._table(["leaf frame holding the GIL", "share", "stage"], rows)
+
+
+def write_report(out: Path, results: list[dict[str, Any]], args: argparse.Namespace, started: datetime.datetime) -> Path:
+    lines = ["# Profile of one worker under closed-loop load", "",
+             f"Generated by `{' '.join(['python scripts/profile_worker.py', *args.argv_shown])}` on "
+             f"{started:%Y-%m-%d %H:%M} UTC. {__doc__.split(chr(10) + chr(10), 1)[1].split('py-spy runs')[0].strip()}",
+             "", "## Machine", ""]
+    lines += benchmark._table(["", ""], benchmark.machine_facts().items()) + [""]
+    lines += [f"- Model: {args.model_name}; one worker, the server's defaults otherwise; Locust closed loop of "
+              f"{args.users} users, one row per request, on the same machine.",
+              f"- py-spy {args.py_spy_version}, `--nonblocking`, {args.rate} samples/s for {args.seconds:g} s per mode.",
+              ""]
+    lines += ["## Load while profiling", ""]
+    rows = [(result["label"], benchmark._fmt(result.get("gil_rps")), benchmark._fmt(result.get("wall_rps")),
+             result["gil"].errors, result["wall"].errors) for result in results]
+    lines += benchmark._table(["tree", "req/s during --gil", "req/s during wall", "unread samples --gil",
+                               "unread samples wall"], rows) + [""]
+    lines += ["## Where the GIL goes (`--gil`)", "",
+              "Each row: the share of GIL-holding samples in that stage, and that share of the GIL time per "
+              "request (GIL held share × profile seconds ÷ requests answered meanwhile).", ""]
+    lines += gil_table(results) + [""]
+    for result in results:
+        lines += [f"### {result['label']}: leaf frames", ""] + top_frames(result["gil"]) + [""]
+    lines += ["## What each thread does (wall, `--idle`)", "",
+              "`threads sampled`: samples ÷ sampling ticks, i.e. how many such threads exist on average; "
+              "`busy share`: of their samples, those not waiting on a lock, condition or poll.", ""]
+    lines += wall_table(results) + [""]
+    lines += ["## Reproduce", "", "```", f"pip install py-spy=={args.py_spy_version}",
+              "python scripts/profile_worker.py --model wide --baseline-ref <commit>", "```", ""]
+    path = out / "profile.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--model", choices=("default", "wide"), default="wide")
+    parser.add_argument("--model-path", help="profile with this MODEL_PATH instead")
+    parser.add_argument("--baseline-ref", help="also profile this commit (a temporary git worktree), first")
+    parser.add_argument("--users", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--rate", type=int, default=100)
+    parser.add_argument("--out", type=Path, default=REPO / "docs")
+    parser.add_argument("--work-dir", type=Path)
+    args = parser.parse_args(argv)
+    args.argv_shown = [part for part in argv if not part.startswith(("--out", "--work-dir"))]
+    return args
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    from importlib import metadata
+
+    args.py_spy_version = metadata.version("py-spy")
+    with tempfile.TemporaryDirectory(prefix="profile-") as temp:
+        work = args.work_dir or Path(temp)
+        work.mkdir(parents=True, exist_ok=True)
+        if args.model_path:
+            args.model_name = Path(args.model_path).name
+        elif args.model == "wide":
+            args.model_path = benchmark.build_wide_model(work)
+            args.model_name = "the wide model (1,024 floats in, 4 × 4,096 hidden, 1,000 out)"
+        else:
+            args.model_name = "the built-in default model"
+        results = []
+        with contextlib.ExitStack() as stack:
+            trees: list[tuple[str, Path]] = []
+            if args.baseline_ref:
+                tree, short_sha = stack.enter_context(benchmark.baseline_tree(args.baseline_ref))
+                trees.append((f"baseline@{short_sha}", tree))
+            trees.append(("this tree", REPO))
+            for label, tree in trees:
+                result = profile_tree(label, tree, args, work)
+                result["seconds"] = args.seconds
+                results.append(result)
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = write_report(args.out, results, args, started)
+    benchmark.log(f"wrote {path}")
+    print(path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
