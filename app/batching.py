@@ -7,6 +7,15 @@ and dtype, up to `max_batch_size` rows. With `batch_timeout_ms > 0` it waits for
 until the oldest request has waited that long; with the default 0 it dispatches at once,
 so batches grow by themselves while the previous batch runs.
 
+Under load, "at once" leaves rows on the table: with clients that send their next request as
+soon as they have an answer, the requests of one batch come back while the next one runs,
+and the two halves take turns at half the batch size, for good (measured: 16-row batches from
+32 clients, with a model whose cost per row halves from 16 to 32 rows). So with
+`fill_under_load`, when at least two requests waited through the last predict call (the
+model, not the arrivals, is the bottleneck), a batch that is not full may wait for more rows,
+at most as long as that last call took: the model idles at most as long as it last ran. At
+low load nobody waits through a call, and a request is dispatched at once as before.
+
 The batch is padded up to the next bucket size (powers of two up to `max_batch_size`),
 so the model only ever sees shapes it was warmed with, and each request gets its own
 rows back through its future. This module imports no TensorFlow: the predict function
@@ -77,6 +86,11 @@ class BatchObserver:
 
     def rejected(self, reason: str) -> None:
         pass
+
+
+# Requests that must have waited through the last predict call for a batch to wait to fill:
+# one is any moderate load; two means arrivals outpace calls of one request each.
+FILL_UNDER_LOAD_REQUESTS = 2
 
 
 def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
@@ -204,6 +218,7 @@ class Batcher:
         batching: bool = True,
         buckets: tuple[int, ...] | None = None,
         bisect_failures: bool = True,
+        fill_under_load: bool = True,
         retry_after_s: int = 1,
         observer: BatchObserver | None = None,
         on_broken: Callable[[Batcher], None] | None = None,
@@ -221,6 +236,7 @@ class Batcher:
         if self.buckets[-1] < max_batch_size:
             raise ValueError("the largest bucket must hold max_batch_size rows")
         self.bisect_failures = bisect_failures
+        self.fill_under_load = fill_under_load
         self.retry_after_s = retry_after_s
         self.observer = observer or BatchObserver()
         self._on_broken = on_broken
@@ -240,6 +256,9 @@ class Batcher:
         self._broken: BaseException | None = None
         self._failed_hooks: set[str] = set()
         self.batches_run = 0
+        # Of the last predict call: how long it took, and how many requests waited through it.
+        self._last_predict_s = 0.0
+        self._waited_through_last = 0
         self._thread = threading.Thread(target=self._run, name=f"batcher-{name}", daemon=True)
         self._thread.start()
 
@@ -396,11 +415,16 @@ class Batcher:
     def _gather(self) -> _Batch:
         batch = _Batch(self.max_batch_size)
         self._fill(batch)
-        if not (self.batching and self.batch_timeout_s > 0 and batch.slices):
+        if not (self.batching and batch.slices) or batch.full:
             return batch
-        # Wait for more until the oldest has waited its window; past it, still take what is
-        # already queued: under load the oldest has often waited its window out behind the last batch.
-        wait_until = batch.slices[0].pending.enqueued_at + self.batch_timeout_s
+        if self.batch_timeout_s > 0:
+            # Wait for more until the oldest has waited its window; past it, still take what is
+            # already queued: under load the oldest has often waited its window out behind the last batch.
+            wait_until = batch.slices[0].pending.enqueued_at + self.batch_timeout_s
+        elif self.fill_under_load and self._waited_through_last >= FILL_UNDER_LOAD_REQUESTS:
+            wait_until = self._clock() + self._last_predict_s
+        else:
+            return batch
         while not batch.full:
             with self._lock:
                 while not self._incoming and not self._shutdown:
@@ -482,6 +506,8 @@ class Batcher:
             calls_left -= 1
             try:
                 outputs, rows, padded, predict_s = self._predict(part)
+                self._last_predict_s = predict_s
+                self._waited_through_last = self._waiting_requests()
             except Exception as exc:
                 error = exc if isinstance(exc, ServingError) else PredictFailed.from_exception(exc)
                 if len(part) > 1 and calls_left > 0:
@@ -497,6 +523,10 @@ class Batcher:
                 own = {name: out[offset : offset + piece.rows] for name, out in outputs.items()}
                 piece.pending.deliver(own, rows, len(part), done=piece.stop == piece.pending.rows)
                 offset += piece.rows
+
+    def _waiting_requests(self) -> int:
+        """Requests queued and not finished taking (the batch thread's view; arrivals counted unlocked)."""
+        return len(self._incoming) + sum(1 for pending in self._backlog if pending.remaining)
 
     def _predict(self, part: list[_Slice]) -> tuple[dict[str, np.ndarray], int, int, float]:
         inputs = _concatenate(part)

@@ -718,3 +718,69 @@ def test_cancelled_and_timed_out_rows_stop_counting_at_once(make_batcher, fake):
     assert accepted.result(WAIT_S).outputs["y"][:, 0].tolist() == [40.0, 50.0]
     assert batcher.queued_rows == 0
     assert fake.batch_rows == [1, 2]
+
+
+# -- filling batches under load (BATCH_FILL_UNDER_LOAD) ------------------------------------
+
+def held_for(batcher: Batcher, fake: FakeModel, now: list[float], *, seconds: float, waiting: int):
+    """A predict call that 'takes' `seconds` of the fake clock while `waiting` requests queue behind it."""
+    first, release = occupy(batcher, fake)
+    queued = [batcher.submit(rows(float(index))) for index in range(waiting)]
+    now[0] += seconds
+    release.set()
+    assert first.result(WAIT_S).batch_requests == 1
+    return queued
+
+
+def test_under_load_a_batch_waits_for_more_rows_instead_of_going_half_empty(make_batcher, fake):
+    now = [1000.0]  # frozen after the held call: only more rows can end the wait
+    batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
+    queued = held_for(batcher, fake, now, seconds=60.0, waiting=2)
+    # Two requests waited through a 60 s call: the batch they start may wait up to 60 s to fill.
+    # Dispatching at once would have run them as a batch of 2 by now.
+    assert not queued[0].done() and not wait_for_done(queued[0], within_s=0.3)
+    queued += [batcher.submit(rows(float(index))) for index in range(2, 8)]
+    results = [future.result(WAIT_S) for future in queued]
+    assert [(result.batch_rows, result.batch_requests) for result in results] == [(8, 8)] * 8
+    assert [result.outputs["y"][0, 0] for result in results] == [10.0 * index for index in range(8)]
+
+
+def test_at_light_load_a_request_goes_at_once_whatever_the_last_call_took(make_batcher, fake):
+    now = [1000.0]
+    batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
+    (alone,) = held_for(batcher, fake, now, seconds=60.0, waiting=1)
+    # One request waited: that is any moderate load, not the model falling behind; no wait.
+    assert alone.result(WAIT_S).batch_requests == 1
+
+
+def test_the_wait_to_fill_ends_after_as_long_as_the_last_call_took(make_batcher, fake):
+    now = [1000.0]
+    batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
+    queued = held_for(batcher, fake, now, seconds=0.2, waiting=3)
+    now[0] += 0.2  # the fill window (0.2 s of the fake clock) has passed when the wait next looks
+    results = [future.result(WAIT_S) for future in queued]
+    assert [result.batch_requests for result in results] == [3, 3, 3]
+
+
+def test_fill_under_load_off_dispatches_as_soon_as_the_model_is_free(make_batcher, fake):
+    now = [1000.0]
+    batcher = make_batcher(max_batch_size=8, clock=lambda: now[0], fill_under_load=False)
+    queued = held_for(batcher, fake, now, seconds=60.0, waiting=3)
+    assert [future.result(WAIT_S).batch_requests for future in queued] == [3, 3, 3]
+
+
+def test_a_fixed_batch_timeout_keeps_its_own_window_under_load(make_batcher, fake):
+    now = [1000.0]
+    batcher = make_batcher(max_batch_size=8, batch_timeout_ms=50, clock=lambda: now[0])
+    queued = held_for(batcher, fake, now, seconds=60.0, waiting=2)
+    # Their window (50 ms from their arrival) closed during the 60 s call: they go at once,
+    # not after another 60 s.
+    assert [future.result(WAIT_S).batch_requests for future in queued] == [2, 2]
+
+
+def wait_for_done(future, *, within_s: float) -> bool:
+    try:
+        future.result(within_s)
+    except concurrent.futures.TimeoutError:
+        return False
+    return True

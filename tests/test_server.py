@@ -87,6 +87,11 @@ def test_readme_command_serves_the_default_model_on_two_workers(start_server):
     np.testing.assert_allclose(served, build_default_model()(rows).numpy(), rtol=1e-5, atol=1e-7)
 
 
+def test_batch_fill_under_load_setting_reaches_the_batcher(start_server, exact_model_path):
+    server = start_server({"MODEL_PATH": str(exact_model_path), "BATCH_FILL_UNDER_LOAD": "false"})
+    assert _status(server)["models"]["default"]["fill_under_load"] is False
+
+
 def test_master_never_imports_tensorflow(start_server, exact_model_path):
     server = start_server({"MODEL_PATH": str(exact_model_path)}, workers=2)
     with open(f"/proc/{server.proc.pid}/maps") as maps:

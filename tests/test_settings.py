@@ -105,3 +105,8 @@ def test_bad_model_config_names_the_file_and_the_problem(tmp_path, document, mes
 def test_request_row_limit_is_derived_from_the_batch_size_unless_set(env, expected):
     (config,) = model_configs(Settings.from_env(env))
     assert config.max_request_rows == expected
+
+
+def test_batches_fill_under_load_unless_turned_off():
+    assert Settings.from_env({}).batch_fill_under_load is True
+    assert Settings.from_env({"BATCH_FILL_UNDER_LOAD": "false"}).batch_fill_under_load is False
