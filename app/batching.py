@@ -11,10 +11,11 @@ Under load, "at once" leaves rows on the table: with clients that send their nex
 soon as they have an answer, the requests of one batch come back while the next one runs,
 and the two halves take turns at half the batch size, for good (measured: 16-row batches from
 32 clients, with a model whose cost per row halves from 16 to 32 rows). So with
-`fill_under_load`, when at least two requests waited through the last predict call (the
-model, not the arrivals, is the bottleneck), a batch that is not full may wait for more rows,
-at most as long as that last call took: the model idles at most as long as it last ran. At
-low load nobody waits through a call, and a request is dispatched at once as before.
+`fill_under_load`, when requests waited through the last predict call and, with those it
+answered, made at least a quarter of a full batch (at least 3), a batch that is not full may
+wait for more rows, at most as long as that last call took: the model idles at most as long
+as it last ran. At low load nobody waits through a call, and at moderate load too few do:
+a request is dispatched at once as before.
 
 The batch is padded up to the next bucket size (powers of two up to `max_batch_size`),
 so the model only ever sees shapes it was warmed with, and each request gets its own
@@ -88,9 +89,12 @@ class BatchObserver:
         pass
 
 
-# Requests that must have waited through the last predict call for a batch to wait to fill:
-# one is any moderate load; two means arrivals outpace calls of one request each.
-FILL_UNDER_LOAD_REQUESTS = 2
+# A batch waits to fill when requests waited through the last predict call and, with those
+# that call answered, they made at least this share of a full batch: clients that many, just
+# answered, are likely to come straight back. Fewer is moderate load, where waiting for
+# clients that think between requests would only add latency.
+FILL_UNDER_LOAD_SHARE = 4  # a quarter of max_batch_size
+FILL_UNDER_LOAD_MIN_REQUESTS = 3
 
 
 def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
@@ -258,6 +262,7 @@ class Batcher:
         self.batches_run = 0
         # Of the last predict call: how long it took, and how many requests waited through it.
         self._last_predict_s = 0.0
+        self._answered_by_last = 0
         self._waited_through_last = 0
         self._thread = threading.Thread(target=self._run, name=f"batcher-{name}", daemon=True)
         self._thread.start()
@@ -421,7 +426,7 @@ class Batcher:
             # Wait for more until the oldest has waited its window; past it, still take what is
             # already queued: under load the oldest has often waited its window out behind the last batch.
             wait_until = batch.slices[0].pending.enqueued_at + self.batch_timeout_s
-        elif self.fill_under_load and self._waited_through_last >= FILL_UNDER_LOAD_REQUESTS:
+        elif self.fill_under_load and self._loaded():
             wait_until = self._clock() + self._last_predict_s
         else:
             return batch
@@ -507,6 +512,7 @@ class Batcher:
             try:
                 outputs, rows, padded, predict_s = self._predict(part)
                 self._last_predict_s = predict_s
+                self._answered_by_last = len(part)
                 self._waited_through_last = self._waiting_requests()
             except Exception as exc:
                 error = exc if isinstance(exc, ServingError) else PredictFailed.from_exception(exc)
@@ -523,6 +529,11 @@ class Batcher:
                 own = {name: out[offset : offset + piece.rows] for name, out in outputs.items()}
                 piece.pending.deliver(own, rows, len(part), done=piece.stop == piece.pending.rows)
                 offset += piece.rows
+
+    def _loaded(self) -> bool:
+        around_last_call = self._answered_by_last + self._waited_through_last
+        wanted = max(FILL_UNDER_LOAD_MIN_REQUESTS, self.max_batch_size // FILL_UNDER_LOAD_SHARE)
+        return self._waited_through_last >= 1 and around_last_call >= wanted
 
     def _waiting_requests(self) -> int:
         """Requests queued and not finished taking (the batch thread's view; arrivals counted unlocked)."""

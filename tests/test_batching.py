@@ -749,8 +749,28 @@ def test_at_light_load_a_request_goes_at_once_whatever_the_last_call_took(make_b
     now = [1000.0]
     batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
     (alone,) = held_for(batcher, fake, now, seconds=60.0, waiting=1)
-    # One request waited: that is any moderate load, not the model falling behind; no wait.
+    # One request waited through a call that answered one: two in all, below a quarter of a
+    # batch (at least 3): moderate load, not the model falling behind; no wait.
     assert alone.result(WAIT_S).batch_requests == 1
+
+
+def test_a_straggler_waits_for_the_clients_the_last_call_just_answered(make_batcher, fake):
+    now = [1000.0]
+    batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
+    first, release_first = occupy(batcher, fake)
+    answered = [batcher.submit(rows(float(index))) for index in range(6)]
+    started, release = fake.hold()  # their call, 60 s of the fake clock
+    release_first.set()
+    assert started.wait(WAIT_S)
+    now[0] += 60.0
+    straggler = batcher.submit(rows(6.0))
+    release.set()
+    assert [future.result(WAIT_S).batch_requests for future in answered] == [6] * 6
+    # One waited, six were just answered: a closed loop's clients come straight back, so the
+    # straggler waits for them rather than take a whole call alone.
+    assert not wait_for_done(straggler, within_s=0.3)
+    returning = [batcher.submit(rows(float(index))) for index in range(7, 14)]
+    assert [future.result(WAIT_S).batch_requests for future in [straggler, *returning]] == [8] * 8
 
 
 def test_the_wait_to_fill_ends_after_as_long_as_the_last_call_took(make_batcher, fake):
