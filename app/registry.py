@@ -27,7 +27,7 @@ from typing import Any
 
 from flask import Flask
 
-from app import batcher_broken, models
+from app import batcher_broken, models, runtime
 from app.batching import Batcher, BatchResult, Tensors, bucket_sizes
 from app.errors import BadRequest, NotFound, Unavailable
 from app.metrics import Metrics
@@ -245,6 +245,8 @@ class ModelRegistry:
         servable.retire()
         with self._lock:
             entry.states[version] = _VersionState(END)
+        del servable  # the last reference here: what refreeze_heap collects
+        runtime.refreeze_heap()
         log.info("model '%s' v%d unloaded; serving %s", name, version, sorted(entry.serving))
 
     def swap(self, new: Servable) -> None:
