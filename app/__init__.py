@@ -52,9 +52,8 @@ def create_app(settings: Settings | None = None) -> Flask:
 
 def shutdown_app(app: Flask, *, timeout_s: float | None = None) -> None:
     """Stop accepting predictions and answer every accepted one (Gunicorn's worker_exit)."""
-    from app.registry import get_registry
-
     from app import logs
+    from app.registry import get_registry
 
     get_registry(app).close(drain=True, timeout_s=timeout_s)
     logs.flush_access_log()

@@ -157,8 +157,7 @@ def record() -> RequestRecord:
 
 
 def current_request_id() -> str | None:
-    found = request.environ.get(RECORD_KEY) if has_request_context() else None
-    return found.request_id if found is not None else None
+    return record().request_id or None
 
 
 class AccessWriter:
@@ -292,8 +291,10 @@ class _AccessLayer:
             self._log(environ, entry, started)
 
     def _log(self, environ: dict[str, Any], entry: RequestRecord, started: float) -> None:
+        if not access_log.isEnabledFor(logging.INFO):
+            return
         path = "/" + get_path_info(environ).lstrip("/")  # as Werkzeug's request.path reads it
-        if (path in PROBE_PATHS and not self.probes) or not access_log.isEnabledFor(logging.INFO):
+        if path in PROBE_PATHS and not self.probes:
             return
         log_access({
             "method": environ.get("REQUEST_METHOD", ""),

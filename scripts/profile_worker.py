@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -134,6 +135,8 @@ def profile_tree(label: str, tree: Path, args: argparse.Namespace, work: Path) -
     config = benchmark.Config(label, 1, {}, f"{label}: one worker, defaults", False, tree)
     server = benchmark.Server(config, model_path=args.model_path, log_path=work / f"gunicorn-{label}.log")
     result: dict[str, Any] = {"label": label}
+    # py-spy records in this thread pool while Locust loads the server from this thread.
+    recorder = concurrent.futures.ThreadPoolExecutor(1)
     try:
         server.start(ready_within_s=300)
         workers = [process.pid for process in server.processes()[1:]]
@@ -146,7 +149,7 @@ def profile_tree(label: str, tree: Path, args: argparse.Namespace, work: Path) -
         for mode in ("gil", "wall"):
             out = work / f"{label}-{mode}.txt"
             started = time.monotonic()
-            spy = _start_in_thread(record, pid, seconds=args.seconds, rate=args.rate, gil=mode == "gil", out=out)
+            spy = recorder.submit(record, pid, seconds=args.seconds, rate=args.rate, gil=mode == "gil", out=out)
             stats = benchmark.run_locust(server.url, load, duration_s=int(args.seconds) + 4,
                                          prefix=work / f"{label}-{mode}")
             samples, errors = spy.result()
@@ -156,37 +159,9 @@ def profile_tree(label: str, tree: Path, args: argparse.Namespace, work: Path) -
             benchmark.log(f"{label} {mode}: {sum(samples.values())} samples, {errors} errors, "
                           f"{stats.get('rps', 0):.0f} req/s, {time.monotonic() - started:.0f} s")
     finally:
+        recorder.shutdown(wait=True)
         server.stop()
     return result
-
-
-class _Result:
-    def __init__(self) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.thread: Any = None
-
-    def result(self) -> Any:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-def _start_in_thread(function: Any, *args: Any, **kwargs: Any) -> _Result:
-    import threading
-
-    holder = _Result()
-
-    def run() -> None:
-        try:
-            holder.value = function(*args, **kwargs)
-        except BaseException as exc:  # handed to the caller by result()
-            holder.error = exc
-
-    holder.thread = threading.Thread(target=run, daemon=True)
-    holder.thread.start()
-    return holder
 
 
 def gil_table(results: Sequence[dict[str, Any]]) -> list[str]:
