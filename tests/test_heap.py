@@ -6,7 +6,12 @@ from __future__ import annotations
 import gc
 import weakref
 
-from app import runtime
+import numpy as np
+
+from app import models, runtime
+from app.batching import Batcher
+from app.models import LoadedModel, TensorInfo
+from app.registry import ModelRegistry, Servable
 
 
 class _Node:
@@ -33,3 +38,24 @@ def test_nothing_is_frozen_where_the_heap_never_was():
     assert gc.get_freeze_count() == 0
     runtime.refreeze_heap()
     assert gc.get_freeze_count() == 0
+
+
+def test_retiring_a_version_from_the_registry_frees_it_with_the_heap_frozen():
+    """The registry's own call: a retired version whose objects sit in a reference cycle (as a
+    Keras model's do) is freed by retire() itself, though the heap was frozen after it loaded."""
+    def predict(batch):
+        return {"y": batch["x"]}
+
+    predict.itself = predict  # a cycle through the function's __dict__: only the collector frees it
+    alive = weakref.ref(predict)
+    spec = TensorInfo("x", (), np.dtype("float32"), "DT_FLOAT")
+    model = LoadedModel("m", 1, "test", [spec], [TensorInfo("y", (), np.dtype("float32"), "DT_FLOAT")], predict)
+    registry = ModelRegistry("m")
+    registry.add(Servable(model, {models.DEFAULT_SIGNATURE: Batcher(predict, name="m-v1")}))
+    del predict, model
+    runtime.freeze_heap()
+    try:
+        registry.retire("m", 1)
+        assert alive() is None
+    finally:
+        gc.unfreeze()
