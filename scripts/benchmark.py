@@ -1014,16 +1014,23 @@ def write_plot(out: Path, results: list[dict[str, Any]], loads: Sequence[Load]) 
 # Command line
 
 
-def _command_line(args: argparse.Namespace) -> str:
-    """The command as run, less the flags that only name local folders."""
+def without_flags(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """argv less these flags and their values (`--out DIR` and `--out=DIR`): a report shows
+    its command without the folders of the machine it ran on."""
     shown, skip = [], False
-    for part in args.argv_shown:
+    for part in argv:
         if skip:
             skip = False
-        elif part in ("--out", "--work-dir", "--model-path"):
+        elif part in flags:
             skip = True
-        elif not part.startswith(("--out=", "--work-dir=", "--model-path=")):
+        elif not part.startswith(tuple(f"{flag}=" for flag in flags)):
             shown.append(part)
+    return shown
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The command as run, less the flags that only name local folders."""
+    shown = without_flags(args.argv_shown, ("--out", "--work-dir", "--model-path"))
     if args.model_path:
         shown.append(f"--model-path {Path(args.model_path).name}")
     return " ".join(["python scripts/benchmark.py", *shown])

@@ -82,3 +82,18 @@ def test_gil_table_turns_shares_into_milliseconds_per_request(profile_worker):
     assert "| JSON decode and checks | 75.0% | 1.500 |" in lines
     assert "| Flask and Werkzeug | 25.0% | 0.500 |" in lines
     assert "| **all (GIL held)** | 100% | **2.000** |" in lines
+
+
+def test_the_report_shows_its_command_without_local_folders(profile_worker):
+    """The committed report names no folder of the machine it ran on: --out and --work-dir go
+    with their values, in either spelling."""
+    args = profile_worker.parse_args(["--model", "wide", "--out", "/somewhere/prof", "--baseline-ref", "166bcbf",
+                                      "--work-dir=/elsewhere", "--users", "32"])
+    assert args.argv_shown == ["--model", "wide", "--baseline-ref", "166bcbf", "--users", "32"]
+
+
+def test_the_report_describes_the_method_not_the_usage(profile_worker):
+    text = profile_worker.description()
+    assert text.startswith("For each tree (this one, and with --baseline-ref a git worktree")
+    assert text.endswith("its time on, waiting included.")
+    assert "python scripts/profile_worker.py" not in text
