@@ -37,6 +37,7 @@ import csv
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import random
@@ -358,15 +359,30 @@ class Load:
         return self.think_s == (0.0, 0.0)
 
 
-def run_locust(url: str, load: Load, *, duration_s: int, prefix: Path, protocol: str = "http") -> dict[str, Any]:
+def locust_command(url: str, load: Load, *, duration_s: int, prefix: Path,
+                   spawn_rate: float | None = None) -> list[str]:
+    """Headless Locust; with no spawn rate every user starts at once (Locust spawns
+    floor(rate) users per step, one step a second)."""
+    rate = load.users if spawn_rate is None else spawn_rate
+    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+            "-u", str(load.users), "-r", f"{rate:g}", "-t", f"{duration_s}s", "--host", url,
+            "--csv", str(prefix), "--json-file", str(prefix), "--only-summary", "--loglevel", "WARNING"]
+
+
+def spawning(spawn_rate: float | None) -> str:
+    if spawn_rate is None:
+        return "all users started at once (their first requests arrive together)"
+    return f"users started {spawn_rate:g} a second"
+
+
+def run_locust(url: str, load: Load, *, duration_s: int, prefix: Path, protocol: str = "http",
+               spawn_rate: float | None = None) -> dict[str, Any]:
     """One headless Locust run; its stats, and its own CPU use (measured, not guessed)."""
     summary_path = prefix.with_name(prefix.name + "_batches.json")
     env = {key: value for key, value in os.environ.items() if key not in LOCUST_VARIABLES}
     env.update({"LOCUST_WAIT_MIN": str(load.think_s[0]), "LOCUST_WAIT_MAX": str(load.think_s[1]),
                 "LOCUST_SUMMARY_FILE": str(summary_path), "LOCUST_PROTOCOL": protocol})
-    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
-               "-u", str(load.users), "-r", str(load.users), "-t", f"{duration_s}s", "--host", url,
-               "--csv", str(prefix), "--json-file", str(prefix), "--only-summary", "--loglevel", "WARNING"]
+    command = locust_command(url, load, duration_s=duration_s, prefix=prefix, spawn_rate=spawn_rate)
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     with open(prefix.with_name(prefix.name + ".log"), "wb") as output:
@@ -509,7 +525,8 @@ def measure_load(server: Server, load: Load, args: argparse.Namespace, *, prefix
     metrics_before = server.metrics()
     cpu_before = server.cpu_seconds()
     url = server.url if protocol == "http" else f"grpc://{server.grpc_target}"
-    stats = run_locust(url, load, duration_s=args.duration, prefix=prefix, protocol=protocol)
+    stats = run_locust(url, load, duration_s=args.duration, prefix=prefix, protocol=protocol,
+                       spawn_rate=args.spawn_rate)
     server_cpu_s = server.cpu_seconds() - cpu_before
     metrics_after = server.metrics()
     if metrics_before and metrics_after:
@@ -720,7 +737,7 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: dict[str, Any], 
     lines += ["## Settings", "",
               f"- Model: {Path(args.model_path).name if args.model_path else default_model}.",
               f"- Each load point runs {args.duration} s of headless Locust (`locustfile.py`, one process, "
-              "FastHttpUser), all users spawned in the first second, one random row per request.",
+              f"FastHttpUser), {spawning(args.spawn_rate)}, one random row per request.",
               f"- Think time {THINK_TIME_S[0]:g}–{THINK_TIME_S[1]:g} s per user for "
               + ", ".join(str(load.users) for load in open_loads) + " users"
               + (f"; then a closed loop: {closed.users} users, no think time." if closed else "."),
@@ -1046,6 +1063,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    return value
+
+
 def _config_list(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [name for name in names if name not in CONFIGS_BY_NAME]
@@ -1078,6 +1105,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--baseline-ref", metavar="REF",
                         help="also run the server of this git commit (a temporary worktree), defaults and 1 worker, "
                              "as configuration baseline@<sha>, side by side with default")
+    parser.add_argument("--spawn-rate", type=_positive_float,
+                        help="users Locust starts a second (default: all at once, their first requests together)")
     parser.add_argument("--idle-calls", type=int,
                         help="batch-1 calls of the model alone, each after 1-3 s idle (default 8; quick 2)")
     parser.add_argument("--work-dir", type=Path, help="keep raw Locust output and server logs here (default: a temp folder)")

@@ -265,3 +265,22 @@ def test_baseline_server_ran_from_its_own_tree(quick_run):
     baseline = quick_configs()[0]
     assert cwd["default"] == str(REPO) and cwd["naive"] == str(REPO)
     assert cwd[baseline] != str(REPO) and "benchmark-baseline-" in cwd[baseline]
+
+
+def test_locust_starts_every_user_at_once_unless_given_a_spawn_rate(tmp_path):
+    """Locust starts floor(rate) users a step, one step a second: -r = users starts them together."""
+    load = benchmark.Load("50", 50, (1.0, 3.0))
+
+    def rate(command):
+        return command[command.index("-r") + 1], command[command.index("-u") + 1]
+
+    together = benchmark.locust_command("http://x", load, duration_s=60, prefix=tmp_path / "p")
+    assert rate(together) == ("50", "50")
+    ramped = benchmark.locust_command("http://x", load, duration_s=60, prefix=tmp_path / "p", spawn_rate=10)
+    assert rate(ramped) == ("10", "50")
+    assert benchmark.spawning(None).startswith("all users started at once")
+    assert benchmark.spawning(10.0) == "users started 10 a second"
+    assert benchmark.parse_args(["--spawn-rate", "2.5"]).spawn_rate == 2.5
+    for bad in ("0", "-1", "nan", "x"):
+        with pytest.raises(SystemExit):
+            benchmark.parse_args(["--spawn-rate", bad])
