@@ -9,10 +9,11 @@ Locust runs a closed loop (no think time, one row per request). py-spy (PyPI) sa
 worker twice, one load run each:
 
 - `--gil`: only the thread holding the GIL, i.e. where the worker's Python runs. Each sample
-  is put in the stage of the frame nearest the leaf that belongs to one (STAGES below): so
-  numpy called from the codec counts as the codec, Werkzeug's proxies called from a view as
-  Flask. Shares of GIL samples are turned into GIL milliseconds per request with the share of
-  wall time the GIL was held (GIL samples ÷ sampling ticks).
+  is put in the stage of the frame nearest the leaf that belongs to one (STAGES in
+  scripts/profile_worker.py): so numpy called from the codec counts as the codec, Werkzeug's
+  proxies called from a view as Flask. Shares of GIL samples are turned into GIL
+  milliseconds per request with the share of wall time the GIL was held (GIL samples ÷
+  sampling ticks).
 - wall (`--idle`): every thread, idle or not; the samples say what each kind of thread spends
   its time on, waiting included.
 
