@@ -93,6 +93,7 @@ class Config:
     what: str
     baseline: bool  # a configuration the default is compared against
     tree: Path = REPO  # the checkout whose gunicorn.conf.py and app/ it runs
+    app: tuple[str, ...] = SERVER_COMMAND[-1:]  # what Gunicorn serves, with any flags it needs
 
     @property
     def predict_path(self) -> str:
@@ -263,7 +264,7 @@ class Server:
 
     def start(self, *, ready_within_s: float) -> float:
         started = time.monotonic()
-        command = [sys.executable, "-m", *SERVER_COMMAND, f"--workers={self.config.workers}"]
+        command = [sys.executable, "-m", *SERVER_COMMAND[:-1], *self.config.app, f"--workers={self.config.workers}"]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(command, cwd=self.config.tree, env=self.env, stdout=self._log,
                                      stderr=subprocess.STDOUT)

@@ -5,8 +5,10 @@
 
 For each tree (this one, and with --baseline-ref a git worktree of that commit), a real
 `gunicorn -c gunicorn.conf.py wsgi:app` with one worker serves the model while a headless
-Locust runs a closed loop (no think time, one row per request). py-spy (PyPI) samples the
-worker twice, one load run each:
+Locust runs a closed loop (no think time, one row per request). Then, unless --no-floor,
+the floor: the same Gunicorn configuration serving scripts/floor_app.py, Flask and a model
+thread running the same model, with nothing of app/ in a request's path. py-spy (PyPI)
+samples each worker twice, one load run each:
 
 - `--gil`: only the thread holding the GIL, i.e. where the worker's Python runs. Each sample
   is put in the stage of the frame nearest the leaf that belongs to one (STAGES in
@@ -17,6 +19,9 @@ worker twice, one load run each:
 - wall (`--idle`): every thread, idle or not; the samples say what each kind of thread spends
   its time on, waiting included.
 
+A third load run, without py-spy, reads each thread's CPU time from /proc before and after:
+CPU per request by kind of thread, the kind told by the name Python gave the thread.
+
 py-spy runs `--nonblocking` (it never pauses the worker) at a low rate, so it slows the worker
 little; it still takes CPU on the same cores, so the req/s beside a profile are below a
 benchmark's. The report states how many samples py-spy could not read.
@@ -25,11 +30,14 @@ benchmark's. The report states how many samples py-spy could not read.
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -59,6 +67,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("request thread: queue and wait", ("app/batching.py", "app/registry.py", "concurrent/futures/_base.py")),
     ("body limits", ("app/limits.py",)),
     ("views (app/api.py)", ("app/api.py", "app/errors.py")),
+    ("floor app: parse, hand to the model thread, wait", ("floor_app.py",)),
     ("Flask and Werkzeug", ("flask/", "werkzeug/")),
     ("Gunicorn: HTTP, threads, polling", ("gunicorn/", "selectors.py", "concurrent/futures/thread.py")),
     ("gRPC server", ("grpc/",)),
@@ -66,7 +75,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
 OTHER_STAGE = "other"
 # Thread roles for the wall profile, by the thread's root frames.
 ROLES: list[tuple[str, tuple[str, ...]]] = [
-    ("batch thread", ("Batcher._run",)),
+    ("batch thread", ("Batcher._run", "ModelThread._run")),
     ("access-log thread", ("AccessWriter._run",)),
     ("request threads", ("concurrent/futures/thread.py",)),
     ("main thread (Gunicorn's poller)", ("ThreadWorker.run", "Arbiter.run")),
@@ -76,6 +85,19 @@ WAITING = ("Condition.wait", "Event.wait", "lock.acquire", "select (selectors.py
            "_worker (concurrent/futures/thread.py", "Thread._wait_for_tstate_lock",
            # gRPC's server thread polls its completion queue in C, without the GIL.
            "_serve (grpc/_server.py")
+# Kinds of thread for the CPU table, by the name Python gave the thread (a prefix of it).
+THREAD_KINDS: list[tuple[str, tuple[str, ...]]] = [
+    ("request threads", ("ThreadPoolExecutor",)),
+    ("main thread (Gunicorn's poller)", ("MainThread",)),
+    ("batch thread", ("batcher-", "floor-model")),
+    ("access-log thread", ("access-log",)),
+]
+OTHER_PYTHON_THREADS = "other Python threads"
+# Threads Python did not start: TensorFlow's pools, and gRPC's where it serves.
+NATIVE_THREADS = "threads without Python (TensorFlow's pools, gRPC's)"
+FLOOR = benchmark.Config(
+    "floor", 1, {"GRPC_BIND": ""}, "floor: Gunicorn and Flask around the same model (scripts/floor_app.py)", False,
+    app=("--pythonpath", "scripts", "floor_app:app"))
 
 
 @dataclasses.dataclass
@@ -116,12 +138,15 @@ def read_raw(path: Path) -> collections.Counter:
     return samples
 
 
+def py_spy() -> str:
+    return str(Path(sys.executable).parent / "py-spy")
+
+
 def record(pid: int, *, seconds: float, rate: int, gil: bool, out: Path) -> tuple[collections.Counter, int]:
-    command = ["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", str(rate),
+    command = [py_spy(), "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", str(rate),
                "--nonblocking", "--format", "raw", "--output", str(out)]
     command += ["--gil"] if gil else ["--idle"]
-    finished = subprocess.run([str(Path(sys.executable).parent / command[0]), *command[1:]],
-                              capture_output=True, text=True, timeout=seconds + 120)
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 120)
     errors = 0
     for line in (finished.stdout + finished.stderr).splitlines():
         # py-spy> Wrote raw flamegraph data to '...'. Samples: 306 Errors: 97
@@ -132,8 +157,54 @@ def record(pid: int, *, seconds: float, rate: int, gil: bool, out: Path) -> tupl
     return read_raw(out), errors
 
 
-def profile_tree(label: str, tree: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    config = benchmark.Config(label, 1, {}, f"{label}: one worker, defaults", False, tree)
+def thread_names(pid: int) -> dict[int, str]:
+    """The name Python gave each of its threads, by native thread id (`py-spy dump`)."""
+    dump = subprocess.run([py_spy(), "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True,
+                          timeout=120)
+    if dump.returncode != 0:
+        raise RuntimeError(f"py-spy dump failed ({dump.returncode}): {dump.stderr[-2000:]}")
+    return parse_thread_names(dump.stdout)
+
+
+def parse_thread_names(dump: str) -> dict[int, str]:
+    # Thread 25162 (idle): "MainThread"
+    return {int(tid): name for tid, name in re.findall(r'^Thread (\d+) \([^)]*\): "(.*)"$', dump, re.M)}
+
+
+def thread_cpu(pid: int, *, proc: Path = Path("/proc")) -> dict[int, float]:
+    """User + system CPU seconds of each thread of a process so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for task in (proc / str(pid) / "task").iterdir():
+        try:
+            # After the command's closing parenthesis (a name may hold spaces): field 3 onwards.
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue  # the thread ended between the listing and the read
+        seconds[int(task.name)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return seconds
+
+
+def thread_kind(name: str | None) -> str:
+    if name is None:
+        return NATIVE_THREADS
+    return next((kind for kind, prefixes in THREAD_KINDS if name.startswith(prefixes)), OTHER_PYTHON_THREADS)
+
+
+def cpu_by_kind(before: dict[int, float], after: dict[int, float], names: dict[int, str]) -> collections.Counter:
+    """CPU seconds each kind of thread used between two readings; a thread new since counts whole."""
+    used: collections.Counter = collections.Counter()
+    for tid, seconds in after.items():
+        used[thread_kind(names.get(tid))] += seconds - before.get(tid, 0.0)
+    return used
+
+
+def server_config(label: str, tree: Path) -> benchmark.Config:
+    return benchmark.Config(label, 1, {}, f"{label}: one worker, defaults", False, tree)
+
+
+def profile_server(config: benchmark.Config, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    label = config.name
     server = benchmark.Server(config, model_path=args.model_path, log_path=work / f"gunicorn-{label}.log")
     result: dict[str, Any] = {"label": label}
     # py-spy records in this thread pool while Locust loads the server from this thread.
@@ -159,6 +230,13 @@ def profile_tree(label: str, tree: Path, args: argparse.Namespace, work: Path) -
             result[f"{mode}_requests_in_window"] = (stats.get("rps") or 0) * args.seconds
             benchmark.log(f"{label} {mode}: {sum(samples.values())} samples, {errors} errors, "
                           f"{stats.get('rps', 0):.0f} req/s, {time.monotonic() - started:.0f} s")
+        before = thread_cpu(pid)
+        stats = benchmark.run_locust(server.url, load, duration_s=int(args.seconds), prefix=work / f"{label}-cpu")
+        after = thread_cpu(pid)
+        result["cpu"] = cpu_by_kind(before, after, thread_names(pid))
+        result["cpu_rps"] = stats.get("rps")
+        result["cpu_requests"] = stats.get("requests") or 0
+        benchmark.log(f"{label} cpu: {sum(result['cpu'].values()):.1f} s over {result['cpu_requests']} requests")
     finally:
         recorder.shutdown(wait=True)
         server.stop()
@@ -218,6 +296,23 @@ def wall_table(results: Sequence[dict[str, Any]]) -> list[str]:
     return benchmark._table(header, rows)
 
 
+def cpu_table(results: Sequence[dict[str, Any]]) -> list[str]:
+    kinds = [kind for kind, _ in THREAD_KINDS] + [OTHER_PYTHON_THREADS, NATIVE_THREADS]
+    header = ["thread", *[f"{result['label']}: CPU ms/request" for result in results]]
+
+    def per_request(result: dict[str, Any], seconds: float) -> str:
+        return f"{seconds * 1000 / result['cpu_requests']:.3f}" if result["cpu_requests"] else "–"
+
+    rows = [[kind, *[per_request(result, result["cpu"][kind]) for result in results]] for kind in kinds
+            if any(result["cpu"][kind] for result in results)]
+    rows.append(["**all Python threads**", *[
+        f"**{per_request(result, sum(result['cpu'].values()) - result['cpu'][NATIVE_THREADS])}**"
+        for result in results]])
+    rows.append(["all", *[per_request(result, sum(result["cpu"].values())) for result in results]])
+    rows.append(["req/s in this run", *[benchmark._fmt(result.get("cpu_rps")) for result in results]])
+    return benchmark._table(header, rows)
+
+
 def top_frames(profile: Profile, limit: int = 12) -> list[str]:
     """The leaf frames that held the GIL most: what a stage's share is made of."""
     leaves: collections.Counter = collections.Counter()
@@ -232,6 +327,13 @@ def top_frames(profile: Profile, limit: int = 12) -> list[str]:
 def description() -> str:
     """The module's account of the method: its docstring less the title and the usage lines."""
     return __doc__.split("\n\n", 2)[2].split("py-spy runs")[0].strip()
+
+
+def floor_description() -> str:
+    """What the floor app keeps and drops: the second paragraph of its docstring, on one line."""
+    # Read, not imported: importing it loads the model.
+    docstring = ast.get_docstring(ast.parse((REPO / "scripts" / "floor_app.py").read_text())) or ""
+    return " ".join(docstring.split("\n\n")[2].split())
 
 
 def write_report(out: Path, results: list[dict[str, Any]], args: argparse.Namespace, started: datetime.datetime) -> Path:
@@ -259,6 +361,14 @@ def write_report(out: Path, results: list[dict[str, Any]], args: argparse.Namesp
               "`threads sampled`: samples ÷ sampling ticks, i.e. how many such threads exist on average; "
               "`busy share`: of their samples, those not waiting on a lock, condition or poll.", ""]
     lines += wall_table(results) + [""]
+    lines += ["## CPU per request, by thread (`/proc`)", "",
+              "A load run without py-spy: each thread's user + system CPU from /proc/PID/task before and "
+              "after, by the name Python gave the thread, ÷ the requests Locust counted.", ""]
+    lines += cpu_table(results) + [""]
+    if any(result["label"] == FLOOR.name for result in results):
+        lines += [f"`{FLOOR.name}` is scripts/floor_app.py. {floor_description()} Its model thread runs a full "
+                  "batch every call, so its TensorFlow threads' CPU per request is not the server's; its Python "
+                  "threads' is the floor under the server's.", ""]
     lines += ["## Reproduce", "", "```", f"pip install py-spy=={args.py_spy_version}",
               "python scripts/profile_worker.py --model wide --baseline-ref <commit>", "```", ""]
     path = out / "profile.md"
@@ -272,6 +382,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--model", choices=("default", "wide"), default="wide")
     parser.add_argument("--model-path", help="profile with this MODEL_PATH instead")
     parser.add_argument("--baseline-ref", help="also profile this commit (a temporary git worktree), first")
+    parser.add_argument("--no-floor", dest="floor", action="store_false",
+                        help="leave out the floor (scripts/floor_app.py)")
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--rate", type=int, default=100)
@@ -300,13 +412,15 @@ def main(argv: Sequence[str]) -> int:
             args.model_name = "the built-in default model"
         results = []
         with contextlib.ExitStack() as stack:
-            trees: list[tuple[str, Path]] = []
+            configs: list[benchmark.Config] = []
             if args.baseline_ref:
                 tree, short_sha = stack.enter_context(benchmark.baseline_tree(args.baseline_ref))
-                trees.append((f"baseline@{short_sha}", tree))
-            trees.append(("this tree", REPO))
-            for label, tree in trees:
-                result = profile_tree(label, tree, args, work)
+                configs.append(server_config(f"baseline@{short_sha}", tree))
+            configs.append(server_config("this tree", REPO))
+            if args.floor:
+                configs.append(FLOOR)
+            for config in configs:
+                result = profile_server(config, args, work)
                 result["seconds"] = args.seconds
                 results.append(result)
         args.out.mkdir(parents=True, exist_ok=True)

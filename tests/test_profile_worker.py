@@ -8,6 +8,7 @@ of each stack to a stage and each thread to a role, on stacks as py-spy writes t
 from __future__ import annotations
 
 import collections
+import json
 import importlib.util
 import sys
 
@@ -95,5 +96,85 @@ def test_the_report_shows_its_command_without_local_folders(profile_worker):
 def test_the_report_describes_the_method_not_the_usage(profile_worker):
     text = profile_worker.description()
     assert text.startswith("For each tree (this one, and with --baseline-ref a git worktree")
-    assert text.endswith("its time on, waiting included.")
+    assert text.endswith("the kind told by the name Python gave the thread.")
     assert "python scripts/profile_worker.py" not in text
+
+
+def test_thread_names_are_read_from_py_spys_dump(profile_worker):
+    dump = ('Process 30465: python -m gunicorn -c gunicorn.conf.py wsgi:app\nPython v3.11.7 (/usr/bin/python3.11)\n\n'
+            'Thread 30465 (idle): "MainThread"\n    EpollSelector.select (selectors.py:468)\n\n'
+            'Thread 30470 (active+gil): "ThreadPoolExecutor-0_3"\n    parse_json (app/codec.py:67)\n\n'
+            'Thread 30471 (idle): "batcher-default"\n    Condition.wait (threading.py:327)\n')
+    assert profile_worker.parse_thread_names(dump) == {
+        30465: "MainThread", 30470: "ThreadPoolExecutor-0_3", 30471: "batcher-default"}
+
+
+def test_thread_cpu_is_read_from_proc_whatever_the_threads_command(profile_worker, tmp_path):
+    """utime and stime are fields 14 and 15 of /proc/PID/task/TID/stat, counted after the
+    command's closing parenthesis: a command may itself hold spaces and parentheses."""
+    ticks = profile_worker.os.sysconf("SC_CLK_TCK")
+    for tid, command, utime, stime in ((11, "python", 3 * ticks, ticks), (12, "tf (pool) 1", ticks // 2, ticks // 4)):
+        task = tmp_path / "7" / "task" / str(tid)
+        task.mkdir(parents=True)
+        fields = ["S", "1", "7", "7", "0", "-1", "4194624", "10", "0", "0", "0", str(utime), str(stime), "0", "0"]
+        (task / "stat").write_text(f"{tid} ({command}) {' '.join(fields)} 20 0 1 0\n")
+    assert profile_worker.thread_cpu(7, proc=tmp_path) == {11: 4.0, 12: (ticks // 2 + ticks // 4) / ticks}
+
+
+def test_cpu_is_summed_by_kind_of_thread_and_a_thread_without_python_is_native(profile_worker):
+    names = {1: "MainThread", 2: "ThreadPoolExecutor-0_0", 3: "ThreadPoolExecutor-0_1", 4: "batcher-default",
+             5: "floor-model", 6: "access-log", 7: "grpc-server"}
+    before = {1: 1.0, 2: 2.0, 3: 0.5, 4: 1.0, 5: 0.0, 6: 0.0, 7: 0.0, 8: 10.0}
+    # Thread 9 started after the first reading: all of its CPU is in the window.
+    after = {1: 1.5, 2: 4.0, 3: 1.5, 4: 1.25, 5: 0.5, 6: 0.125, 7: 0.25, 8: 13.0, 9: 2.0}
+    assert profile_worker.cpu_by_kind(before, after, names) == collections.Counter({
+        "main thread (Gunicorn's poller)": 0.5, "request threads": 3.0, "batch thread": 0.75,
+        "access-log thread": 0.125, "other Python threads": 0.25, profile_worker.NATIVE_THREADS: 5.0})
+
+
+def test_cpu_table_gives_milliseconds_per_request_with_and_without_native_threads(profile_worker):
+    cpu = collections.Counter({"request threads": 1.5, "batch thread": 0.25, profile_worker.NATIVE_THREADS: 4.0})
+    lines = profile_worker.cpu_table([{"label": "t", "cpu": cpu, "cpu_requests": 1000, "cpu_rps": 50.0}])
+    assert "| request threads | 1.500 |" in lines
+    assert "| batch thread | 0.250 |" in lines
+    assert f"| {profile_worker.NATIVE_THREADS} | 4.000 |" in lines
+    assert "| **all Python threads** | **1.750** |" in lines
+    assert "| all | 5.750 |" in lines
+    assert not any(line.startswith("| access-log thread") for line in lines)  # no CPU in any column
+
+
+def test_the_floor_profiles_as_the_floor_app_and_its_model_thread(profile_worker):
+    view = REQUEST + ";predict (floor_app.py:76);ModelThread.wait (floor_app.py:58);Condition.wait (threading.py:327)"
+    assert profile_worker.stage_of(view) == "floor app: parse, hand to the model thread, wait"
+    model = ("_bootstrap (threading.py:995);ModelThread._run (floor_app.py:67);"
+             "_from_keras.<locals>.predict (app/models.py:245);quick_execute (tensorflow/python/eager/execute.py:53)")
+    assert profile_worker.stage_of(model) == "model: TensorFlow call"
+    assert profile_worker.role_of(model) == "batch thread"
+
+
+def test_the_floor_describes_the_model_as_the_server_does_and_answers_one_row_of_it(profile_worker, tmp_path):
+    """Locust builds its bodies from the metadata and checks the answer's row count, so the floor,
+    a real Gunicorn serving scripts/floor_app.py, must describe the model exactly as the server
+    does and answer one row of the model's own output, a real answer's size: here the model's
+    answer to row 0 of the floor's seeded batch (standard normal, seed 0)."""
+    import numpy as np
+    import requests
+
+    from app.metadata import describe
+    from app.models import example_batch, load_model
+
+    server = profile_worker.benchmark.Server(profile_worker.FLOOR, model_path=None, log_path=tmp_path / "floor.log")
+    try:
+        server.start(ready_within_s=180)
+        metadata = requests.get(server.url + "/v1/models/default/metadata", timeout=30)
+        answer = requests.post(server.url + "/predict", json={"instances": [[1.0, 2.0, 3.0, 4.0]]}, timeout=30)
+    finally:
+        server.stop()
+    model = load_model(None, name="default")
+    assert metadata.status_code == 200 and metadata.json() == json.loads(json.dumps(describe(model)))
+    zeros = example_batch(model, 32)
+    batch = {name: np.random.default_rng(0).standard_normal(array.shape).astype(array.dtype)
+             for name, array in zeros.items()}
+    expected = next(iter(model.predict(batch).values()))[0]
+    assert answer.status_code == 200
+    assert np.array_equal(np.asarray(answer.json()["predictions"], dtype=np.float32), expected[None, :])
