@@ -44,6 +44,7 @@ import random
 import resource
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -565,8 +566,10 @@ def run_protocols(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     return result
 
 
-def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
-    server = Server(config, model_path=args.served_model_path, log_path=work_dir / f"gunicorn-{config.name}.log")
+def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, work_dir: Path, *,
+               tag: str = "") -> dict[str, Any]:
+    """Start the configuration's server, run every load point against it, stop it. `tag` names a round's files."""
+    server = Server(config, model_path=args.served_model_path, log_path=work_dir / f"gunicorn-{config.name}{tag}.log")
     result: dict[str, Any] = {"config": config.name, "loads": {}}
     try:
         result["start_s"] = server.start(ready_within_s=args.server_start_timeout)
@@ -574,13 +577,29 @@ def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, 
         log(f"{config.name}: ready in {result['start_s']:.1f} s")
         for load in loads:
             result["loads"][load.label] = measure_load(server, load, args, prefix=work_dir / (
-                f"{config.name}-{load.label.replace(' ', '_')}"), what=f"{config.name} {load.label}")
+                f"{config.name}{tag}-{load.label.replace(' ', '_')}"), what=f"{config.name}{tag} {load.label}")
     except Exception as exc:  # one configuration failing should not lose the others' numbers
         result["error"] = f"{type(exc).__name__}: {exc}"
         log(f"{config.name}: {result['error']}")
     finally:
         server.stop()
     return result
+
+
+def run_rounds(configs: Sequence[Config], loads: Sequence[Load], args: argparse.Namespace,
+               work_dir: Path) -> list[list[dict[str, Any]]]:
+    """Every configuration, `args.rounds` times; each round's results in the order of `configs`.
+
+    The order alternates from one round to the next (A B, B A, A B, ...), so that a machine
+    growing faster or slower over the run favours neither side of a ratio.
+    """
+    rounds = []
+    for number in range(args.rounds):
+        order = list(configs) if number % 2 == 0 else list(configs)[::-1]
+        tag = f"-round{number + 1}" if args.rounds > 1 else ""
+        by_name = {config.name: run_config(config, loads, args, work_dir, tag=tag) for config in order}
+        rounds.append([by_name[config.name] for config in configs])
+    return rounds
 
 
 @contextmanager
@@ -715,7 +734,7 @@ def protocol_lines(protocols: dict[str, Any]) -> list[str]:
 def write_report(out: Path, *, args: argparse.Namespace, alone: dict[str, Any], results: list[dict[str, Any]],
                  loads: Sequence[Load], machine: dict[str, str], started: datetime.datetime,
                  elapsed_s: float, protocols: dict[str, Any] | None = None,
-                 configs: dict[str, Config] | None = None) -> Path:
+                 configs: dict[str, Config] | None = None, rounds: list[list[dict[str, Any]]] | None = None) -> Path:
     configs = configs or CONFIGS_BY_NAME
     after_idle = alone["after_idle"]
     alone_batches = alone["batches"]
@@ -832,6 +851,8 @@ def write_report(out: Path, *, args: argparse.Namespace, alone: dict[str, Any], 
         lines += ["## 6. REST and gRPC", ""] + protocol_lines(protocols) + [""]
     lines += ["## 7. Closed loop against the model's own ceiling", ""]
     lines += ceiling_lines(by_config, configs, alone, closed, open_loads) + [""]
+    if rounds and len(rounds) > 1:
+        lines += ["## 8. Rounds", ""] + round_lines(rounds, configs, alone, loads) + [""]
     lines += ["## Plot", "", "![Mean latency against users, and closed-loop throughput](benchmarks.png)", ""]
     lines += ["## Reproduce", "", "```",
               "python scripts/benchmark.py            # the full report, about 24 min",
@@ -950,6 +971,52 @@ def ceiling_lines(by_config: dict[str, dict[str, Any]], configs: dict[str, Confi
     return lines
 
 
+def round_lines(rounds: list[list[dict[str, Any]]], configs: dict[str, Config], alone: dict[str, Any],
+                loads: Sequence[Load]) -> list[str]:
+    """Each round's figures per load point, and the median of each round's ratios to the reference."""
+    names = [result["config"] for result in rounds[0]]
+    others = [name for name in names if name != REFERENCE]
+    lines = [f"{len(rounds)} rounds. In each, every configuration's server is started afresh and runs every load "
+             "point; the order alternates from round to round. Sections 1–7 are round 1. A ratio is taken within "
+             "a round, between runs minutes apart, and then the median over the rounds: a machine's speed can "
+             "drift more between rounds than between neighbouring runs.", ""]
+    for load in loads:
+        columns = ["req/s", "mean ms", "p99 ms"] + (["CPU outside predict ms/request"] if load.closed_loop else [])
+        header = ["round", *[f"`{name}` {column}" for name in names for column in columns]]
+        if REFERENCE in names:
+            header += [(f"`{REFERENCE}` ÷ `{name}` req/s" if load.closed_loop else f"`{name}` ÷ `{REFERENCE}` mean")
+                       for name in others]
+        table: list[list[float | None]] = []
+        for results in rounds:
+            by_name = {result["config"]: result["loads"].get(load.label, {}) for result in results}
+            row: list[float | None] = []
+            for name in names:
+                stats = by_name[name]
+                row += [stats.get("rps"), stats.get("mean_ms"), stats.get("p99_ms")]
+                if load.closed_loop:
+                    row.append(load_ceiling(configs[name], stats, alone).get("other_cpu_ms_per_request")
+                               if stats else None)
+            if REFERENCE in names:
+                reference = by_name[REFERENCE]
+                for name in others:
+                    top, bottom = ((reference.get("rps"), by_name[name].get("rps")) if load.closed_loop
+                                   else (by_name[name].get("mean_ms"), reference.get("mean_ms")))
+                    row.append(top / bottom if top and bottom else None)
+            table.append(row)
+        ratios_from = len(names) * len(columns)
+
+        def cell(value: float | None, column: int) -> str:
+            return f"{value:.2f}×" if column >= ratios_from and value is not None else _fmt(value, 2)
+
+        rows = [[str(number), *(cell(value, column) for column, value in enumerate(row))]
+                for number, row in enumerate(table, 1)]
+        medians = [statistics.median(values) if (values := [row[column] for row in table if row[column] is not None])
+                   else None for column in range(len(header) - 1)]
+        rows.append(["**median**", *(f"**{cell(value, column)}**" for column, value in enumerate(medians))])
+        lines += [f"### {_load_name(load.label).capitalize()}", ""] + _table(header, rows) + [""]
+    return lines
+
+
 def load_generator_lines(by_config: dict[str, dict[str, Any]]) -> list[str]:
     busiest = None
     for name, result in by_config.items():
@@ -1064,6 +1131,13 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    values = _int_list(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one whole number of 1 or more, got {text!r}")
+    return values[0]
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -1106,6 +1180,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--baseline-ref", metavar="REF",
                         help="also run the server of this git commit (a temporary worktree), defaults and 1 worker, "
                              "as configuration baseline@<sha>, side by side with default")
+    parser.add_argument("--rounds", type=_positive_int, default=1,
+                        help="run every configuration this many times, in alternating order, and report each "
+                             "round and the median of each round's ratios (default 1)")
     parser.add_argument("--spawn-rate", type=_positive_float,
                         help="users Locust starts a second (default: all at once, their first requests together)")
     parser.add_argument("--idle-calls", type=int,
@@ -1146,7 +1223,7 @@ def expected_minutes(args: argparse.Namespace, loads: Sequence[Load]) -> float:
     model_alone_s = len(args.batch_sizes) * (2 * args.call_budget + 1) + 10 + args.idle_calls * 2.5
     build_s = 15 if args.model == "wide" and not args.model_path else 0
     per_config_s = 10 + len(loads) * (args.duration + 2)
-    configs = len(args.configs) + (1 if args.baseline_ref else 0)
+    configs = (len(args.configs) + (1 if args.baseline_ref else 0)) * args.rounds
     protocols_s = (10 + 2 * len(args.protocol_users) * (args.duration + 8)) if args.protocol_users else 0
     return (build_s + model_alone_s + configs * per_config_s + protocols_s) / 60
 
@@ -1195,17 +1272,19 @@ def main(argv: Sequence[str]) -> int:
         if args.model == "wide" and not args.model_path:
             args.served_model_path = build_wide_model(work_dir)
         alone = run_model_alone(args, work_dir)
-        results = [run_config(config, loads, args, work_dir) for config in configs]
+        rounds = run_rounds(configs, loads, args, work_dir)
+        results = rounds[0]
         protocols = run_protocols(args, work_dir) if args.protocol_users else None
         (work_dir / "results.json").write_text(json.dumps(
-            {"model_alone": alone, "servers": results, "protocols": protocols}, indent=1))
+            {"model_alone": alone, "servers": results, "rounds": rounds, "protocols": protocols}, indent=1))
         report = write_report(args.out, args=args, alone=alone, results=results, loads=loads, machine=machine,
                               started=started_at, elapsed_s=time.monotonic() - started, protocols=protocols,
-                              configs={config.name: config for config in configs})
+                              configs={config.name: config for config in configs}, rounds=rounds)
         plot = write_plot(args.out, results, loads)
     log(f"wrote {report} and {plot} in {(time.monotonic() - started) / 60:.1f} min")
     print(report.read_text())
-    return 1 if any("error" in result for result in results) or (protocols and "error" in protocols) else 0
+    failed = any("error" in result for round_results in rounds for result in round_results)
+    return 1 if failed or (protocols and "error" in protocols) else 0
 
 
 if __name__ == "__main__":

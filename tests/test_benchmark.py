@@ -284,3 +284,51 @@ def test_locust_starts_every_user_at_once_unless_given_a_spawn_rate(tmp_path):
     for bad in ("0", "-1", "nan", "x"):
         with pytest.raises(SystemExit):
             benchmark.parse_args(["--spawn-rate", bad])
+
+
+def test_rounds_alternate_the_order_and_keep_each_rounds_results_in_configuration_order(monkeypatch, tmp_path):
+    """A B, B A, A B: a machine that speeds up or slows down over the run favours neither side."""
+    ran = []
+
+    def run_config(config, loads, args, work_dir, *, tag=""):
+        ran.append((config.name, tag))
+        return {"config": config.name, "tag": tag, "loads": {}}
+
+    monkeypatch.setattr(benchmark, "run_config", run_config)
+    configs = [benchmark.CONFIGS_BY_NAME["naive"], benchmark.CONFIGS_BY_NAME["default"]]
+    args = benchmark.parse_args(["--rounds", "3"])
+    rounds = benchmark.run_rounds(configs, [], args, tmp_path)
+    assert ran == [("naive", "-round1"), ("default", "-round1"), ("default", "-round2"), ("naive", "-round2"),
+                   ("naive", "-round3"), ("default", "-round3")]
+    assert [[(result["config"], result["tag"]) for result in results] for results in rounds] == [
+        [("naive", f"-round{number}"), ("default", f"-round{number}")] for number in (1, 2, 3)]
+    ran.clear()
+    assert benchmark.run_rounds(configs, [], benchmark.parse_args([]), tmp_path) == [
+        [{"config": "naive", "tag": "", "loads": {}}, {"config": "default", "tag": "", "loads": {}}]]
+    for bad in ("0", "-2", "1.5", "x", "2,3"):
+        with pytest.raises(SystemExit):
+            benchmark.parse_args(["--rounds", bad])
+
+
+def test_rounds_report_the_median_of_each_rounds_ratio_not_the_ratio_of_medians():
+    """Three rounds, the default's req/s 1.2, 1.5 and 1.4 times the baseline's; the median ratio is
+    1.40 where the ratio of the median req/s would be 300 / 240 = 1.25."""
+    closed = benchmark.Load(benchmark.CLOSED_LOOP_LABEL, 32, (0.0, 0.0))
+    one = benchmark.Load("1", 1, (1.0, 3.0))
+
+    def stats(rps, mean):
+        return {"rps": rps, "mean_ms": mean, "p99_ms": 2 * mean}
+
+    rounds = [[{"config": "baseline@abc", "loads": {"1": stats(1, 10.0), closed.label: stats(250, 100.0)}},
+               {"config": "default", "loads": {"1": stats(1, 8.0), closed.label: stats(300, 80.0)}}]
+              for _ in range(3)]
+    for results, (base_rps, rps) in zip(rounds, [(250, 300), (200, 300), (240, 336)]):
+        results[0]["loads"][closed.label]["rps"], results[1]["loads"][closed.label]["rps"] = base_rps, rps
+    configs = {"baseline@abc": benchmark.Config("baseline@abc", 1, {}, "", True), "default": benchmark.CONFIGS_BY_NAME["default"]}
+    alone = {"batches": []}
+    lines = benchmark.round_lines(rounds, configs, alone, [one, closed])
+    assert "| **median** | **1.00** | **10.00** | **20.00** | **1.00** | **8.00** | **16.00** | **1.25×** |" in lines
+    assert lines.index("### 1 user") < lines.index("### The closed loop")
+    closed_rows = lines[lines.index("### The closed loop"):]
+    assert "| 2 | 200 | 100 | 200 | – | 300 | 80.00 | 160 | – | 1.50× |" in closed_rows
+    assert "| **median** | **240** | **100** | **200** | **–** | **300** | **80.00** | **160** | **–** | **1.40×** |" in closed_rows
