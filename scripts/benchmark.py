@@ -95,6 +95,7 @@ class Config:
     baseline: bool  # a configuration the default is compared against
     tree: Path = REPO  # the checkout whose gunicorn.conf.py and app/ it runs
     app: tuple[str, ...] = SERVER_COMMAND[-1:]  # what Gunicorn serves, with any flags it needs
+    in_full_run: bool = True  # run when --configs is not given
 
     @property
     def predict_path(self) -> str:
@@ -115,6 +116,10 @@ CONFIGS = [
            "batching that waits up to 20 ms for a batch to fill", True),
     Config("default", 1, {}, "the shipped default: batch as soon as the model is free, 1 worker", False),
     Config("default-2w", 2, {}, "the shipped default with 2 workers", False),
+    # Not a server: what Gunicorn and Flask cost around the same model (scripts/floor_app.py).
+    Config("floor", 1, {"GRPC_BIND": ""}, "the floor: Gunicorn and Flask around the same model, nothing of app/ in a "
+           "request (scripts/floor_app.py; fixed answers)", True, app=("--pythonpath", "scripts", "floor_app:app"),
+           in_full_run=False),
 ]
 CONFIGS_BY_NAME = {config.name: config for config in CONFIGS}
 REFERENCE = "default"
@@ -1165,7 +1170,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="folder for benchmarks.md and benchmarks.png (default docs/)")
     parser.add_argument("--duration", type=int, help="seconds per load point (default 30; quick 3)")
     parser.add_argument("--configs", type=_config_list,
-                        help=f"comma-separated subset of: {', '.join(CONFIGS_BY_NAME)} (default all; quick naive,default)")
+                        help=f"comma-separated subset of: {', '.join(CONFIGS_BY_NAME)} (default all but floor; "
+                             "quick naive,default)")
     parser.add_argument("--users", type=_int_list, help="user counts with think time (default 1,5,20,50; quick 1,5)")
     parser.add_argument("--closed-loop-users", type=int,
                         help="users of the closed loop, 0 to skip it (default 64; quick 16)")
@@ -1198,7 +1204,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.argv_shown = list(argv)
     quick = args.quick
     args.duration = args.duration or (3 if quick else 30)
-    args.configs = args.configs or (["naive", "default"] if quick else list(CONFIGS_BY_NAME))
+    args.configs = args.configs or (["naive", "default"] if quick else
+                                    [config.name for config in CONFIGS if config.in_full_run])
     args.users = args.users or ([1, 5] if quick else [1, 5, 20, 50])
     args.protocol_users = [] if args.no_protocols else (args.protocol_users or ([1, 5] if quick else [1, 50]))
     if args.closed_loop_users is None:

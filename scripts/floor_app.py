@@ -8,30 +8,36 @@ view parses the JSON body (orjson), hands the request to a model thread and wait
 and answers with a fixed body of the size a real answer has. There are no request ids, access
 lines, metrics, body limits, float32 decoding, padding, splitting or encoding.
 
-The model thread runs the served model's own compiled predict function, on a full batch,
-whenever requests wait, and releases those that waited when the call began. So, as in the
-server, a call streams the weights through the caches between one batch of requests and the
-next, and request threads compete with TensorFlow for the cores: the floor is measured under
-the server's conditions, not on an idle machine. Its rows are fixed (a full batch of seeded
-random rows): the floor's answers are not the model's answers to the requests.
+The model thread runs the served model's own compiled predict function whenever requests
+wait, on a row for each (one row a request, as Locust sends), padded to the server's bucket
+sizes and at most MAX_BATCH_SIZE of them a call, and releases the requests the call was
+for. So, as in the server, a call streams the weights through the caches between one batch
+of requests and the next, a lone request runs a batch of one, and request threads compete
+with TensorFlow for the cores: the floor is measured under the server's conditions, not on
+an idle machine. It does not hold a batch to let it fill under load, as the server does.
+Its rows are fixed (seeded random rows): the floor's answers are not the model's answers to
+the requests.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import orjson
 from flask import Flask, Response, request
 
 from app import metadata, runtime
+from app.batching import bucket_sizes
 from app.models import example_batch, load_model, warm_up
 from app.settings import Settings
 
 settings = Settings.from_env()
 model = load_model(settings.model_path, name=settings.model_name)
-warm_up(model, [settings.max_batch_size])
+BUCKETS = bucket_sizes(settings.max_batch_size)
+warm_up(model, BUCKETS)
 # Seeded values, not example_batch's zeros: a zero row would give a short answer.
 BATCH = {name: np.random.default_rng(0).standard_normal(zeros.shape).astype(zeros.dtype) if zeros.dtype.kind == "f"
          else zeros for name, zeros in example_batch(model, settings.max_batch_size).items()}
@@ -42,9 +48,11 @@ METADATA = orjson.dumps(metadata.describe(model))
 
 
 class ModelThread:
-    """One predict call at a time; a request waits for the next call that starts after it."""
+    """One predict call at a time; a request waits for a call that starts after it arrived."""
 
-    def __init__(self) -> None:
+    def __init__(self, predict: Callable[[int], object], buckets: Sequence[int]) -> None:
+        self._predict = predict
+        self._buckets = tuple(buckets)
         self._ready = threading.Condition()
         self._waiting: list[threading.Event] = []
         threading.Thread(target=self._run, name="floor-model", daemon=True).start()
@@ -57,18 +65,20 @@ class ModelThread:
         done.wait()
 
     def _run(self) -> None:
+        largest = self._buckets[-1]
         while True:
             with self._ready:
                 while not self._waiting:
                     self._ready.wait()
-                taken, self._waiting = self._waiting, []
-            model.predict(BATCH)
+                taken, self._waiting = self._waiting[:largest], self._waiting[largest:]
+            self._predict(next(size for size in self._buckets if size >= len(taken)))
             for done in taken:
                 done.set()
 
 
 app = Flask(__name__)
-model_thread = ModelThread()
+model_thread = ModelThread(
+    lambda rows: model.predict({name: batch[:rows] for name, batch in BATCH.items()}), BUCKETS)
 
 
 @app.post("/predict")

@@ -95,9 +95,7 @@ THREAD_KINDS: list[tuple[str, tuple[str, ...]]] = [
 OTHER_PYTHON_THREADS = "other Python threads"
 # Threads Python did not start: TensorFlow's pools, and gRPC's where it serves.
 NATIVE_THREADS = "threads without Python (TensorFlow's pools, gRPC's)"
-FLOOR = benchmark.Config(
-    "floor", 1, {"GRPC_BIND": ""}, "floor: Gunicorn and Flask around the same model (scripts/floor_app.py)", False,
-    app=("--pythonpath", "scripts", "floor_app:app"))
+FLOOR = benchmark.CONFIGS_BY_NAME["floor"]
 
 
 @dataclasses.dataclass
@@ -366,8 +364,8 @@ def write_report(out: Path, results: list[dict[str, Any]], args: argparse.Namesp
               "after, by the name Python gave the thread, ÷ the requests Locust counted.", ""]
     lines += cpu_table(results) + [""]
     if any(result["label"] == FLOOR.name for result in results):
-        lines += [f"`{FLOOR.name}` is scripts/floor_app.py. {floor_description()} Its model thread runs a full "
-                  "batch every call, so its TensorFlow threads' CPU per request is not the server's; its Python "
+        lines += [f"`{FLOOR.name}` is scripts/floor_app.py. {floor_description()} Its batches are not held to fill "
+                  "under load, so its TensorFlow threads' CPU per request is not the server's; its Python "
                   "threads' is the floor under the server's.", ""]
     lines += ["## Reproduce", "", "```", f"pip install py-spy=={args.py_spy_version}",
               "python scripts/profile_worker.py --model wide --baseline-ref <commit>", "```", ""]

@@ -332,3 +332,12 @@ def test_rounds_report_the_median_of_each_rounds_ratio_not_the_ratio_of_medians(
     closed_rows = lines[lines.index("### The closed loop"):]
     assert "| 2 | 200 | 100 | 200 | – | 300 | 80.00 | 160 | – | 1.50× |" in closed_rows
     assert "| **median** | **240** | **100** | **200** | **–** | **300** | **80.00** | **160** | **–** | **1.40×** |" in closed_rows
+
+
+def test_the_floor_runs_only_when_named_and_serves_the_floor_app():
+    """The floor is a comparison, not a server configuration: a full run leaves it out,
+    --configs floor runs scripts/floor_app.py under the same gunicorn.conf.py."""
+    assert "floor" not in benchmark.parse_args([]).configs
+    assert benchmark.parse_args(["--configs", "default,floor"]).configs == ["default", "floor"]
+    floor = benchmark.CONFIGS_BY_NAME["floor"]
+    assert floor.app == ("--pythonpath", "scripts", "floor_app:app") and floor.tree == benchmark.REPO

@@ -152,6 +152,47 @@ def test_the_floor_profiles_as_the_floor_app_and_its_model_thread(profile_worker
     assert profile_worker.role_of(model) == "batch thread"
 
 
+def test_the_floors_model_thread_runs_a_row_for_each_waiting_request_padded_to_the_servers_buckets():
+    """The floor stands beside the server only if its calls are sized like the server's: a lone
+    request runs a batch of one (a full batch would make the floor slower than the server at one
+    user), waiting requests share a call padded to a bucket, and no call exceeds the largest."""
+    import threading
+    import time
+
+    spec = importlib.util.spec_from_file_location("floor_app", REPO / "scripts" / "floor_app.py")
+    floor_app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floor_app)  # loads the built-in model, as Gunicorn would
+    assert floor_app.BUCKETS[-1] == floor_app.settings.max_batch_size
+
+    calls: list[int] = []
+    first_call_held = threading.Event()
+
+    def predict(rows: int) -> None:
+        calls.append(rows)
+        first_call_held.wait(timeout=60)
+
+    model_thread = floor_app.ModelThread(predict, (1, 2, 4, 8))
+
+    def poll(condition) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, "the model thread did not get there in 30 s"
+            time.sleep(0.005)
+
+    requests = [threading.Thread(target=model_thread.wait)]
+    requests[0].start()
+    poll(lambda: calls == [1])
+    requests += [threading.Thread(target=model_thread.wait) for _ in range(11)]
+    for thread in requests[1:]:
+        thread.start()
+    poll(lambda: len(model_thread._waiting) == 11)
+    first_call_held.set()
+    for thread in requests:
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in requests)
+    assert calls == [1, 8, 4]  # 11 waiting: the largest bucket, then 3 padded to 4
+
+
 def test_the_floor_describes_the_model_as_the_server_does_and_answers_one_row_of_it(profile_worker, tmp_path):
     """Locust builds its bodies from the metadata and checks the answer's row count, so the floor,
     a real Gunicorn serving scripts/floor_app.py, must describe the model exactly as the server
