@@ -120,6 +120,9 @@ CONFIGS = [
     Config("floor", 1, {"GRPC_BIND": ""}, "the floor: Gunicorn and Flask around the same model, nothing of app/ in a "
            "request (scripts/floor_app.py; fixed answers)", True, app=("--pythonpath", "scripts", "floor_app:app"),
            in_full_run=False),
+    Config("floor-batcher", 1, {"GRPC_BIND": "", "FLOOR_BATCHER": "true"}, "the floor with the server's batching "
+           "engine as its model thread (scripts/floor_app.py, FLOOR_BATCHER=true; fixed answers)", True,
+           app=("--pythonpath", "scripts", "floor_app:app"), in_full_run=False),
 ]
 CONFIGS_BY_NAME = {config.name: config for config in CONFIGS}
 REFERENCE = "default"

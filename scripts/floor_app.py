@@ -1,6 +1,7 @@
 """The floor under the server's own work: Gunicorn and Flask with nothing of app/ in a request.
 
     GRPC_BIND= gunicorn -c gunicorn.conf.py --pythonpath scripts floor_app:app   # as profile_worker.py runs it
+    GRPC_BIND= FLOOR_BATCHER=true gunicorn -c gunicorn.conf.py --pythonpath scripts floor_app:app
 
 What a request costs here is what any batching server on Flask and Gunicorn's gthread worker
 pays, whatever its own code: Gunicorn reads and parses the request, Flask routes it, the
@@ -17,6 +18,11 @@ with TensorFlow for the cores: the floor is measured under the server's conditio
 an idle machine. It does not hold a batch to let it fill under load, as the server does.
 Its rows are fixed (seeded random rows): the floor's answers are not the model's answers to
 the requests.
+
+With FLOOR_BATCHER=true the model thread is the server's own batching engine instead
+(app/batching.py's Batcher with the server's defaults, filling under load included), fed one
+seeded row a request: what Gunicorn, Flask and the server's batching cost, without the
+codec, request ids, access lines, metrics and body limits.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import orjson
 from flask import Flask, Response, request
 
 from app import metadata, runtime
-from app.batching import bucket_sizes
+from app.batching import Batcher, bucket_sizes
 from app.models import example_batch, load_model, warm_up
 from app.settings import Settings
 
@@ -77,14 +83,22 @@ class ModelThread:
 
 
 app = Flask(__name__)
-model_thread = ModelThread(
-    lambda rows: model.predict({name: batch[:rows] for name, batch in BATCH.items()}), BUCKETS)
+if os.environ.get("FLOOR_BATCHER", "").lower() == "true":
+    batcher = Batcher(model.predict, name=settings.model_name, max_batch_size=settings.max_batch_size,
+                      buckets=BUCKETS)
+    ONE_ROW = {name: batch[:1] for name, batch in BATCH.items()}
+
+    def wait_for_the_model() -> None:
+        batcher.submit(ONE_ROW).result()
+else:
+    wait_for_the_model = ModelThread(
+        lambda rows: model.predict({name: batch[:rows] for name, batch in BATCH.items()}), BUCKETS).wait
 
 
 @app.post("/predict")
 def predict() -> Response:
     orjson.loads(request.get_data())
-    model_thread.wait()
+    wait_for_the_model()
     return Response(ANSWER, content_type="application/json")
 
 

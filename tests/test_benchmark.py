@@ -339,5 +339,8 @@ def test_the_floor_runs_only_when_named_and_serves_the_floor_app():
     --configs floor runs scripts/floor_app.py under the same gunicorn.conf.py."""
     assert "floor" not in benchmark.parse_args([]).configs
     assert benchmark.parse_args(["--configs", "default,floor"]).configs == ["default", "floor"]
-    floor = benchmark.CONFIGS_BY_NAME["floor"]
-    assert floor.app == ("--pythonpath", "scripts", "floor_app:app") and floor.tree == benchmark.REPO
+    assert "floor-batcher" not in benchmark.parse_args([]).configs
+    floor, floor_batcher = benchmark.CONFIGS_BY_NAME["floor"], benchmark.CONFIGS_BY_NAME["floor-batcher"]
+    assert floor.app == floor_batcher.app == ("--pythonpath", "scripts", "floor_app:app")
+    assert floor.tree == floor_batcher.tree == benchmark.REPO
+    assert "FLOOR_BATCHER" not in floor.env and floor_batcher.env["FLOOR_BATCHER"] == "true"

@@ -193,6 +193,23 @@ def test_the_floors_model_thread_runs_a_row_for_each_waiting_request_padded_to_t
     assert calls == [1, 8, 4]  # 11 waiting: the largest bucket, then 3 padded to 4
 
 
+def test_floor_batcher_sends_each_request_through_the_servers_batching_engine(monkeypatch):
+    """FLOOR_BATCHER=true: the floor's requests go through app/batching.py's Batcher (a batch
+    per call, its own thread), and still get the floor's fixed answer of one row."""
+    monkeypatch.setenv("FLOOR_BATCHER", "true")
+    spec = importlib.util.spec_from_file_location("floor_app_batcher", REPO / "scripts" / "floor_app.py")
+    floor_app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floor_app)
+    try:
+        answer = floor_app.app.test_client().post("/predict", json={"instances": [[1.0, 2.0, 3.0, 4.0]]})
+        assert answer.status_code == 200 and answer.data == floor_app.ANSWER
+        assert floor_app.batcher.batches_run == 1
+        assert floor_app.batcher.max_batch_size == floor_app.settings.max_batch_size
+        assert floor_app.batcher.fill_under_load and floor_app.batcher.buckets == floor_app.BUCKETS
+    finally:
+        floor_app.batcher.close()
+
+
 def test_the_floor_describes_the_model_as_the_server_does_and_answers_one_row_of_it(profile_worker, tmp_path):
     """Locust builds its bodies from the metadata and checks the answer's row count, so the floor,
     a real Gunicorn serving scripts/floor_app.py, must describe the model exactly as the server
