@@ -1,14 +1,15 @@
 """Where one worker's time goes under closed-loop load: a py-spy profile, per stage.
 
-    python scripts/profile_worker.py --model wide --baseline-ref 166bcbf     # docs/profile.md, ~4 min
+    python scripts/profile_worker.py --model wide --baseline-ref 166bcbf     # docs/profile.md, ~6 min
     python scripts/profile_worker.py --model wide --out /tmp/profile         # this tree alone
 
 For each tree (this one, and with --baseline-ref a git worktree of that commit), a real
 `gunicorn -c gunicorn.conf.py wsgi:app` with one worker serves the model while a headless
 Locust runs a closed loop (no think time, one row per request). Then, unless --no-floor,
 the floor: the same Gunicorn configuration serving scripts/floor_app.py, Flask and a model
-thread running the same model, with nothing of app/ in a request's path. py-spy (PyPI)
-samples each worker twice, one load run each:
+thread running the same model, with nothing of app/ in a request's path; and floor-batcher,
+the same with the server's batching engine as the model thread. py-spy (PyPI) samples each
+worker twice, one load run each:
 
 - `--gil`: only the thread holding the GIL, i.e. where the worker's Python runs. Each sample
   is put in the stage of the frame nearest the leaf that belongs to one (STAGES in
@@ -96,6 +97,7 @@ OTHER_PYTHON_THREADS = "other Python threads"
 # Threads Python did not start: TensorFlow's pools, and gRPC's where it serves.
 NATIVE_THREADS = "threads without Python (TensorFlow's pools, gRPC's)"
 FLOOR = benchmark.CONFIGS_BY_NAME["floor"]
+FLOOR_BATCHER = benchmark.CONFIGS_BY_NAME["floor-batcher"]
 
 
 @dataclasses.dataclass
@@ -367,6 +369,12 @@ def write_report(out: Path, results: list[dict[str, Any]], args: argparse.Namesp
         lines += [f"`{FLOOR.name}` is scripts/floor_app.py. {floor_description()} Its batches are not held to fill "
                   "under load, so its TensorFlow threads' CPU per request is not the server's; its Python "
                   "threads' is the floor under the server's.", ""]
+    if any(result["label"] == FLOOR_BATCHER.name for result in results):
+        lines += [f"`{FLOOR_BATCHER.name}` is the same app with FLOOR_BATCHER=true: the server's Batcher "
+                  "(app/batching.py, its defaults) in place of the model thread, fed one seeded row a request. "
+                  f"Its Python threads' CPU less `{FLOOR.name}`'s is what the batching engine costs; this "
+                  f"tree's less `{FLOOR_BATCHER.name}`'s is the rest of the server: the codec, request ids, "
+                  "access lines, metrics, body limits and version routing.", ""]
     lines += ["## Reproduce", "", "```", f"pip install py-spy=={args.py_spy_version}",
               "python scripts/profile_worker.py --model wide --baseline-ref <commit>", "```", ""]
     path = out / "profile.md"
@@ -381,7 +389,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--model-path", help="profile with this MODEL_PATH instead")
     parser.add_argument("--baseline-ref", help="also profile this commit (a temporary git worktree), first")
     parser.add_argument("--no-floor", dest="floor", action="store_false",
-                        help="leave out the floor (scripts/floor_app.py)")
+                        help="leave out the floor and floor-batcher (scripts/floor_app.py)")
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--rate", type=int, default=100)
@@ -416,7 +424,7 @@ def main(argv: Sequence[str]) -> int:
                 configs.append(server_config(f"baseline@{short_sha}", tree))
             configs.append(server_config("this tree", REPO))
             if args.floor:
-                configs.append(FLOOR)
+                configs += [FLOOR, FLOOR_BATCHER]
             for config in configs:
                 result = profile_server(config, args, work)
                 result["seconds"] = args.seconds
