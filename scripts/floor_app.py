@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 import numpy as np
 import orjson
@@ -54,21 +55,25 @@ METADATA = orjson.dumps(metadata.describe(model))
 
 
 class ModelThread:
-    """One predict call at a time; a request waits for a call that starts after it arrived."""
+    """One predict call at a time; a request waits for a call that starts after it arrived.
+
+    A failed call fails the requests it was for (their views answer 500) and the thread goes
+    on: a benchmark against the floor must not hang on it.
+    """
 
     def __init__(self, predict: Callable[[int], object], buckets: Sequence[int]) -> None:
         self._predict = predict
         self._buckets = tuple(buckets)
         self._ready = threading.Condition()
-        self._waiting: list[threading.Event] = []
+        self._waiting: list[Future[None]] = []
         threading.Thread(target=self._run, name="floor-model", daemon=True).start()
 
-    def wait(self) -> None:
-        done = threading.Event()
+    def wait(self, timeout_s: float | None = None) -> None:
+        done: Future[None] = Future()
         with self._ready:
             self._waiting.append(done)
             self._ready.notify()
-        done.wait()
+        done.result(timeout_s)
 
     def _run(self) -> None:
         largest = self._buckets[-1]
@@ -77,9 +82,14 @@ class ModelThread:
                 while not self._waiting:
                     self._ready.wait()
                 taken, self._waiting = self._waiting[:largest], self._waiting[largest:]
-            self._predict(next(size for size in self._buckets if size >= len(taken)))
-            for done in taken:
-                done.set()
+            try:
+                self._predict(next(size for size in self._buckets if size >= len(taken)))
+            except Exception as exc:  # noqa: BLE001 - handed to the requests it was for
+                for done in taken:
+                    done.set_exception(exc)
+            else:
+                for done in taken:
+                    done.set_result(None)
 
 
 app = Flask(__name__)

@@ -193,6 +193,26 @@ def test_the_floors_model_thread_runs_a_row_for_each_waiting_request_padded_to_t
     assert calls == [1, 8, 4]  # 11 waiting: the largest bucket, then 3 padded to 4
 
 
+def test_a_failed_call_of_the_floors_model_thread_fails_its_requests_and_the_thread_goes_on():
+    """A benchmark against the floor must not hang: the error reaches the waiting request, and
+    the next request gets a call of its own."""
+    spec = importlib.util.spec_from_file_location("floor_app_failing", REPO / "scripts" / "floor_app.py")
+    floor_app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floor_app)
+    calls: list[int] = []
+
+    def predict(rows: int) -> None:
+        calls.append(rows)
+        if len(calls) == 1:
+            raise RuntimeError("the first call fails")
+
+    model_thread = floor_app.ModelThread(predict, (1, 2, 4, 8))
+    with pytest.raises(RuntimeError, match="the first call fails"):
+        model_thread.wait(timeout_s=30)
+    model_thread.wait(timeout_s=30)
+    assert calls == [1, 1]
+
+
 def test_floor_batcher_sends_each_request_through_the_servers_batching_engine(monkeypatch):
     """FLOOR_BATCHER=true: the floor's requests go through app/batching.py's Batcher (a batch
     per call, its own thread), and still get the floor's fixed answer of one row."""
