@@ -10,7 +10,8 @@ InitializeLog" banner) straight to file descriptor 2 while `import tensorflow` r
 their own format and whatever TF_CPP_MIN_LOG_LEVEL says. The import runs with descriptor 2
 pointed at a temporary file, and what was written there is logged afterwards through
 `logging`: known informational lines at DEBUG (so they show with LOG_LEVEL=DEBUG, in
-LOG_FORMAT), anything else (an import error, say) at WARNING.
+LOG_FORMAT), anything else (an import error, say) at WARNING; a record's later lines at the
+level of its first. Python's own log handlers on stderr write past the capture meanwhile.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ _configured: dict[str, Any] | None = None
 
 # absl's one-line banner, and its INFO lines ("I1123 12:00:00.000000 123 port.cc:153] ...").
 _NATIVE_NOISE = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\)|I\d{4} )")
+# The first line of any absl/glog record; a multi-line message's later lines have no prefix.
+_NATIVE_RECORD = re.compile(r"^[IWEF]\d{4} ")
 
 
 # Usable CPUs per worker. Issue 15's closed-loop runs of a wide model (1,024 floats in,
@@ -199,23 +202,50 @@ def native_stderr_logged() -> Iterator[None]:
     """
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            captured.seek(0)
-            log_native_lines(captured.read().decode(errors="replace"))
+    # Python's own log records made meanwhile (the import logs through h5py, matplotlib, ...)
+    # go out as they are, on the real descriptor 2, not into the capture to come back as
+    # "tensorflow: ..." warnings that wrap a whole formatted line.
+    python_stderr = open(os.dup(saved), "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+    handlers = _stderr_handlers()
+    try:
+        with tempfile.TemporaryFile() as captured:
+            os.dup2(captured.fileno(), 2)
+            swapped = [(handler, handler.setStream(python_stderr)) for handler in handlers]
+            try:
+                yield
+            finally:
+                for handler, stream in swapped:
+                    handler.setStream(stream)
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                captured.seek(0)
+                log_native_lines(captured.read().decode(errors="replace"))
+    finally:
+        python_stderr.close()
+        os.close(saved)
+
+
+def _stderr_handlers() -> list[logging.StreamHandler[Any]]:
+    loggers = [logging.getLogger(), *(logger for logger in list(logging.Logger.manager.loggerDict.values())
+                                      if isinstance(logger, logging.Logger))]
+    return [handler for logger in loggers for handler in logger.handlers
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr]
 
 
 def log_native_lines(text: str) -> None:
+    # A line without a record prefix continues the record before it and takes its level
+    # (TensorFlow's CPU-features INFO is two lines); one before any record is a WARNING.
+    continued = logging.WARNING
     for line in text.splitlines():
-        if line.strip():
-            level = logging.DEBUG if _NATIVE_NOISE.match(line) else logging.WARNING
-            log.log(level, "tensorflow: %s", line.rstrip())
+        if not line.strip():
+            continue
+        if _NATIVE_RECORD.match(line):
+            level = continued = logging.DEBUG if _NATIVE_NOISE.match(line) else logging.WARNING
+        elif _NATIVE_NOISE.match(line):  # absl's banner: one line of its own
+            level, continued = logging.DEBUG, logging.WARNING
+        else:
+            level = continued
+        log.log(level, "tensorflow: %s", line.rstrip())
 
 
 def configured() -> dict[str, Any]:

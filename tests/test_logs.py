@@ -149,6 +149,48 @@ def test_native_lines_are_debug_only_when_known_noise(caplog, line, level):
     assert [(entry.levelno, entry.getMessage()) for entry in caplog.records] == [(level, f"tensorflow: {line}")]
 
 
+@pytest.mark.parametrize("text, levels", [
+    # TensorFlow's CPU-features INFO is two lines; the second has no prefix and is still INFO.
+    ("I0000 00:00:1.0 1 cpu_feature_guard.cc:227] This TensorFlow binary is optimized ...\n"
+     "To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow ...\n",
+     [logging.DEBUG, logging.DEBUG]),
+    ("E0000 00:00:1.0 1 cuda_dnn.cc:8] Unable to register cuDNN factory\nsecond line\n",
+     [logging.WARNING, logging.WARNING]),
+    # After absl's one-line banner, an unprefixed line is a record of its own: not noise.
+    ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+     "ImportError: libcudart.so.12: cannot open shared object file\n", [logging.DEBUG, logging.WARNING]),
+    ("I0000 00:00:1.0 1 port.cc:153] oneDNN custom operations are on.\n"
+     "W0000 00:00:1.0 1 gpu_device.cc:2] Cannot dlopen some GPU libraries\n", [logging.DEBUG, logging.WARNING]),
+])
+def test_a_native_records_later_lines_take_its_level(caplog, text, levels):
+    with caplog.at_level(logging.DEBUG, logger="app.runtime"):
+        runtime.log_native_lines(text)
+    assert [(entry.levelno, entry.getMessage()) for entry in caplog.records] == [
+        (level, f"tensorflow: {line}") for level, line in zip(levels, text.splitlines())]
+
+
+def test_python_records_made_while_native_lines_are_captured_go_out_as_themselves():
+    """The TensorFlow import logs through Python too (h5py, matplotlib at DEBUG): those records
+    are written as they are, not captured with the native lines and re-logged as warnings."""
+    code = (
+        "import logging, os\n"
+        "from app import logs, runtime\n"
+        "logs.configure_logging('DEBUG', 'json')\n"
+        "with runtime.native_stderr_logged():\n"
+        "    logging.getLogger('some.library').debug('a python record')\n"
+        "    os.write(2, b'I0000 00:00:1.0 1 cpu_feature_guard.cc:227] optimized\\nTo enable: AVX2 FMA\\n')\n"
+        "logging.getLogger('some.library').info('after')\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    entries = [json.loads(line) for line in result.stderr.splitlines() if line.strip()]
+    assert [(entry["logger"], entry["level"], entry["message"]) for entry in entries] == [
+        ("some.library", "DEBUG", "a python record"),
+        ("app.runtime", "DEBUG", "tensorflow: I0000 00:00:1.0 1 cpu_feature_guard.cc:227] optimized"),
+        ("app.runtime", "DEBUG", "tensorflow: To enable: AVX2 FMA"),
+        ("some.library", "INFO", "after"),
+    ]
+
+
 @pytest.mark.parametrize("probes, logged", [
     (False, ["/predict"]),
     (True, ["/healthz", "/metrics", "/predict", "/readyz"]),
