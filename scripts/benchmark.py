@@ -103,6 +103,7 @@ class Config:
         return "keras_predict" if self.env.get("PREDICT_METHOD") == "keras_predict" else "function"
 
 
+FLOOR_APP = ("--pythonpath", "scripts", "floor_app:app")
 CONFIGS = [
     Config("naive", 1, {"PREDICT_METHOD": "keras_predict", "BATCHING": "false"},
            "Keras model.predict per request, no batching: the article's starting point", True),
@@ -116,13 +117,12 @@ CONFIGS = [
            "batching that waits up to 20 ms for a batch to fill", True),
     Config("default", 1, {}, "the shipped default: batch as soon as the model is free, 1 worker", False),
     Config("default-2w", 2, {}, "the shipped default with 2 workers", False),
-    # Not a server: what Gunicorn and Flask cost around the same model (scripts/floor_app.py).
+    # Not servers: what Gunicorn and Flask cost around the same model (scripts/floor_app.py).
     Config("floor", 1, {"GRPC_BIND": ""}, "the floor: Gunicorn and Flask around the same model, nothing of app/ in a "
-           "request (scripts/floor_app.py; fixed answers)", True, app=("--pythonpath", "scripts", "floor_app:app"),
-           in_full_run=False),
+           "request (scripts/floor_app.py; fixed answers)", True, app=FLOOR_APP, in_full_run=False),
     Config("floor-batcher", 1, {"GRPC_BIND": "", "FLOOR_BATCHER": "true"}, "the floor with the server's batching "
            "engine as its model thread (scripts/floor_app.py, FLOOR_BATCHER=true; fixed answers)", True,
-           app=("--pythonpath", "scripts", "floor_app:app"), in_full_run=False),
+           app=FLOOR_APP, in_full_run=False),
 ]
 CONFIGS_BY_NAME = {config.name: config for config in CONFIGS}
 REFERENCE = "default"

@@ -24,6 +24,18 @@ FEATURES = 4
 TF_SERVING_DOCS_URL = "http://localhost:8501"
 
 
+def wait_for(predicate, *, within_s: float = 30, what: str = "a condition"):
+    """Poll a condition where there is no event to wait on (a live server, another thread's state)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {within_s} s")
+        time.sleep(0.05)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -37,7 +37,7 @@ from tensorflow_serving.apis import (
     prediction_service_pb2_grpc,
 )
 
-from tests.conftest import Server, build_exact_model, integer_rows
+from tests.conftest import Server, build_exact_model, integer_rows, wait_for
 from tests.test_tf_serving import save_tag_signal_sensor
 
 PREDICT = "/tensorflow.serving.PredictionService/Predict"
@@ -60,16 +60,6 @@ def make_ndarray(proto) -> np.ndarray:
     return tf.make_ndarray(proto)
 
 
-def wait_for(predicate, *, within_s: float = 30, what: str = "a condition"):
-    """Poll a condition on the live server (no event to wait on across processes)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {within_s} s")
-        time.sleep(0.05)
 
 
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -152,16 +152,21 @@ def test_the_floor_profiles_as_the_floor_app_and_its_model_thread(profile_worker
     assert profile_worker.role_of(model) == "batch thread"
 
 
+def load_floor_app(name: str):
+    """scripts/floor_app.py as a fresh module: it loads the built-in model, as Gunicorn would."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "floor_app.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_floors_model_thread_runs_a_row_for_each_waiting_request_padded_to_the_servers_buckets():
     """The floor stands beside the server only if its calls are sized like the server's: a lone
     request runs a batch of one (a full batch would make the floor slower than the server at one
     user), waiting requests share a call padded to a bucket, and no call exceeds the largest."""
     import threading
-    import time
 
-    spec = importlib.util.spec_from_file_location("floor_app", REPO / "scripts" / "floor_app.py")
-    floor_app = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(floor_app)  # loads the built-in model, as Gunicorn would
+    floor_app = load_floor_app("floor_app")
     assert floor_app.BUCKETS[-1] == floor_app.settings.max_batch_size
 
     calls: list[int] = []
@@ -172,20 +177,13 @@ def test_the_floors_model_thread_runs_a_row_for_each_waiting_request_padded_to_t
         first_call_held.wait(timeout=60)
 
     model_thread = floor_app.ModelThread(predict, (1, 2, 4, 8))
-
-    def poll(condition) -> None:
-        deadline = time.monotonic() + 30
-        while not condition():
-            assert time.monotonic() < deadline, "the model thread did not get there in 30 s"
-            time.sleep(0.005)
-
     requests = [threading.Thread(target=model_thread.wait)]
     requests[0].start()
-    poll(lambda: calls == [1])
+    wait_for(lambda: calls == [1], what="the first call")
     requests += [threading.Thread(target=model_thread.wait) for _ in range(11)]
     for thread in requests[1:]:
         thread.start()
-    poll(lambda: len(model_thread._waiting) == 11)
+    wait_for(lambda: len(model_thread._waiting) == 11, what="11 requests waiting")
     first_call_held.set()
     for thread in requests:
         thread.join(timeout=30)
@@ -196,9 +194,7 @@ def test_the_floors_model_thread_runs_a_row_for_each_waiting_request_padded_to_t
 def test_a_failed_call_of_the_floors_model_thread_fails_its_requests_and_the_thread_goes_on():
     """A benchmark against the floor must not hang: the error reaches the waiting request, and
     the next request gets a call of its own."""
-    spec = importlib.util.spec_from_file_location("floor_app_failing", REPO / "scripts" / "floor_app.py")
-    floor_app = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(floor_app)
+    floor_app = load_floor_app("floor_app_failing")
     calls: list[int] = []
 
     def predict(rows: int) -> None:
@@ -217,9 +213,7 @@ def test_floor_batcher_sends_each_request_through_the_servers_batching_engine(mo
     """FLOOR_BATCHER=true: the floor's requests go through app/batching.py's Batcher (a batch
     per call, its own thread), and still get the floor's fixed answer of one row."""
     monkeypatch.setenv("FLOOR_BATCHER", "true")
-    spec = importlib.util.spec_from_file_location("floor_app_batcher", REPO / "scripts" / "floor_app.py")
-    floor_app = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(floor_app)
+    floor_app = load_floor_app("floor_app_batcher")
     try:
         answer = floor_app.app.test_client().post("/predict", json={"instances": [[1.0, 2.0, 3.0, 4.0]]})
         assert answer.status_code == 200 and answer.data == floor_app.ANSWER
