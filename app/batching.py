@@ -11,11 +11,19 @@ Under load, "at once" leaves rows on the table: with clients that send their nex
 soon as they have an answer, the requests of one batch come back while the next one runs,
 and the two halves take turns at half the batch size, for good (measured: 16-row batches from
 32 clients, with a model whose cost per row halves from 16 to 32 rows). So with
-`fill_under_load`, when requests waited through the last predict call and, with those it
-answered, made at least a quarter of a full batch (at least 3), a batch that is not full may
-wait for more rows, at most as long as that last call took: the model idles at most as long
-as it last ran. At low load nobody waits through a call, and at moderate load too few do:
-a request is dispatched at once as before.
+`fill_under_load`, a batch that is not full may wait for more rows, at most as long as the
+last predict call took (the model idles at most as long as it last ran), in two cases:
+
+- the last call answered at least a quarter of a full batch (at least 3 requests): a closed
+  loop's clients are all in that call, so none waits through it, and they come straight
+  back. The batch waits for as many requests as were around that call (those it answered
+  and those that waited through it), not for a full batch: a loop of fewer clients than a
+  batch holds would otherwise idle the model a whole window every call;
+- requests waited through the last call and, with those it answered, made a quarter of a
+  batch: the load is rising, and the batch waits to be full.
+
+At low load a call answers one or two requests and nobody waits through it: a request is
+dispatched at once as before.
 
 The batch is padded up to the next bucket size (powers of two up to `max_batch_size`),
 so the model only ever sees shapes it was warmed with, and each request gets its own
@@ -89,10 +97,10 @@ class BatchObserver:
         pass
 
 
-# A batch waits to fill when requests waited through the last predict call and, with those
-# that call answered, they made at least this share of a full batch: clients that many, just
-# answered, are likely to come straight back. Fewer is moderate load, where waiting for
-# clients that think between requests would only add latency.
+# A batch waits to fill when the last predict call answered at least this share of a full
+# batch, or when requests waited through it and, with those it answered, made that share:
+# clients that many, just answered, are likely to come straight back. Fewer is moderate load,
+# where waiting for clients that think between requests would only add latency.
 FILL_UNDER_LOAD_SHARE = 4  # a quarter of max_batch_size
 FILL_UNDER_LOAD_MIN_REQUESTS = 3
 
@@ -260,7 +268,7 @@ class Batcher:
         self._broken: BaseException | None = None
         self._failed_hooks: set[str] = set()
         self.batches_run = 0
-        # Of the last predict call: how long it took, and how many requests waited through it.
+        # Of the last predict call: how long it took, how many requests it answered, and how many waited through it.
         self._last_predict_s = 0.0
         self._answered_by_last = 0
         self._waited_through_last = 0
@@ -420,6 +428,7 @@ class Batcher:
     def _gather(self) -> _Batch:
         batch = _Batch(self.max_batch_size)
         self._fill(batch)
+        enough_requests = self.max_batch_size  # one row each at least: reached only when full
         if not (self.batching and batch.slices) or batch.full:
             return batch
         if self.batch_timeout_s > 0:
@@ -428,9 +437,13 @@ class Batcher:
             wait_until = batch.slices[0].pending.enqueued_at + self.batch_timeout_s
         elif self.fill_under_load and self._loaded():
             wait_until = self._clock() + self._last_predict_s
+            if self._answered_by_last >= self._fill_wanted:
+                # The clients of a closed loop: those just answered come straight back, and no
+                # more. Waiting for a full batch past them would idle the model a whole window.
+                enough_requests = self._answered_by_last + self._waited_through_last
         else:
             return batch
-        while not batch.full:
+        while not batch.full and len(batch.slices) < enough_requests:
             with self._lock:
                 while not self._incoming and not self._shutdown:
                     remaining = wait_until - self._clock()
@@ -530,10 +543,15 @@ class Batcher:
                 piece.pending.deliver(own, rows, len(part), done=piece.stop == piece.pending.rows)
                 offset += piece.rows
 
+    @property
+    def _fill_wanted(self) -> int:
+        return max(FILL_UNDER_LOAD_MIN_REQUESTS, self.max_batch_size // FILL_UNDER_LOAD_SHARE)
+
     def _loaded(self) -> bool:
+        if self._answered_by_last >= self._fill_wanted:
+            return True
         around_last_call = self._answered_by_last + self._waited_through_last
-        wanted = max(FILL_UNDER_LOAD_MIN_REQUESTS, self.max_batch_size // FILL_UNDER_LOAD_SHARE)
-        return self._waited_through_last >= 1 and around_last_call >= wanted
+        return self._waited_through_last >= 1 and around_last_call >= self._fill_wanted
 
     def _waiting_requests(self) -> int:
         """Requests queued and not finished taking (the batch thread's view; arrivals counted unlocked)."""

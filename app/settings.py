@@ -148,9 +148,10 @@ class Settings:
         "BATCHING", validate_bool, True, "false: every request gets its own predict call (the naive server).")
     batch_fill_under_load: bool = _env(
         "BATCH_FILL_UNDER_LOAD", validate_bool, True,
-        "With BATCH_TIMEOUT_MS=0: when requests waited through the last predict call and, with those it "
-        "answered, made a quarter of a full batch (at least 3), a batch that is not full may wait for more "
-        "rows, at most as long as that call took. false: always dispatch as soon as the model is free.")
+        "With BATCH_TIMEOUT_MS=0: when the last predict call answered a quarter of a full batch (at least 3 "
+        "requests), or requests waited through it and with those it answered made a quarter of a batch, a batch "
+        "that is not full may wait for more rows, at most as long as that call took. false: always dispatch as "
+        "soon as the model is free.")
     predict_method: str = _env(
         "PREDICT_METHOD", validate_choice("function", "keras_predict"), "function",
         "function: a compiled tf.function; keras_predict: Keras model.predict (slow, for comparison).")

@@ -769,8 +769,31 @@ def test_a_straggler_waits_for_the_clients_the_last_call_just_answered(make_batc
     # One waited, six were just answered: a closed loop's clients come straight back, so the
     # straggler waits for them rather than take a whole call alone.
     assert not wait_for_done(straggler, within_s=0.3)
-    returning = [batcher.submit(rows(float(index))) for index in range(7, 14)]
-    assert [future.result(WAIT_S).batch_requests for future in [straggler, *returning]] == [8] * 8
+    returning = [batcher.submit(rows(float(index))) for index in range(7, 13)]
+    # ... and goes with them: seven clients were seen around that call, and a batch of eight
+    # would wait for one that is not coming (the fake clock is frozen: the window never ends).
+    assert [future.result(WAIT_S).batch_requests for future in [straggler, *returning]] == [7] * 7
+    assert [future.result(WAIT_S).outputs["y"][0, 0] for future in returning] == [10.0 * i for i in range(7, 13)]
+
+
+def test_after_a_large_call_the_first_request_back_waits_for_the_others(make_batcher, fake):
+    now = [1000.0]
+    batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
+    first, release_first = occupy(batcher, fake)
+    answered = [batcher.submit(rows(float(index))) for index in range(4)]
+    started, release = fake.hold()  # their call: four requests, a quarter of a batch or more
+    release_first.set()
+    assert started.wait(WAIT_S)
+    now[0] += 60.0
+    release.set()  # nobody arrived during it
+    assert [future.result(WAIT_S).batch_requests for future in answered] == [4] * 4
+    # A closed loop's clients are all in the call, so none waits through it; the first one
+    # back still waits for the other three rather than take a call alone.
+    back = [batcher.submit(rows(4.0))]
+    assert not wait_for_done(back[0], within_s=0.3)
+    back += [batcher.submit(rows(float(index))) for index in range(5, 8)]
+    assert [future.result(WAIT_S).batch_requests for future in back] == [4] * 4
+    assert [future.result(WAIT_S).outputs["y"][0, 0] for future in back] == [40.0, 50.0, 60.0, 70.0]
 
 
 def test_the_wait_to_fill_ends_after_as_long_as_the_last_call_took(make_batcher, fake):
