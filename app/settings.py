@@ -149,7 +149,8 @@ class Settings:
     batch_fill_under_load: bool = _env(
         "BATCH_FILL_UNDER_LOAD", validate_bool, True,
         "With BATCH_TIMEOUT_MS=0: when the last predict call answered a quarter of a full batch (at least 3 "
-        "requests), or requests waited through it and with those it answered made a quarter of a batch, a batch "
+        "requests) and the first request back came soon after it (within its own time and 2 ms a request it "
+        "answered), or requests waited through it and with those it answered made a quarter of a batch, a batch "
         "that is not full may wait for more rows, at most as long as that call took. false: always dispatch as "
         "soon as the model is free.")
     predict_method: str = _env(

@@ -796,6 +796,25 @@ def test_after_a_large_call_the_first_request_back_waits_for_the_others(make_bat
     assert [future.result(WAIT_S).outputs["y"][0, 0] for future in back] == [40.0, 50.0, 60.0, 70.0]
 
 
+def test_a_request_long_after_a_large_call_goes_at_once(make_batcher, fake):
+    now = [1000.0]
+    batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
+    first, release_first = occupy(batcher, fake)
+    answered = [batcher.submit(rows(float(index))) for index in range(4)]
+    started, release = fake.hold()
+    release_first.set()
+    assert started.wait(WAIT_S)
+    now[0] += 60.0
+    release.set()
+    assert [future.result(WAIT_S).batch_requests for future in answered] == [4] * 4
+    # The four were a burst, not a loop: nothing came back within the 60 s their call took.
+    # A request after that is light load, and goes at once (a wait to fill would last the
+    # call's 60 s, longer than the test waits).
+    now[0] += 61.0
+    later = batcher.submit(rows(4.0))
+    assert later.result(WAIT_S).batch_requests == 1
+
+
 def test_the_wait_to_fill_ends_after_as_long_as_the_last_call_took(make_batcher, fake):
     now = [1000.0]
     batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
