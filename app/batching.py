@@ -446,9 +446,9 @@ class Batcher:
             # Wait for more until the oldest has waited its window; past it, still take what is
             # already queued: under load the oldest has often waited its window out behind the last batch.
             wait_until = batch.slices[0].pending.enqueued_at + self.batch_timeout_s
-        elif self.fill_under_load and (self._loop_returning(batch) or self._load_rising()):
+        elif self.fill_under_load and ((returning := self._loop_returning(batch)) or self._load_rising()):
             wait_until = self._clock() + self._last_predict_s
-            if self._loop_returning(batch):
+            if returning:
                 # The clients of a closed loop: those just answered come straight back, and no
                 # more. Waiting for a full batch past them would idle the model a whole window.
                 enough_requests = self._answered_by_last + self._waited_through_last

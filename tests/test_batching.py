@@ -732,6 +732,22 @@ def held_for(batcher: Batcher, fake: FakeModel, now: list[float], *, seconds: fl
     return queued
 
 
+def answered_call(batcher: Batcher, fake: FakeModel, now: list[float], *, requests: int, seconds: float,
+                  during: int = 0):
+    """A predict call of `requests` requests that 'takes' `seconds` of the fake clock while `during`
+    more arrive; returns (the answered futures, the arrivals), after the call has answered."""
+    first, release_first = occupy(batcher, fake)
+    answered = [batcher.submit(rows(float(index))) for index in range(requests)]
+    started, release = fake.hold()
+    release_first.set()
+    assert started.wait(WAIT_S)
+    now[0] += seconds
+    arrived = [batcher.submit(rows(float(index))) for index in range(requests, requests + during)]
+    release.set()
+    assert [future.result(WAIT_S).batch_requests for future in answered] == [requests] * requests
+    return answered, arrived
+
+
 def test_under_load_a_batch_waits_for_more_rows_instead_of_going_half_empty(make_batcher, fake):
     now = [1000.0]  # frozen after the held call: only more rows can end the wait
     batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
@@ -757,15 +773,7 @@ def test_at_light_load_a_request_goes_at_once_whatever_the_last_call_took(make_b
 def test_a_straggler_waits_for_the_clients_the_last_call_just_answered(make_batcher, fake):
     now = [1000.0]
     batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
-    first, release_first = occupy(batcher, fake)
-    answered = [batcher.submit(rows(float(index))) for index in range(6)]
-    started, release = fake.hold()  # their call, 60 s of the fake clock
-    release_first.set()
-    assert started.wait(WAIT_S)
-    now[0] += 60.0
-    straggler = batcher.submit(rows(6.0))
-    release.set()
-    assert [future.result(WAIT_S).batch_requests for future in answered] == [6] * 6
+    _, (straggler,) = answered_call(batcher, fake, now, requests=6, seconds=60.0, during=1)
     # One waited, six were just answered: a closed loop's clients come straight back, so the
     # straggler waits for them rather than take a whole call alone.
     assert not wait_for_done(straggler, within_s=0.3)
@@ -779,14 +787,8 @@ def test_a_straggler_waits_for_the_clients_the_last_call_just_answered(make_batc
 def test_after_a_large_call_the_first_request_back_waits_for_the_others(make_batcher, fake):
     now = [1000.0]
     batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
-    first, release_first = occupy(batcher, fake)
-    answered = [batcher.submit(rows(float(index))) for index in range(4)]
-    started, release = fake.hold()  # their call: four requests, a quarter of a batch or more
-    release_first.set()
-    assert started.wait(WAIT_S)
-    now[0] += 60.0
-    release.set()  # nobody arrived during it
-    assert [future.result(WAIT_S).batch_requests for future in answered] == [4] * 4
+    # Four requests, a quarter of a batch or more; nobody arrived during their call.
+    answered_call(batcher, fake, now, requests=4, seconds=60.0)
     # A closed loop's clients are all in the call, so none waits through it; the first one
     # back still waits for the other three rather than take a call alone.
     back = [batcher.submit(rows(4.0))]
@@ -799,14 +801,7 @@ def test_after_a_large_call_the_first_request_back_waits_for_the_others(make_bat
 def test_a_request_long_after_a_large_call_goes_at_once(make_batcher, fake):
     now = [1000.0]
     batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
-    first, release_first = occupy(batcher, fake)
-    answered = [batcher.submit(rows(float(index))) for index in range(4)]
-    started, release = fake.hold()
-    release_first.set()
-    assert started.wait(WAIT_S)
-    now[0] += 60.0
-    release.set()
-    assert [future.result(WAIT_S).batch_requests for future in answered] == [4] * 4
+    answered_call(batcher, fake, now, requests=4, seconds=60.0)
     # The four were a burst, not a loop: nothing came back within the 60 s their call took.
     # A request after that is light load, and goes at once (a wait to fill would last the
     # call's 60 s, longer than the test waits).
