@@ -269,6 +269,13 @@ class Batcher:
         self._arrived = threading.Condition(self._lock)
         # Submitted, not yet seen by the batch thread.
         self._incoming: collections.deque[_Pending] = collections.deque()
+        self._incoming_rows = 0
+        # A submit wakes the batch thread only once this many requests, or rows, have arrived
+        # since it last looked: a batch filling under load waits for a count it knows, and
+        # waking it for every arrival would cost each request a thread switch and a GIL
+        # hand-off on the path between two predict calls.
+        self._wake_requests = 1
+        self._wake_rows = 1
         # Seen by the batch thread, future not done yet: only the batch thread changes it.
         self._backlog: collections.deque[_Pending] = collections.deque()
         self._queued_rows = 0
@@ -320,7 +327,9 @@ class Batcher:
             self._queued_rows += rows
             self._notify("queue_depth", self._queued_rows)
             self._incoming.append(pending)
-            self._arrived.notify()
+            self._incoming_rows += rows
+            if len(self._incoming) >= self._wake_requests or self._incoming_rows >= self._wake_rows:
+                self._arrived.notify()
         return pending.future
 
     def predict(self, inputs: Tensors, *, timeout_s: float) -> BatchResult:
@@ -435,6 +444,7 @@ class Batcher:
         # is always in one of them (or both), never in neither.
         self._backlog.extend(self._incoming)
         self._incoming.clear()
+        self._incoming_rows = 0
 
     def _gather(self) -> _Batch:
         batch = _Batch(self.max_batch_size)
@@ -456,10 +466,16 @@ class Batcher:
             return batch
         while not batch.full and len(batch.slices) < enough_requests:
             with self._lock:
-                while not self._incoming and not self._shutdown:
-                    remaining = wait_until - self._clock()
-                    if remaining <= 0 or not self._arrived.wait(remaining):
-                        break
+                self._wake_requests = enough_requests - len(batch.slices)
+                self._wake_rows = batch.max_rows - batch.rows
+                try:
+                    while (len(self._incoming) < self._wake_requests and self._incoming_rows < self._wake_rows
+                           and not self._shutdown):
+                        remaining = wait_until - self._clock()
+                        if remaining <= 0 or not self._arrived.wait(remaining):
+                            break
+                finally:
+                    self._wake_requests = self._wake_rows = 1
                 if not self._incoming:
                     break  # the window closed, or the server is stopping: go now
                 self._admit()

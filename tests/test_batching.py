@@ -23,6 +23,7 @@ from app.errors import (
     QueueFull,
     ShuttingDown,
 )
+from tests.conftest import wait_for
 
 WAIT_S = 10  # upper bound for events that should come at once; never reached when passing
 
@@ -841,3 +842,35 @@ def wait_for_done(future, *, within_s: float) -> bool:
     except concurrent.futures.TimeoutError:
         return False
     return True
+
+
+def test_a_filling_batch_wakes_its_thread_once_for_the_requests_it_waits_for(make_batcher, fake):
+    now = [1000.0]
+    batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
+    answered_call(batcher, fake, now, requests=4, seconds=60.0)
+    back = [batcher.submit(rows(4.0))]
+    # The first one back starts a batch that waits for the other three of the loop.
+    assert wait_for(lambda: batcher._wake_requests == 3)
+    woken = []
+    notify = batcher._arrived.notify
+    batcher._arrived.notify = lambda *args: (woken.append(len(back)), notify(*args))
+    for index in range(5, 8):
+        back.append(batcher.submit(rows(float(index))))
+    # Only the arrival that completes what the batch waits for wakes its thread: waking it for
+    # each would cost every request a thread switch and a GIL hand-off between two calls.
+    assert [future.result(WAIT_S).batch_requests for future in back] == [4] * 4
+    assert [future.result(WAIT_S).outputs["y"][0, 0] for future in back] == [40.0, 50.0, 60.0, 70.0]
+    assert woken == [3]  # during the third submit, with three of them already in `back`
+
+
+def test_a_request_that_fills_the_waiting_batch_wakes_it_however_few_requests_came(make_batcher, fake):
+    now = [1000.0]  # frozen: the fill window never ends by itself
+    batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
+    answered_call(batcher, fake, now, requests=4, seconds=60.0)
+    first = batcher.submit(rows(4.0))
+    assert wait_for(lambda: batcher._wake_requests == 3)
+    # Three more requests were expected; one of seven rows fills the batch on its own.
+    big = batcher.submit(rows(*[float(index) for index in range(5, 12)]))
+    assert [(future.result(WAIT_S).batch_rows, future.result(WAIT_S).batch_requests)
+            for future in (first, big)] == [(8, 2), (8, 2)]
+    assert big.result(WAIT_S).outputs["y"][:, 0].tolist() == [10.0 * index for index in range(5, 12)]
