@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
+import io
 import logging
+import random
 import re
 import threading
 import time
 import traceback
-import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from typing import Any
 
@@ -135,7 +137,9 @@ def gunicorn_logconfig(level: str, fmt: str = "text") -> dict[str, Any]:
 
 def accept_request_id(given: str) -> str:
     """The client's X-Request-ID (or gRPC's x-request-id metadata) if it is a sane token, else a new id."""
-    return given if _SANE_ID.match(given) else uuid.uuid4().hex
+    # 128 random bits from the process's own generator (reseeded in each forked worker), not
+    # uuid4: os.urandom is a system call that hands the GIL to another thread under load.
+    return given if _SANE_ID.match(given) else f"{random.getrandbits(128):032x}"
 
 
 @dataclasses.dataclass
@@ -214,12 +218,13 @@ class AccessWriter:
                 traceback.print_exc()
 
     def _write_pending(self) -> None:
-        while True:
-            try:
-                created, fields = self._pending.popleft()
-            except IndexError:
-                return
-            self._write(created, fields)
+        with _one_write_per_stream(self._logger):
+            while True:
+                try:
+                    created, fields = self._pending.popleft()
+                except IndexError:
+                    return
+                self._write(created, fields)
 
     def _write(self, created: float, fields: dict[str, Any]) -> None:
         entry = self._logger.makeRecord(self._logger.name, logging.INFO, "", 0, "access", (), None,
@@ -229,6 +234,49 @@ class AccessWriter:
         entry.msecs = int((created - int(created)) * 1000) + 0.0
         entry.relativeCreated = (created - logging._startTime) * 1000
         self._logger.handle(entry)
+
+
+@contextlib.contextmanager
+def _one_write_per_stream(logger: logging.Logger) -> Iterator[None]:
+    """Records handled inside reach each stream handler's stream in one write and one flush.
+
+    A StreamHandler writes and flushes every record: a system call per access line, each one
+    handing the GIL to another thread under load. Each handler's lock is held meanwhile, so
+    lines from other threads wait and stay in order; filters and formatters run as ever.
+    """
+    handlers = [handler for handler in _handlers_of(logger)
+                if isinstance(handler, logging.StreamHandler) and handler.stream is not None]
+    buffers: list[tuple[logging.StreamHandler, Any, io.StringIO]] = []
+    try:
+        for handler in handlers:
+            handler.acquire()
+            buffer = io.StringIO()
+            # Not setStream(): that flushes the old stream, a system call for nothing.
+            buffers.append((handler, handler.stream, buffer))
+            handler.stream = buffer
+        yield
+    finally:
+        for handler, stream, buffer in buffers:
+            handler.stream = stream
+            try:
+                text = buffer.getvalue()
+                if text:
+                    stream.write(text)
+                    stream.flush()
+            except Exception:
+                handler.handleError(logging.makeLogRecord({"msg": "access lines", "levelno": logging.INFO}))
+            finally:
+                handler.release()
+
+
+def _handlers_of(logger: logging.Logger) -> list[logging.Handler]:
+    """The handlers a record of `logger` reaches, as Logger.callHandlers walks them."""
+    found: list[logging.Handler] = []
+    current: logging.Logger | None = logger
+    while current is not None:
+        found.extend(current.handlers)
+        current = current.parent if current.propagate else None
+    return found
 
 
 _writer: AccessWriter | None = None

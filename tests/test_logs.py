@@ -9,9 +9,11 @@ unit checks of the formatters and of the access log's probe rule, on Flask's tes
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import re
 import subprocess
 import threading
 import sys
@@ -289,6 +291,53 @@ def test_close_writes_what_is_still_pending(access_logger):
         writer.put(float(index), {"index": index})
     writer.close()
     assert [record.fields["index"] for record in handler.records] == list(range(5))
+
+
+class _CountingStream(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+
+def test_access_writer_writes_a_batch_of_lines_to_a_stream_in_one_write(access_logger):
+    stream = _CountingStream()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logs.TextFormatter())
+    access_logger.addHandler(handler)
+    writer = logs.AccessWriter(access_logger, linger_s=60)  # only flush() writes
+    for index in range(5):
+        writer.put(1_000_000.0 + index, {"index": index})
+    writer.flush()
+    # A write (and a flush) per line would be a system call per request, each handing the GIL
+    # to another thread under load.
+    assert stream.writes == 1
+    lines = stream.getvalue().splitlines()
+    assert [line.rsplit(" ", 1)[1] for line in lines] == [f"index={index}" for index in range(5)]
+    assert [line.split(" ", 1)[0] for line in lines] == [logs.utc_timestamp(1_000_000.0 + index) for index in range(5)]
+    # The handler writes to its own stream again afterwards, a line at a time.
+    access_logger.info("after", extra={"fields": {"index": 5}})
+    assert stream.writes == 2 and stream.getvalue().splitlines()[-1].endswith("after index=5")
+    writer.close()
+
+
+def test_request_ids_of_forked_workers_differ():
+    """Ids come from the process's random generator: each forked worker must draw its own."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one id, then out without running the parent's clean-up
+        os.write(write, logs.accept_request_id("").encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    os.waitpid(pid, 0)
+    parent = logs.accept_request_id("")
+    assert re.fullmatch(r"[0-9a-f]{32}", parent) and re.fullmatch(r"[0-9a-f]{32}", child)
+    assert child != parent
 
 
 def test_gunicorn_builds_no_access_line_of_its_own():
