@@ -29,7 +29,9 @@ bind = os.environ.get("BIND", "0.0.0.0:8000")
 # Derived from the CPUs this process may use (affinity, cgroup CPU quota), not the host's
 # count: one worker per CPUS_PER_WORKER of them (app/runtime.py has the measurements).
 workers = _env("WORKERS", default_workers(usable_cpus().count))
-worker_class = "gthread"
+# Gunicorn's gthread worker, less a drain's two GIL-releasing system calls per kept-alive
+# request when the body was read to its end (app/worker.py).
+worker_class = "app.worker.ThreadWorker"
 # A batch can only hold as many requests as there are threads waiting on it, and overload
 # must meet the queue's fast 503 (MAX_QUEUE_ROWS) before it meets a thread pool where
 # requests would wait unseen: enough threads for a running batch, a full queue and more.
