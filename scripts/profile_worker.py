@@ -70,7 +70,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("views (app/api.py)", ("app/api.py", "app/errors.py")),
     ("floor app: parse, hand to the model thread, wait", ("floor_app.py",)),
     ("Flask and Werkzeug", ("flask/", "werkzeug/")),
-    ("Gunicorn: HTTP, threads, polling", ("gunicorn/", "selectors.py", "concurrent/futures/thread.py")),
+    ("Gunicorn: HTTP, threads, polling", ("gunicorn/", "selectors.py", "concurrent/futures/thread.py", "app/worker.py")),
     ("gRPC server", ("grpc/",)),
 ]
 OTHER_STAGE = "other"
