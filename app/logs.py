@@ -20,8 +20,10 @@ import contextlib
 import dataclasses
 import io
 import logging
+import os
 import random
 import re
+import select
 import threading
 import time
 import traceback
@@ -135,11 +137,17 @@ def gunicorn_logconfig(level: str, fmt: str = "text") -> dict[str, Any]:
     }
 
 
+# New request ids: 128 random bits from a generator of this module's own, not uuid4, whose
+# os.urandom is a system call that hands the GIL to another thread under load. Seeded from
+# the OS, and again in each forked worker; its own instance, so that a library seeding the
+# shared `random` (Keras' set_random_seed does) cannot give every worker the same ids.
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)
+
+
 def accept_request_id(given: str) -> str:
     """The client's X-Request-ID (or gRPC's x-request-id metadata) if it is a sane token, else a new id."""
-    # 128 random bits from the process's own generator (reseeded in each forked worker), not
-    # uuid4: os.urandom is a system call that hands the GIL to another thread under load.
-    return given if _SANE_ID.match(given) else f"{random.getrandbits(128):032x}"
+    return given if _SANE_ID.match(given) else f"{_ids.getrandbits(128):032x}"
 
 
 @dataclasses.dataclass
@@ -238,35 +246,59 @@ class AccessWriter:
 
 @contextlib.contextmanager
 def _one_write_per_stream(logger: logging.Logger) -> Iterator[None]:
-    """Records handled inside reach each stream handler's stream in one write and one flush.
+    """Records handled inside reach each plain stream handler's stream in a few large writes.
 
     A StreamHandler writes and flushes every record: a system call per access line, each one
     handing the GIL to another thread under load. Each handler's lock is held meanwhile, so
     lines from other threads wait and stay in order; filters and formatters run as ever.
+    Only handlers of exactly StreamHandler's class: a subclass (a rotating file, pytest's
+    live log) may size, rotate or decorate its stream, and keeps its own way.
     """
-    handlers = [handler for handler in _handlers_of(logger)
-                if isinstance(handler, logging.StreamHandler) and handler.stream is not None]
-    buffers: list[tuple[logging.StreamHandler, Any, io.StringIO]] = []
+    swapped: list[tuple[logging.StreamHandler, Any, io.StringIO]] = []
     try:
-        for handler in handlers:
+        for handler in dict.fromkeys(_handlers_of(logger)):  # a handler reached twice is swapped once
+            if type(handler) is not logging.StreamHandler or handler.stream is None:
+                continue
             handler.acquire()
             buffer = io.StringIO()
             # Not setStream(): that flushes the old stream, a system call for nothing.
-            buffers.append((handler, handler.stream, buffer))
+            swapped.append((handler, handler.stream, buffer))
             handler.stream = buffer
         yield
     finally:
-        for handler, stream, buffer in buffers:
-            handler.stream = stream
+        for handler, stream, buffer in swapped:
             try:
-                text = buffer.getvalue()
-                if text:
-                    stream.write(text)
-                    stream.flush()
+                handler.stream = stream
+                _write_whole_lines(stream, buffer.getvalue())
             except Exception:
                 handler.handleError(logging.makeLogRecord({"msg": "access lines", "levelno": logging.INFO}))
             finally:
                 handler.release()
+
+
+def _write_whole_lines(stream: Any, text: str) -> None:
+    """Write `text` in pieces of whole lines, each at most PIPE_BUF bytes where a line allows.
+
+    Every worker writes to the same stderr pipe: a write of up to PIPE_BUF bytes reaches it
+    whole, a longer one may be interleaved with another process's lines when the pipe is full.
+    """
+    piece: list[str] = []
+    size = 0
+    for line in text.splitlines(keepends=True):
+        length = len(line.encode()) if not line.isascii() else len(line)
+        if piece and size + length > select.PIPE_BUF:
+            _write_and_flush(stream, "".join(piece))
+            piece, size = [], 0
+        piece.append(line)
+        size += length
+    if piece:
+        _write_and_flush(stream, "".join(piece))
+
+
+def _write_and_flush(stream: Any, text: str) -> None:
+    stream.write(text)
+    if hasattr(stream, "flush"):
+        stream.flush()
 
 
 def _handlers_of(logger: logging.Logger) -> list[logging.Handler]:

@@ -13,7 +13,9 @@ import io
 import json
 import logging
 import os
+import random
 import re
+import select
 import subprocess
 import threading
 import sys
@@ -296,18 +298,27 @@ def test_close_writes_what_is_still_pending(access_logger):
 class _CountingStream(io.StringIO):
     def __init__(self) -> None:
         super().__init__()
-        self.writes = 0
+        self.pieces: list[str] = []
+
+    @property
+    def writes(self) -> int:
+        return len(self.pieces)
 
     def write(self, text: str) -> int:
-        self.writes += 1
+        self.pieces.append(text)
         return super().write(text)
 
 
-def test_access_writer_writes_a_batch_of_lines_to_a_stream_in_one_write(access_logger):
+def _stream_handler(logger: logging.Logger, handler_class: type = logging.StreamHandler) -> _CountingStream:
     stream = _CountingStream()
-    handler = logging.StreamHandler(stream)
+    handler = handler_class(stream)
     handler.setFormatter(logs.TextFormatter())
-    access_logger.addHandler(handler)
+    logger.addHandler(handler)
+    return stream
+
+
+def test_access_writer_writes_a_batch_of_lines_to_a_stream_in_one_write(access_logger):
+    stream = _stream_handler(access_logger)
     writer = logs.AccessWriter(access_logger, linger_s=60)  # only flush() writes
     for index in range(5):
         writer.put(1_000_000.0 + index, {"index": index})
@@ -324,13 +335,68 @@ def test_access_writer_writes_a_batch_of_lines_to_a_stream_in_one_write(access_l
     writer.close()
 
 
+def test_more_lines_than_a_pipe_takes_at_once_go_in_whole_lines_of_at_most_pipe_buf(access_logger):
+    stream = _stream_handler(access_logger)
+    writer = logs.AccessWriter(access_logger, linger_s=60)
+    for index in range(40):
+        writer.put(1_000_000.0 + index, {"index": index, "padding": "x" * 250})
+    writer.flush()
+    writer.close()
+    # Every worker writes to one stderr pipe: a write of at most PIPE_BUF bytes lands whole,
+    # a longer one may be cut by another process's lines when the pipe is full.
+    assert stream.writes > 1
+    assert all(len(piece.encode()) <= select.PIPE_BUF and piece.endswith("\n") for piece in stream.pieces)
+    lines = "".join(stream.pieces).splitlines()
+    assert [line.split(" index=")[1].split(" ")[0] for line in lines] == [str(index) for index in range(40)]
+
+
+def test_a_handler_reached_twice_writes_to_its_own_stream_afterwards(access_logger):
+    stream = _CountingStream()
+    handler = logging.StreamHandler(stream)
+    access_logger.addHandler(handler)
+    child = access_logger.getChild("twice")
+    child.addHandler(handler)  # the same handler on the logger and on its parent
+    writer = logs.AccessWriter(child, linger_s=60)
+    writer.put(1_000_000.0, {"index": 0})
+    writer.flush()
+    writer.close()
+    assert handler.stream is stream
+    assert stream.getvalue() == "access\naccess\n"  # logging calls it once per logger, as ever
+    child.removeHandler(handler)
+
+
+def test_a_stream_handler_subclass_keeps_its_own_writes(access_logger):
+    class Decorated(logging.StreamHandler):
+        pass
+
+    stream = _stream_handler(access_logger, Decorated)
+    writer = logs.AccessWriter(access_logger, linger_s=60)
+    for index in range(3):
+        writer.put(1_000_000.0 + index, {"index": index})
+    writer.flush()
+    writer.close()
+    # A subclass may size, rotate or decorate its stream (RotatingFileHandler, pytest's live
+    # log): its stream is never swapped, and it writes each record itself.
+    assert stream.writes == 3
+
+
+def test_request_ids_do_not_follow_the_shared_random_seed():
+    # Keras' set_random_seed seeds Python's shared generator: ids must not repeat after it.
+    random.seed(7)
+    first = logs.accept_request_id("")
+    random.seed(7)
+    assert logs.accept_request_id("") != first
+
+
 def test_request_ids_of_forked_workers_differ():
-    """Ids come from the process's random generator: each forked worker must draw its own."""
+    """Ids come from the module's random generator: each forked worker must draw its own."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: one id, then out without running the parent's clean-up
-        os.write(write, logs.accept_request_id("").encode())
-        os._exit(0)
+        try:
+            os.write(write, logs.accept_request_id("").encode())
+        finally:
+            os._exit(0)
     os.close(write)
     child = os.read(read, 64).decode()
     os.close(read)

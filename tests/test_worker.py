@@ -90,3 +90,23 @@ def test_a_chunked_body_takes_gunicorns_path(connection):
     assert not body_fully_read(conn.parser)
     assert keepalive_after(conn) is True
     drained_by_gunicorn(spy)
+
+
+def test_a_request_without_a_body_keeps_the_connection_without_a_drain(connection):
+    spy, client, conn = connection
+    client.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    send(client, b"next")
+    next(conn.parser)
+    assert keepalive_after(conn) is True and spy.timeouts == []
+    assert next(conn.parser).body.read() == b"next"
+
+
+def test_a_body_whose_read_failed_closes_the_connection_as_gunicorn_does(connection):
+    spy, client, conn = connection
+    send(client, b"body")
+    request = next(conn.parser)
+    assert request.body.read() == b"body"
+    # Where the next request starts is unknown after a failed read: Gunicorn's own answer.
+    request.body.failed = True
+    assert not body_fully_read(conn.parser)
+    assert keepalive_after(conn) is False
