@@ -226,7 +226,7 @@ class AccessWriter:
                 traceback.print_exc()
 
     def _write_pending(self) -> None:
-        with _one_write_per_stream(self._logger):
+        with _batched_writes(self._logger):
             while True:
                 try:
                     created, fields = self._pending.popleft()
@@ -245,7 +245,7 @@ class AccessWriter:
 
 
 @contextlib.contextmanager
-def _one_write_per_stream(logger: logging.Logger) -> Iterator[None]:
+def _batched_writes(logger: logging.Logger) -> Iterator[None]:
     """Records handled inside reach each plain stream handler's stream in a few large writes.
 
     A StreamHandler writes and flushes every record: a system call per access line, each one
