@@ -380,7 +380,14 @@ def test_a_stream_handler_subclass_keeps_its_own_writes(access_logger):
     assert stream.writes == 3
 
 
-def test_request_ids_do_not_follow_the_shared_random_seed():
+@pytest.fixture
+def shared_random_state():
+    state = random.getstate()
+    yield
+    random.setstate(state)  # the tests after this one get the shared generator as it was
+
+
+def test_request_ids_do_not_follow_the_shared_random_seed(shared_random_state):
     # Keras' set_random_seed seeds Python's shared generator: ids must not repeat after it.
     random.seed(7)
     first = logs.accept_request_id("")
