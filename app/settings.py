@@ -355,28 +355,31 @@ class ServerKnob:
     """A Gunicorn setting that gunicorn.conf.py reads from the environment, for the settings page."""
 
     env: str
-    default: str
+    default: Any  # None where it is derived, and described by default_text
     allowed: str
     help: str
+    default_text: str = ""
 
 
 SERVER_KNOBS = (
-    ServerKnob("BIND", "`0.0.0.0:8000`", "host:port", "Gunicorn's HTTP address."),
-    ServerKnob("WORKERS", "usable CPUs ÷ 4, at least 1", allowed(validate_pos_int),
+    ServerKnob("BIND", "0.0.0.0:8000", "host:port", "Gunicorn's HTTP address."),
+    ServerKnob("WORKERS", None, allowed(validate_pos_int),
                "Gunicorn worker processes; each loads every model and runs its own batchers "
                "([scaling](scaling.md#the-default-worker-count)). Usable CPUs: the process's CPU affinity, "
-               "capped by its cgroup's CPU quota rounded up."),
-    ServerKnob("THREADS", "`MAX_QUEUE_ROWS` + 2 × `MAX_BATCH_SIZE`", allowed(validate_pos_int),
+               "capped by its cgroup's CPU quota rounded up.", default_text="usable CPUs ÷ 4, at least 1"),
+    ServerKnob("THREADS", None, allowed(validate_pos_int),
                "Request threads per worker: more than the queue holds, so overload meets the queue's fast 503 "
-               "rather than waiting unseen for a thread ([scaling](scaling.md))."),
-    ServerKnob("TIMEOUT", "`120`", allowed(validate_pos_int),
+               "rather than waiting unseen for a thread ([scaling](scaling.md)).",
+               default_text="`MAX_QUEUE_ROWS` + 2 × `MAX_BATCH_SIZE`"),
+    ServerKnob("TIMEOUT", 120, allowed(validate_pos_int),
                "Seconds a worker may stay silent (model loading included) before Gunicorn restarts it."),
-    ServerKnob("GRACEFUL_TIMEOUT", "`30`", allowed(validate_pos_int),
+    ServerKnob("GRACEFUL_TIMEOUT", 30, allowed(validate_pos_int),
                "Seconds a stopping worker has to answer what it accepted; must be longer than the longest "
                "`BATCH_TIMEOUT_MS`."),
-    ServerKnob("KEEPALIVE", "`5`", allowed(validate_pos_int), "Seconds an idle keep-alive connection stays open."),
-    ServerKnob("PROMETHEUS_MULTIPROC_DIR", "a fresh temporary folder", "a path",
-               "Where workers write their metrics for `/metrics` to add up; its `.db` files are removed at start."),
+    ServerKnob("KEEPALIVE", 5, allowed(validate_pos_int), "Seconds an idle keep-alive connection stays open."),
+    ServerKnob("PROMETHEUS_MULTIPROC_DIR", None, "a path",
+               "Where workers write their metrics for `/metrics` to add up; its `.db` files are removed at start.",
+               default_text="a fresh temporary folder"),
 )
 
 
@@ -398,7 +401,8 @@ def settings_markdown() -> str:
         row = (meta["env"], _default_text(field.default), allowed(meta["validate"]), meta["help"])
         sections.setdefault(meta["section"], []).append(row)
     sections["Gunicorn (gunicorn.conf.py)"] = [
-        (knob.env, knob.default, knob.allowed, knob.help) for knob in SERVER_KNOBS]
+        (knob.env, knob.default_text or _default_text(knob.default), knob.allowed, knob.help)
+        for knob in SERVER_KNOBS]
     lines = [
         "# Settings reference",
         "",

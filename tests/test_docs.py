@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,19 @@ def test_settings_page_lists_every_variable_the_server_reads():
     listed = setting_rows(SETTINGS_PAGE.read_text())
     assert sorted(read_by_gunicorn - listed) == []
     assert {name for name, _, _ in documented()} | {knob.env for knob in SERVER_KNOBS} == listed
+
+
+def test_settings_page_shows_the_defaults_gunicorn_conf_gives(monkeypatch, tmp_path):
+    for name, _, _ in documented():
+        monkeypatch.delenv(name, raising=False)
+    for knob in SERVER_KNOBS:
+        monkeypatch.delenv(knob.env, raising=False)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    values = runpy.run_path(str(REPO / "gunicorn.conf.py"))
+    # Knobs whose default is a literal; WORKERS and THREADS are derived and described in words.
+    literal = {knob.env: knob.default for knob in SERVER_KNOBS if knob.default is not None}
+    assert set(literal) == {"BIND", "TIMEOUT", "GRACEFUL_TIMEOUT", "KEEPALIVE"}
+    assert {env: values[env.lower()] for env in literal} == literal
 
 
 def test_readme_settings_are_real_settings():
