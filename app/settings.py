@@ -103,76 +103,107 @@ _ALLOWED = {
 }
 
 
-def _env(name: str, validator: Callable[[str], Any], default: Any, help: str) -> Any:
-    return dataclasses.field(default=default, metadata={"env": name, "validate": validator, "help": help})
+def allowed(validator: Callable[[str], Any]) -> str:
+    """What a validator accepts, in words: for error messages and the settings page."""
+    return getattr(validator, "allowed", None) or _ALLOWED.get(validator, "a valid value")
+
+
+def _env(name: str, validator: Callable[[str], Any], default: Any, help: str, *, section: str = "Other") -> Any:
+    """One setting: its variable, validator, default, a one-line help and the page section it is listed in."""
+    return dataclasses.field(
+        default=default, metadata={"env": name, "validate": validator, "help": help, "section": section})
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
+    """Every setting of the app. Its field is its whole definition: docs/settings.md is generated from it."""
+
     model_path: str | None = _env(
         "MODEL_PATH", validate_optional_path, None,
-        "A .keras or .h5 file, a SavedModel folder, or a base folder of numbered versions. "
-        "Unset: the built-in default model.")
-    model_name: str = _env("MODEL_NAME", validate_model_name, "default", "Name the model is served under.")
+        "A `.keras` or `.h5` file, a SavedModel folder, or a base folder of numbered versions (the newest "
+        "is served). Unset: the built-in default model.", section="Models")
+    model_name: str = _env(
+        "MODEL_NAME", validate_model_name, "default", "Name the model is served under (`/v1/models/{name}`).",
+        section="Models")
     model_config: str | None = _env(
         "MODEL_CONFIG", validate_optional_path, None,
-        "A JSON file naming several models, each with its own batching settings (replaces MODEL_PATH).")
+        "A JSON file naming several models, each with its own batching settings and versions; replaces "
+        "`MODEL_PATH` ([configuration](configuration.md#several-models)).", section="Models")
     model_poll_seconds: float = _env(
         "MODEL_POLL_SECONDS", validate_non_neg_float, 5.0,
-        "How often a base folder of numbered versions is checked for a newer one; 0: never.")
-    max_batch_size: int = _env("MAX_BATCH_SIZE", validate_pos_int, 32, "Most rows in one predict call.")
+        "How often a base folder of numbered versions is checked for versions to load or unload; 0: never.",
+        section="Models")
+    max_batch_size: int = _env(
+        "MAX_BATCH_SIZE", validate_pos_int, 32,
+        "Most rows in one predict call. Batches are padded to a bucket: the powers of two below it, and itself.",
+        section="Batching")
     batch_timeout_ms: float = _env(
         "BATCH_TIMEOUT_MS", validate_non_neg_float, 0.0,
         "How long a batch may wait for more rows, counted from its oldest request. "
-        "0: dispatch as soon as the model is free.")
+        "0: dispatch as soon as the model is free.", section="Batching")
     max_queue_rows: int = _env(
         "MAX_QUEUE_ROWS", validate_pos_int, 128,
-        "Rows that may wait per model and worker; beyond, 503 with Retry-After.")
+        "Rows that may wait per model and worker; beyond, 503 with `Retry-After`.", section="Batching")
+    batch_fill_under_load: bool = _env(
+        "BATCH_FILL_UNDER_LOAD", validate_bool, True,
+        "With `BATCH_TIMEOUT_MS=0`: when the model falls behind, a batch that is not full may wait for more rows, "
+        "at most as long as the last predict call took ([the fill rule](batching.md)). false: always dispatch "
+        "as soon as the model is free.", section="Batching")
     request_timeout_ms: float = _env(
         "REQUEST_TIMEOUT_MS", validate_pos_float, 30000.0,
-        "Deadline of a request; a request still queued at its deadline is dropped, and answered 504.")
+        "Deadline of a request (a gRPC client's own deadline may shorten it); past it, 504, and a request "
+        "still queued is dropped without running.", section="Requests and limits")
     max_request_rows: int = _env(
         "MAX_REQUEST_ROWS", validate_non_neg_int, 0,
-        "Most rows one request may hold; beyond, 413. 0: 2 x MAX_BATCH_SIZE, at most MAX_QUEUE_ROWS.")
+        "Most rows one request may hold; beyond, 413. 0: 2 × `MAX_BATCH_SIZE`, at most `MAX_QUEUE_ROWS`.",
+        section="Requests and limits")
     max_request_bytes: int = _env(
         "MAX_REQUEST_BYTES", validate_non_neg_int, 0,
         "Largest body; beyond, 413. 0: the longest JSON a valid request can be, from the models' "
-        "signatures and MAX_REQUEST_ROWS (16 MiB where a model takes strings or dimensions of any size).")
+        "signatures and `MAX_REQUEST_ROWS` (16 MiB where a model takes strings or dimensions of any size).",
+        section="Requests and limits")
     large_body_bytes: int = _env(
         "LARGE_BODY_BYTES", validate_pos_int, 256 * 1024,
-        "Bodies larger than this (and chunked ones that grow past it) need one of LARGE_BODY_SLOTS.")
+        "Bodies larger than this (and chunked ones that grow past it) need one of `LARGE_BODY_SLOTS`.",
+        section="Requests and limits")
     large_body_slots: int = _env(
         "LARGE_BODY_SLOTS", validate_pos_int, 2,
-        "Large bodies read and handled at once per worker; others wait until their deadline, then 503.")
+        "Large bodies read and handled at once per worker; others wait until their deadline, then 503.",
+        section="Requests and limits")
     batching: bool = _env(
-        "BATCHING", validate_bool, True, "false: every request gets its own predict call (the naive server).")
-    batch_fill_under_load: bool = _env(
-        "BATCH_FILL_UNDER_LOAD", validate_bool, True,
-        "With BATCH_TIMEOUT_MS=0: when the last predict call answered a quarter of a full batch (at least 3 "
-        "requests) and the first request back came soon after it (within its own time and 2 ms a request it "
-        "answered), or requests waited through it and with those it answered made a quarter of a batch, a batch "
-        "that is not full may wait for more rows, at most as long as that call took. false: always dispatch as "
-        "soon as the model is free.")
+        "BATCHING", validate_bool, True,
+        "false: every request gets its own predict call, one at a time per worker (the naive server, "
+        "for benchmarks).", section="Benchmark comparisons")
     predict_method: str = _env(
         "PREDICT_METHOD", validate_choice("function", "keras_predict"), "function",
-        "function: a compiled tf.function; keras_predict: Keras model.predict (slow, for comparison).")
+        "`function`: a compiled `tf.function`; `keras_predict`: Keras `model.predict` (slow, for benchmarks).",
+        section="Benchmark comparisons")
     tf_intra_op_threads: int = _env(
-        "TF_INTRA_OP_THREADS", validate_non_neg_int, 0, "TensorFlow intra-op threads; 0: usable CPUs / workers.")
+        "TF_INTRA_OP_THREADS", validate_non_neg_int, 0,
+        "TensorFlow intra-op threads per worker; 0: usable CPUs ÷ workers, at least 1.", section="TensorFlow")
     tf_inter_op_threads: int = _env(
-        "TF_INTER_OP_THREADS", validate_non_neg_int, 0, "TensorFlow inter-op threads; 0: usable CPUs / workers.")
+        "TF_INTER_OP_THREADS", validate_non_neg_int, 0,
+        "TensorFlow inter-op threads per worker; 0: usable CPUs ÷ workers, at least 1.", section="TensorFlow")
     gpu_memory_limit_mb: int = _env(
         "GPU_MEMORY_LIMIT_MB", validate_non_neg_int, 0,
-        "GPU memory per worker process; 0: grow as needed.")
-    log_level: str = _env("LOG_LEVEL", validate_log_level, "INFO", "Logging level.")
-    log_format: str = _env("LOG_FORMAT", validate_choice("text", "json"), "text", "text or json (one object a line).")
-    access_log: bool = _env("ACCESS_LOG", validate_bool, True, "One log line per request.")
+        "GPU memory per worker process; 0: grow as needed. Workers × limit must fit the card.",
+        section="TensorFlow")
+    log_level: str = _env("LOG_LEVEL", validate_log_level, "INFO", "Logging level of the app and Gunicorn.",
+                          section="Logs and probes")
+    log_format: str = _env(
+        "LOG_FORMAT", validate_choice("text", "json"), "text",
+        "`text`, or `json`: every line one JSON object, access lines included.", section="Logs and probes")
+    access_log: bool = _env("ACCESS_LOG", validate_bool, True, "One access-log line per request.",
+                            section="Logs and probes")
     access_log_probes: bool = _env(
-        "ACCESS_LOG_PROBES", validate_bool, False, "true: /healthz, /readyz and /metrics are access-logged too.")
+        "ACCESS_LOG_PROBES", validate_bool, False,
+        "true: `/healthz`, `/readyz` and `/metrics` are access-logged too.", section="Logs and probes")
     readyz_detail: bool = _env(
-        "READYZ_DETAIL", validate_bool, False, "true: /readyz also shows model sources and the worker's pid.")
+        "READYZ_DETAIL", validate_bool, False,
+        "true: `/readyz` also shows model sources and the worker's pid.", section="Logs and probes")
     grpc_bind: str = _env(
         "GRPC_BIND", validate_optional_text, "0.0.0.0:8500",
-        "Address of TensorFlow Serving's gRPC API in every worker; empty: no gRPC.")
+        "Address of TensorFlow Serving's gRPC API in every worker; empty: no gRPC.", section="gRPC")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -183,9 +214,6 @@ class Settings:
             if name in environ:
                 values[field.name] = parse(name, environ[name], field.metadata["validate"])
         return cls(**values)
-
-    def replace(self, **changes: Any) -> Settings:
-        return dataclasses.replace(self, **changes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,10 +342,80 @@ def parse(name: str, raw: str, validator: Callable[[str], Any]) -> Any:
     try:
         return validator(raw.strip())
     except (ValueError, TypeError):
-        allowed = getattr(validator, "allowed", None) or _ALLOWED.get(validator, "a valid value")
-        raise SettingsError(f"{name}={raw!r} is not valid: expected {allowed}") from None
+        raise SettingsError(f"{name}={raw!r} is not valid: expected {allowed(validator)}") from None
 
 
 def documented() -> list[tuple[str, Any, str]]:
-    """(variable, default, help) for every setting: the README's table is checked against it."""
+    """(variable, default, help) for every setting of the app (Gunicorn's knobs are in SERVER_KNOBS)."""
     return [(f.metadata["env"], f.default, f.metadata["help"]) for f in dataclasses.fields(Settings)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerKnob:
+    """A Gunicorn setting that gunicorn.conf.py reads from the environment, for the settings page."""
+
+    env: str
+    default: Any  # None where it is derived, and described by default_text
+    allowed: str
+    help: str
+    default_text: str = ""
+
+
+SERVER_KNOBS = (
+    ServerKnob("BIND", "0.0.0.0:8000", "host:port", "Gunicorn's HTTP address."),
+    ServerKnob("WORKERS", None, allowed(validate_pos_int),
+               "Gunicorn worker processes; each loads every model and runs its own batchers "
+               "([scaling](scaling.md#the-default-worker-count)). Usable CPUs: the process's CPU affinity, "
+               "capped by its cgroup's CPU quota rounded up.", default_text="usable CPUs ÷ 4, at least 1"),
+    ServerKnob("THREADS", None, allowed(validate_pos_int),
+               "Request threads per worker: more than the queue holds, so overload meets the queue's fast 503 "
+               "rather than waiting unseen for a thread ([scaling](scaling.md)).",
+               default_text="`MAX_QUEUE_ROWS` + 2 × `MAX_BATCH_SIZE`"),
+    ServerKnob("TIMEOUT", 120, allowed(validate_pos_int),
+               "Seconds a worker may stay silent (model loading included) before Gunicorn restarts it."),
+    ServerKnob("GRACEFUL_TIMEOUT", 30, allowed(validate_pos_int),
+               "Seconds a stopping worker has to answer what it accepted; must be longer than the longest "
+               "`BATCH_TIMEOUT_MS`."),
+    ServerKnob("KEEPALIVE", 5, allowed(validate_pos_int), "Seconds an idle keep-alive connection stays open."),
+    ServerKnob("PROMETHEUS_MULTIPROC_DIR", None, "a path",
+               "Where workers write their metrics for `/metrics` to add up; its `.db` files are removed at start.",
+               default_text="a fresh temporary folder"),
+)
+
+
+def _default_text(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"`{value}`"
+
+
+def settings_markdown() -> str:
+    """docs/settings.md: every setting, grouped by section, from the definitions above."""
+    sections: dict[str, list[tuple[str, str, str, str]]] = {}
+    for field in dataclasses.fields(Settings):
+        meta = field.metadata
+        row = (meta["env"], _default_text(field.default), allowed(meta["validate"]), meta["help"])
+        sections.setdefault(meta["section"], []).append(row)
+    sections["Gunicorn (gunicorn.conf.py)"] = [
+        (knob.env, knob.default_text or _default_text(knob.default), knob.allowed, knob.help)
+        for knob in SERVER_KNOBS]
+    lines = [
+        "# Settings reference",
+        "",
+        "<!-- Generated from app/settings.py by `python scripts/settings_doc.py`;",
+        "     edit the definitions there, not this page (tests/test_docs.py fails when it is stale). -->",
+        "",
+        "Every setting is an environment variable, read once at start and validated: a bad value stops",
+        "start-up with a message that names the variable, the value and what is allowed. Gunicorn's",
+        "command-line flags (`--workers=2 --timeout=180`) override the Gunicorn settings.",
+        "[Configuration](configuration.md) explains how they fit together.",
+    ]
+    for section, rows in sections.items():
+        lines += ["", f"## {section}", "", "| variable | default | allowed | meaning |", "|---|---|---|---|"]
+        lines += [f"| `{env}` | {default} | {allowed_text} | {help} |" for env, default, allowed_text, help in rows]
+    return "\n".join(lines) + "\n"
+

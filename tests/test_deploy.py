@@ -505,14 +505,14 @@ def test_grafana_provisioning_points_at_prometheus_and_the_mounted_dashboards():
 # ---------------------------------------------------------------------------- docs
 
 
-def test_deployment_guide_names_every_setting():
+def test_settings_reference_names_every_setting():
     from app.settings import documented
 
     gunicorn_variables = re.findall(r"""_env\("([A-Z_]+)"|environ\.get\("([A-Z_]+)\"""",
                                     (REPO / "gunicorn.conf.py").read_text())
     names = {name for name, _, _ in documented()} | {a or b for a, b in gunicorn_variables}
     assert {"BIND", "WORKERS", "THREADS", "GRACEFUL_TIMEOUT"} <= names
-    guide = (REPO / "docs" / "deployment.md").read_text()
+    guide = (REPO / "docs" / "settings.md").read_text()
     assert sorted(name for name in names if f"`{name}`" not in guide) == []
 
 
