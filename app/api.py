@@ -1,5 +1,8 @@
 """HTTP routes: predict (a shortcut and TensorFlow Serving's URLs, by version or label),
-classify and regress, model status and metadata, and health."""
+classify and regress, model status and metadata, and health.
+
+The views translate URLs and JSON to calls of the request layer (app/serving.py) and back;
+resolution, limits, the deadline and the shape of answers are the layer's."""
 
 from __future__ import annotations
 

@@ -7,12 +7,13 @@ kernel spreads connections over them as it does for Gunicorn's shared socket.
 
 Services: PredictionService (Predict, Classify, Regress, GetModelMetadata), ModelService
 (GetModelStatus) and grpc.health.v1.Health, which answers SERVING exactly when /readyz
-answers 200. `model_spec` takes a name, a version or a version_label, and a signature. A call
-goes through the registry and batchers REST uses: the same validation, row limit, queue,
-deadline (the client's gRPC deadline, capped by REQUEST_TIMEOUT_MS) and errors, mapped to
-TensorFlow Serving's status codes in `STATUS_CODES`. Each call is counted in
-model_server_requests (route: the full method name, method: GRPC, status: the code's name)
-and written to the access log, like an HTTP request.
+answers 200. `model_spec` takes a name, a version or a version_label, and a signature. This
+module only translates protos: a call goes through the request layer REST uses
+(app/serving.py), with the same resolution, row and byte limits, queue, deadline (the
+client's gRPC deadline, capped by REQUEST_TIMEOUT_MS) and errors, mapped to TensorFlow
+Serving's status codes in `STATUS_CODES`. Each call is counted in model_server_requests
+(route: the full method name, method: GRPC, status: the code's name) and written to the
+access log, like an HTTP request.
 
 On SIGTERM the server stops taking calls at once and lets every accepted one finish; the
 worker's exit waits for them before the batchers close.
@@ -52,7 +53,7 @@ from app.errors import SignatureNotFound
 from app.logs import RequestRecord, accept_request_id
 from app.models import LoadedModel, Signature
 from app.registry import Servable
-from app.serving import ModelSpec, RequestLayer, Requests, braced, check_rows, get_layer
+from app.serving import Answer, ModelSpec, RequestLayer, Requests, braced, check_rows, get_layer
 
 log = logging.getLogger(__name__)
 
@@ -198,16 +199,19 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
             tensor_proto.from_ndarray(answer.outputs[output.name], output.tf_dtype, response.outputs[output.name])
         return response
 
-    def _examples(self, request: Any, record: RequestRecord) -> tuple[Servable, ModelSpec, np.ndarray]:
+    def _examples(self, request: Any, record: RequestRecord, context: grpc.ServicerContext,
+                  method: Callable[..., tuple[Answer, Any]], response: Any) -> Any:
+        """Classify or Regress: the layer's `method` over the request's tf.Examples, into `response`."""
         servable, spec = self._servable(request, record)
-        return servable, spec, serialized_examples(request.input, max_rows=self._layer.row_limit(servable))
+        examples = serialized_examples(request.input, max_rows=self._layer.row_limit(servable))
+        answer, result = method(servable, request.model_spec.signature_name, examples, record=record,
+                                pinned=spec.pinned, client_timeout_s=context.time_remaining())
+        _set_model_spec(response.model_spec, answer.servable.model, answer.signature.name)
+        return result
 
     def _classify(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
-        servable, spec, examples = self._examples(request, record)
-        answer, classes = self._layer.classify(servable, request.model_spec.signature_name, examples, record=record,
-                                               pinned=spec.pinned, client_timeout_s=context.time_remaining())
         response = classification_pb2.ClassificationResponse()
-        _set_model_spec(response.model_spec, answer.servable.model, answer.signature.name)
+        classes = self._examples(request, record, context, self._layer.classify, response)
         for labels, scores in zip(classes.labels, classes.scores.tolist()):
             classifications = response.result.classifications.add()
             for label, score in zip(labels, scores):
@@ -215,12 +219,8 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         return response
 
     def _regress(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
-        servable, spec, examples = self._examples(request, record)
-        answer, values = self._layer.regress(servable, request.model_spec.signature_name, examples, record=record,
-                                             pinned=spec.pinned, client_timeout_s=context.time_remaining())
         response = regression_pb2.RegressionResponse()
-        _set_model_spec(response.model_spec, answer.servable.model, answer.signature.name)
-        for value in values.tolist():
+        for value in self._examples(request, record, context, self._layer.regress, response).tolist():
             response.result.regressions.add().value = value
         return response
 

@@ -227,9 +227,12 @@ def _answer(servable: Servable, signature: Signature, result: BatchResult) -> An
 def classes(outputs: dict[str, np.ndarray], rows: int) -> Classes:
     """TF Serving's classification result from a signature's 'classes' and/or 'scores' outputs."""
     labels, scores = outputs.get("classes"), outputs.get("scores")
-    if labels is None and scores is None:
+    if labels is not None:
+        width = labels.reshape(rows, -1).shape[1]
+    elif scores is not None:
+        width = scores.reshape(rows, -1).shape[1]
+    else:
         raise BadRequest("Expected classification signature outputs to contain 'classes' or 'scores'")
-    width = (labels if labels is not None else scores).reshape(rows, -1).shape[1]
     texts = ([[text(value) for value in row] for row in labels.reshape(rows, width)] if labels is not None
              else [[""] * width for _ in range(rows)])
     values = (scores.reshape(rows, width).astype(np.float32) if scores is not None
