@@ -30,7 +30,7 @@ class _Flask(Flask):
 
 
 def create_app(settings: Settings | None = None) -> Flask:
-    from app import api, errors, limits, logs, metrics, openapi, registry, runtime
+    from app import api, errors, limits, logs, metrics, openapi, registry, runtime, serving
 
     settings = settings or Settings.from_env()
     logs.configure_logging(settings.log_level, settings.log_format)
@@ -44,6 +44,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     serving_metrics = metrics.init_app(app)
     models = registry.init_app(app, settings, serving_metrics)
     limits.init_app(app, settings, models)
+    serving.init_app(app, settings, models)
     api.init_app(app)
     openapi.init_app(app)
     errors.init_app(app)

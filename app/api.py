@@ -1,5 +1,8 @@
 """HTTP routes: predict (a shortcut and TensorFlow Serving's URLs, by version or label),
-classify and regress, model status and metadata, and health."""
+classify and regress, model status and metadata, and health.
+
+The views translate URLs and JSON to calls of the request layer (app/serving.py) and back;
+resolution, limits, the deadline and the shape of answers are the layer's."""
 
 from __future__ import annotations
 
@@ -10,10 +13,9 @@ import orjson
 from flask import Blueprint, Flask, Response, current_app
 from werkzeug.routing import BaseConverter
 
-from app import classify, codec, limits, logs, metadata, models, runtime
-from app.batching import BatchResult
-from app.errors import BadRequest
-from app.registry import Servable, get_registry
+from app import classify, codec, limits, logs, metadata, runtime
+from app.registry import get_registry
+from app.serving import CLASSIFY, REGRESS, Answer, ModelSpec, get_layer
 from app.settings import MODEL_NAME_PATTERN
 
 bp = Blueprint("api", __name__)
@@ -28,77 +30,61 @@ def _json(body: bytes, status: int = 200, headers: list[tuple[str, str]] | None 
     return Response(body, status=status, content_type="application/json", headers=headers)
 
 
-def _predict(servable: Servable, *, pinned: bool = False) -> Response:
+def _predict(spec: ModelSpec) -> Response:
     """Parse, queue, wait, answer: the request thread never touches TensorFlow."""
-    entry = logs.record()
-    entry.model = servable.model.name
+    layer, record = get_layer(current_app), logs.record()
+    servable = layer.model(spec, record)
     # Like TensorFlow Serving, the body is JSON whatever its Content-Type says.
-    parsed = codec.parse_request(limits.body(), max_rows=servable.batcher.max_request_rows)
-    signature = servable.signature(parsed.signature_name)
+    parsed = codec.parse_request(limits.body(), max_rows=layer.row_limit(servable))
+    signature = layer.predict_signature(servable, parsed.signature_name)
     inputs = codec.decode_inputs(parsed, signature)
-    entry.rows = next(iter(inputs.values())).shape[0]
-    servable, result = get_registry(current_app).predict(servable, inputs, timeout_s=_timeout_s(),
-                                                         signature_name=signature.name, pinned=pinned)
-    body = codec.encode_response(result.outputs, servable.signature(signature.name), parsed)
-    return _answer(entry, servable, result, body)
+    answer = layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned)
+    return _answer(answer, codec.encode_response(answer.outputs, answer.signature, parsed))
 
 
-def _classify_or_regress(servable: Servable, method: str, *, pinned: bool = False) -> Response:
-    entry = logs.record()
-    entry.model = servable.model.name
-    signature_name, examples = classify.parse(limits.body(), method,
-                                              max_rows=servable.batcher.max_request_rows)
-    if not signature_name and models.DEFAULT_SIGNATURE not in servable.model.signatures:
-        signature_name = servable.model.default_signature
-    if signature_name and signature_name not in servable.model.signatures:
-        # TF Serving's words (servables/tensorflow/classifier.cc, regressor.cc).
-        raise BadRequest(f"No signature was found with the name: {signature_name}")
-    signature = servable.signature(signature_name)
-    input_name = classify.check_signature(signature, method)
-    entry.rows = len(examples)
-    servable, result = get_registry(current_app).predict(servable, {input_name: examples}, timeout_s=_timeout_s(),
-                                                         signature_name=signature.name, pinned=pinned)
-    return _answer(entry, servable, result, classify.encode(result.outputs, method, len(examples)))
+def _classify_or_regress(spec: ModelSpec, method: str) -> Response:
+    layer, record = get_layer(current_app), logs.record()
+    servable = layer.model(spec, record)
+    signature_name, examples = classify.parse(limits.body(), method, max_rows=layer.row_limit(servable))
+    if method == CLASSIFY:
+        answer, classes = layer.classify(servable, signature_name, examples, record=record, pinned=spec.pinned)
+        return _answer(answer, classify.encode_classes(classes))
+    answer, values = layer.regress(servable, signature_name, examples, record=record, pinned=spec.pinned)
+    return _answer(answer, classify.encode_regressions(values))
 
 
-def _timeout_s() -> float:
-    return current_app.extensions["settings"].request_timeout_ms / 1000.0
-
-
-def _answer(entry: logs.RequestRecord, servable: Servable, result: BatchResult, body: bytes) -> Response:
-    entry.batch_rows, entry.batch_requests = result.batch_rows, result.batch_requests
+def _answer(answer: Answer, body: bytes) -> Response:
     return _json(body, headers=[
-        ("X-Batch-Size", str(result.batch_rows)),
-        ("X-Batch-Requests", str(result.batch_requests)),
-        ("X-Model-Version", str(servable.model.version)),
+        ("X-Batch-Size", str(answer.batch_rows)),
+        ("X-Batch-Requests", str(answer.batch_requests)),
+        ("X-Model-Version", str(answer.servable.model.version)),
     ])
 
 
 @bp.post("/predict")
 def predict_default() -> Response:
-    return _predict(get_registry(current_app).get())
+    return _predict(ModelSpec())
 
 
 @bp.post("/v1/models/<model_name:name>:predict")
 def predict_model(name: str) -> Response:
-    return _predict(get_registry(current_app).get(name))
+    return _predict(ModelSpec(name))
 
 
 @bp.post("/v1/models/<model_name:name>/versions/<int:version>:predict")
 def predict_version(name: str, version: int) -> Response:
-    return _predict(get_registry(current_app).get(name, version), pinned=True)
+    return _predict(ModelSpec(name, version))
 
 
 @bp.post("/v1/models/<model_name:name>/labels/<model_name:label>:predict")
 def predict_label(name: str, label: str) -> Response:
-    return _predict(get_registry(current_app).get(name, label=label), pinned=True)
+    return _predict(ModelSpec(name, label=label))
 
 
 def _tf_example_route(method: str):
     """:classify or :regress, by model, version or label."""
     def route(name: str, version: int | None = None, label: str | None = None) -> Response:
-        servable = get_registry(current_app).get(name, version, label=label)
-        return _classify_or_regress(servable, method, pinned=version is not None or label is not None)
+        return _classify_or_regress(ModelSpec(name, version, label), method)
 
     route.__name__ = method
     for prefix in ("/v1/models/<model_name:name>", "/v1/models/<model_name:name>/versions/<int:version>",
@@ -106,15 +92,15 @@ def _tf_example_route(method: str):
         bp.post(f"{prefix}:{method}")(route)
 
 
-_tf_example_route(classify.CLASSIFY)
-_tf_example_route(classify.REGRESS)
+_tf_example_route(CLASSIFY)
+_tf_example_route(REGRESS)
 
 
 @bp.get("/v1/models/<model_name:name>")
 @bp.get("/v1/models/<model_name:name>/versions/<int:version>")
 @bp.get("/v1/models/<model_name:name>/labels/<model_name:label>")
 def model_status(name: str, version: int | None = None, label: str | None = None) -> Response:
-    statuses = get_registry(current_app).model_status(name, version, label=label)
+    statuses = get_layer(current_app).model_status(ModelSpec(name, version, label))
     return _json(orjson.dumps({"model_version_status": statuses}))
 
 
@@ -122,7 +108,8 @@ def model_status(name: str, version: int | None = None, label: str | None = None
 @bp.get("/v1/models/<model_name:name>/versions/<int:version>/metadata")
 @bp.get("/v1/models/<model_name:name>/labels/<model_name:label>/metadata")
 def model_metadata(name: str, version: int | None = None, label: str | None = None) -> Response:
-    return _json(orjson.dumps(metadata.describe(get_registry(current_app).get(name, version, label=label).model)))
+    servable = get_layer(current_app).model(ModelSpec(name, version, label))
+    return _json(orjson.dumps(metadata.describe(servable.model)))
 
 
 @bp.get("/healthz")

@@ -1,4 +1,7 @@
-"""TensorFlow Serving's :classify and :regress over a signature that takes serialized tf.Examples.
+"""TensorFlow Serving's :classify and :regress in JSON: tf.Examples in, results out.
+
+Which signature, its checks and the shape of the results are the request layer's
+(app/serving.py); this module reads and writes the JSON.
 
 Request, as TF Serving reads it (util/json_tensor.cc, FillClassifyRegressRequestFromJson):
 {"signature_name": "...", "context": {feature: value|list}, "examples": [{feature: value|list}, ...]}.
@@ -8,7 +11,6 @@ as TF Serving serializes an ExampleListWithContext.
 
 Answer (MakeJsonFromClassificationResult / MakeJsonFromRegressionResult):
 classify: {"results": [[[label, score], ...], ...]}; regress: {"results": [value, ...]}.
-The signature must carry the method name (servables/tensorflow/classifier.cc, regressor.cc).
 """
 
 from __future__ import annotations
@@ -21,11 +23,8 @@ import numpy as np
 import orjson
 
 from app import codec
-from app.errors import BadRequest, InvalidInput, PayloadTooLarge
-from app.models import CLASSIFY_METHOD, REGRESS_METHOD, STRING, Signature
-
-CLASSIFY, REGRESS = "classify", "regress"
-_METHODS = {CLASSIFY: (CLASSIFY_METHOD, "classification"), REGRESS: (REGRESS_METHOD, "regression")}
+from app.errors import BadRequest, InvalidInput
+from app.serving import Classes, check_rows
 
 
 def parse(body: bytes, method: str, *, max_rows: int | None = None) -> tuple[str, np.ndarray]:
@@ -47,9 +46,8 @@ def parse(body: bytes, method: str, *, max_rows: int | None = None) -> tuple[str
         raise BadRequest("Expecting 'examples' value to be an list/array")
     if not examples:
         raise BadRequest("'examples' value is an empty array")
-    if max_rows is not None and len(examples) > max_rows:
-        raise PayloadTooLarge(f"the request holds {len(examples)} examples; this model takes at most {max_rows} "
-                              "rows per request (MAX_REQUEST_ROWS)")
+    if max_rows is not None:
+        check_rows(len(examples), max_rows, unit="examples")
     serialized = np.empty(len(examples), dtype=object)
     for index, value in enumerate(examples):
         example = example_pb2.Example()
@@ -106,31 +104,11 @@ def _bytes(item: Any, name: str, where: str) -> bytes:
         raise InvalidInput(f"{where}: feature '{name}': a 'b64' value is not valid base64") from None
 
 
-def check_signature(signature: Signature, method: str) -> str:
-    """The name of the signature's one input, after TF Serving's checks of the method name."""
-    method_name, kind = _METHODS[method]
-    if signature.method_name != method_name:
-        raise BadRequest(f"Expected {kind} signature method_name to be {method_name}. Was: {signature.method_name}")
-    if len(signature.inputs) != 1 or signature.inputs[0].dtype != STRING:
-        raise BadRequest(f"Expected one input Tensor of serialized tf.Examples in signature '{signature.name}'")
-    return signature.inputs[0].name
-
-
-def encode(outputs: dict[str, np.ndarray], method: str, rows: int) -> bytes:
-    if method == REGRESS:
-        values = np.asarray(outputs.get("outputs", next(iter(outputs.values()))))
-        if values.size != rows:
-            raise BadRequest(f"Expected output Tensor shape to be [{rows}] or [{rows}, 1]; got {list(values.shape)}")
-        return orjson.dumps({"results": values.reshape(rows).astype(np.float32)}, option=orjson.OPT_SERIALIZE_NUMPY)
-    classes, scores = outputs.get("classes"), outputs.get("scores")
-    if classes is None and scores is None:
-        raise BadRequest("Expected classification signature outputs to contain 'classes' or 'scores'")
-    width = (classes if classes is not None else scores).reshape(rows, -1).shape[1]
-    labels = classes.reshape(rows, width) if classes is not None else np.full((rows, width), b"", dtype=object)
-    values = scores.reshape(rows, width).astype(np.float32) if scores is not None else np.zeros((rows, width), np.float32)
-    results = [[[_label(labels[i, j]), values[i, j]] for j in range(width)] for i in range(rows)]
+def encode_classes(classes: Classes) -> bytes:
+    results = [[[label, score] for label, score in zip(labels, scores)]
+               for labels, scores in zip(classes.labels, classes.scores)]
     return orjson.dumps({"results": results}, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def _label(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+def encode_regressions(values: np.ndarray) -> bytes:
+    return orjson.dumps({"results": values}, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -30,11 +30,10 @@ import numpy as np
 import orjson
 
 from app.errors import BadRequest, InvalidInput, PayloadTooLarge
-from app.models import STRING, TensorInfo
+from app.models import DEFAULT_SIGNATURE, STRING, TensorInfo
 
 ROW = "row"
 COLUMNAR = "columnar"
-DEFAULT_SIGNATURE = "serving_default"
 BYTES_SUFFIX = "_bytes"  # TF Serving's mark of a binary string output (borrowed from Cloud ML Engine)
 MAX_SCAN = 100_000  # values an error description looks at before it stops and says so
 

@@ -2,7 +2,8 @@
 
     ServingError (500)
     ├── BadRequest (400)
-    │   └── InvalidInput (400)          body parsed, but not what the model takes
+    │   ├── InvalidInput (400)          body parsed, but not what the model takes
+    │   └── SignatureNotFound (400)     gRPC answers it FAILED_PRECONDITION, as TF Serving
     ├── NotFound (404)
     ├── MethodNotAllowed (405)
     ├── PayloadTooLarge (413)
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
 
 import orjson
 from flask import Flask, Response, current_app, has_request_context, request
@@ -42,9 +42,6 @@ class ServingError(Exception):
         self.message = message
         self.headers = headers or {}
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"error": self.message}
-
 
 class BadRequest(ServingError):
     status_code = 400
@@ -53,6 +50,16 @@ class BadRequest(ServingError):
 
 class InvalidInput(BadRequest):
     reason = "invalid_input"
+
+
+class SignatureNotFound(BadRequest):
+    """A signature name the model does not have; `key` is the name asked for."""
+
+    reason = "signature_not_found"
+
+    def __init__(self, message: str, *, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class NotFound(ServingError):

@@ -7,12 +7,13 @@ kernel spreads connections over them as it does for Gunicorn's shared socket.
 
 Services: PredictionService (Predict, Classify, Regress, GetModelMetadata), ModelService
 (GetModelStatus) and grpc.health.v1.Health, which answers SERVING exactly when /readyz
-answers 200. `model_spec` takes a name, a version or a version_label, and a signature. A call
-goes through the registry and batchers REST uses: the same validation, row limit, queue,
-deadline (the client's gRPC deadline, capped by REQUEST_TIMEOUT_MS) and errors, mapped to
-TensorFlow Serving's status codes in `STATUS_CODES`. Each call is counted in
-model_server_requests (route: the full method name, method: GRPC, status: the code's name)
-and written to the access log, like an HTTP request.
+answers 200. `model_spec` takes a name, a version or a version_label, and a signature. This
+module only translates protos: a call goes through the request layer REST uses
+(app/serving.py), with the same resolution, row and byte limits, queue, deadline (the
+client's gRPC deadline, capped by REQUEST_TIMEOUT_MS) and errors, mapped to TensorFlow
+Serving's status codes in `STATUS_CODES`. Each call is counted in model_server_requests
+(route: the full method name, method: GRPC, status: the code's name) and written to the
+access log, like an HTTP request.
 
 On SIGTERM the server stops taking calls at once and lets every accepted one finish; the
 worker's exit waits for them before the batchers close.
@@ -24,7 +25,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -48,18 +48,16 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import classify, errors, logs, tensor_proto
-from app.logs import access_log, accept_request_id
-from app.models import DEFAULT_SIGNATURE, LoadedModel, Signature, TensorInfo
+from app import errors, tensor_proto
+from app.errors import SignatureNotFound
+from app.logs import RequestRecord, accept_request_id
+from app.models import LoadedModel, Signature
 from app.registry import Servable
+from app.serving import Answer, ModelSpec, RequestLayer, Requests, braced, check_rows, get_layer
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_KEY = "x-request-id"
-
-
-class SignatureNotFound(errors.BadRequest):
-    """TensorFlow Serving answers an unknown signature_name with FAILED_PRECONDITION."""
 
 
 # The one map from the server's errors to gRPC status codes; the most specific class wins.
@@ -85,118 +83,43 @@ def status_code(exc: errors.ServingError) -> grpc.StatusCode:
     return next(STATUS_CODES[cls] for cls in type(exc).__mro__ if cls in STATUS_CODES)
 
 
-class ModelsAdapter:
-    """Everything the gRPC services ask of the model registry, in one place."""
-
-    def __init__(self, app: Flask) -> None:
-        self._registry = app.extensions["models"]
-        self._timeout_s = app.extensions["settings"].request_timeout_ms / 1000.0
-
-    def get(self, model_spec: Any) -> tuple[Servable, bool]:
-        """The servable the spec names, and whether it was pinned (by version or label)."""
-        version = model_spec.version.value if model_spec.HasField("version") else None
-        label = model_spec.version_label or None
-        servable = self._registry.get(model_spec.name or None, version, label=label)
-        return servable, version is not None or label is not None
-
-    def predict(self, servable: Servable, inputs: dict[str, np.ndarray], *, signature: Signature, pinned: bool,
-                time_remaining_s: float | None) -> tuple[Servable, Any]:
-        timeout_s = self._timeout_s if time_remaining_s is None else min(self._timeout_s, time_remaining_s)
-        if timeout_s <= 0:
-            raise errors.DeadlineExceeded("the call's deadline passed before it was queued")
-        return self._registry.predict(servable, inputs, timeout_s=timeout_s, signature_name=signature.name,
-                                      pinned=pinned)
-
-    def status(self, model_spec: Any) -> list[dict[str, Any]]:
-        version = model_spec.version.value if model_spec.HasField("version") else None
-        return self._registry.model_status(model_spec.name or self._registry.default_name, version,
-                                           label=model_spec.version_label or None)
-
-    @property
-    def ready(self) -> bool:
-        return self._registry.ready
+def details(exc: errors.ServingError) -> str:
+    if isinstance(exc, SignatureNotFound):
+        # TF Serving's gRPC words (model_servers/predict_util.cc); REST's are the error's own.
+        return f'Serving signature key "{exc.key}" not found.'
+    return exc.message
 
 
-class _Call:
-    """What one call's access-log line and metrics say about it."""
-
-    __slots__ = ("rows", "batch_rows", "batch_requests", "model")
-
-    def __init__(self) -> None:
-        self.rows: int | None = None
-        self.batch_rows: int | None = None
-        self.batch_requests: int | None = None
-        self.model: str | None = None
+def model_spec(proto: Any) -> ModelSpec:
+    return ModelSpec(proto.name or None, proto.version.value if proto.HasField("version") else None,
+                     proto.version_label or None)
 
 
 class _Observed:
-    """Wraps each handler: status mapping, metrics, access log and request id, once for all."""
+    """Wraps each handler: the request record (metrics, access log), request id and status, once for all."""
 
-    def __init__(self, metrics: Any) -> None:
-        self._metrics = metrics
+    def __init__(self, requests: Requests) -> None:
+        self._requests = requests
 
-    def __call__(self, route: str, handler: Callable[[Any, _Call, grpc.ServicerContext], Any]) -> Callable:
-        seconds = self._metrics.request_seconds.labels(route)
-
+    def __call__(self, route: str, handler: Callable[[Any, RequestRecord, grpc.ServicerContext], Any]) -> Callable:
         def observed(request: Any, context: grpc.ServicerContext) -> Any:
-            started = time.perf_counter()
             request_id = accept_request_id(dict(context.invocation_metadata()).get(REQUEST_ID_KEY, ""))
+            record = self._requests.start("GRPC", route, request_id)
             context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
-            call = _Call()
             code, message = grpc.StatusCode.OK, ""
-            self._metrics.in_flight.inc()
             try:
-                return handler(request, call, context)
+                return handler(request, record, context)
             except errors.ServingError as exc:
-                code, message = status_code(exc), exc.message
+                code, message = status_code(exc), details(exc)
             except Exception as exc:
                 log.exception("unhandled error in %s", route)
                 code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
             finally:
-                self._metrics.in_flight.dec()
-                self._metrics.requests.labels(route, "GRPC", code.name).inc()
-                seconds.observe(time.perf_counter() - started)
-                _log_access(route, code, started, call, request_id)
+                record.status = code.name
+                self._requests.finish(record)
             context.abort(code, message)
 
         return observed
-
-
-def _log_access(route: str, code: grpc.StatusCode, started: float, call: _Call, request_id: str) -> None:
-    if access_log.isEnabledFor(logging.INFO):
-        fields = {
-            "method": "GRPC",
-            "path": route,
-            "status": code.name,
-            "latency_ms": round((time.perf_counter() - started) * 1000, 3),
-            "rows": call.rows,
-            "batch_rows": call.batch_rows,
-            "batch_requests": call.batch_requests,
-            "model": call.model,
-            "request_id": request_id,
-        }
-        logs.log_access(fields, writer=logs.process_writer())
-
-
-def predict_signature(servable: Servable, signature_name: str) -> Signature:
-    # An empty name is serving_default, as in TF Serving (model_servers/predict_util.cc).
-    key = signature_name or DEFAULT_SIGNATURE
-    signature = servable.model.signatures.get(key)
-    if signature is None:
-        raise SignatureNotFound(f'Serving signature key "{key}" not found.')
-    return signature
-
-
-def example_signature(servable: Servable, signature_name: str, method: str) -> tuple[Signature, str]:
-    """Classify's or Regress's signature, checked as the REST API checks it, and its input's name."""
-    model = servable.model
-    if not signature_name and DEFAULT_SIGNATURE not in model.signatures:
-        signature_name = model.default_signature
-    signature = model.signatures.get(signature_name or DEFAULT_SIGNATURE)
-    if signature is None:
-        # TF Serving's words (servables/tensorflow/classifier.cc, regressor.cc).
-        raise errors.BadRequest(f"No signature was found with the name: {signature_name or DEFAULT_SIGNATURE}")
-    return signature, classify.check_signature(signature, method)
 
 
 def serialized_examples(model_input: Any, *, max_rows: int) -> np.ndarray:
@@ -214,10 +137,8 @@ def serialized_examples(model_input: Any, *, max_rows: int) -> np.ndarray:
         examples, context = [], None
     if not examples:
         raise errors.InvalidInput("Input is empty.")
-    if len(examples) > max_rows:
-        # Refused before any example is serialized, as the REST API refuses them before building.
-        raise errors.PayloadTooLarge(f"the request holds {len(examples)} examples; this model takes at most "
-                                     f"{max_rows} rows per request (MAX_REQUEST_ROWS)")
+    # Refused before any example is serialized, as the REST API refuses them before building.
+    check_rows(len(examples), max_rows, unit="examples")
     serialized = np.empty(len(examples), dtype=object)
     for index, example in enumerate(examples):
         if context is not None:
@@ -241,108 +162,69 @@ def decode_inputs(request: Any, model: Signature, *, max_rows: int, max_bytes: i
     given = set(request.inputs.keys())
     if given != wanted:
         raise errors.InvalidInput(
-            f"input size does not match signature: {len(given)}!={len(wanted)} len({_names(given)}) != "
-            f"len({_names(wanted)}). Sent extra: {_names(given - wanted)}. "
-            f"Missing but required: {_names(wanted - given)}.")
+            f"input size does not match signature: {len(given)}!={len(wanted)} len({braced(given)}) != "
+            f"len({braced(wanted)}). Sent extra: {braced(given - wanted)}. "
+            f"Missing but required: {braced(wanted - given)}.")
     return {spec.name: tensor_proto.to_ndarray(request.inputs[spec.name], spec, f"inputs['{spec.name}']",
                                                max_rows=max_rows, max_bytes=max_bytes)
             for spec in model.inputs}
 
 
-def output_specs(output_filter: Any, model: Signature) -> list[TensorInfo]:
-    if not output_filter:
-        return list(model.outputs)
-    by_name = {spec.name: spec for spec in model.outputs}
-    chosen: list[TensorInfo] = []
-    for alias in output_filter:
-        if alias not in by_name:
-            raise errors.InvalidInput(f"output tensor alias not found in signature: {alias} Outputs expected "
-                                      f"to be in the set {_names(by_name)}.")
-        if by_name[alias] in chosen:
-            raise errors.InvalidInput(f"duplicate output tensor alias: {alias}")
-        chosen.append(by_name[alias])
-    return chosen
-
-
-def _names(names: Any) -> str:
-    return "{" + ",".join(sorted(names)) + "}"
-
-
 class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
-    def __init__(self, models: ModelsAdapter, observed: _Observed, *, max_bytes: int) -> None:
+    def __init__(self, layer: RequestLayer, observed: _Observed, *, max_bytes: int) -> None:
         # MultiInference stays the base class's UNIMPLEMENTED.
         self.Predict = observed("/tensorflow.serving.PredictionService/Predict", self._predict)
         self.Classify = observed("/tensorflow.serving.PredictionService/Classify", self._classify)
         self.Regress = observed("/tensorflow.serving.PredictionService/Regress", self._regress)
         self.GetModelMetadata = observed("/tensorflow.serving.PredictionService/GetModelMetadata", self._metadata)
-        self._models = models
+        self._layer = layer
         self._max_bytes = max_bytes
 
-    def _servable(self, request: Any, call: _Call) -> tuple[Servable, bool]:
+    def _servable(self, request: Any, record: RequestRecord) -> tuple[Servable, ModelSpec]:
         if not request.HasField("model_spec"):
             raise errors.BadRequest("Missing ModelSpec")
-        servable, pinned = self._models.get(request.model_spec)
-        call.model = servable.model.name
-        return servable, pinned
+        spec = model_spec(request.model_spec)
+        return self._layer.model(spec, record), spec
 
-    def _predict(self, request: Any, call: _Call, context: grpc.ServicerContext) -> Any:
-        servable, pinned = self._servable(request, call)
-        signature = predict_signature(servable, request.model_spec.signature_name)
-        outputs = output_specs(request.output_filter, signature)
-        inputs = decode_inputs(request, signature, max_rows=servable.batchers[signature.name].max_request_rows,
-                               max_bytes=self._max_bytes)
-        call.rows = next(iter(inputs.values())).shape[0]
-        servable, result = self._models.predict(servable, inputs, signature=signature, pinned=pinned,
-                                                time_remaining_s=context.time_remaining())
-        call.batch_rows, call.batch_requests = result.batch_rows, result.batch_requests
+    def _predict(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        servable, spec = self._servable(request, record)
+        signature = self._layer.predict_signature(servable, request.model_spec.signature_name)
+        outputs = self._layer.select_outputs(signature, list(request.output_filter))
+        inputs = decode_inputs(request, signature, max_rows=self._layer.row_limit(servable), max_bytes=self._max_bytes)
+        answer = self._layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
+                                     client_timeout_s=context.time_remaining())
         response = predict_pb2.PredictResponse()
-        _set_model_spec(response.model_spec, servable.model, signature.name)
-        for spec in outputs:
-            tensor_proto.from_ndarray(result.outputs[spec.name], spec.tf_dtype, response.outputs[spec.name])
+        _set_model_spec(response.model_spec, answer.servable.model, signature.name)
+        for output in outputs:
+            tensor_proto.from_ndarray(answer.outputs[output.name], output.tf_dtype, response.outputs[output.name])
         return response
 
-    def _examples(self, request: Any, call: _Call, context: grpc.ServicerContext,
-                  method: str) -> tuple[Servable, Signature, dict[str, np.ndarray], int]:
-        servable, pinned = self._servable(request, call)
-        signature, input_name = example_signature(servable, request.model_spec.signature_name, method)
-        examples = serialized_examples(request.input, max_rows=servable.batchers[signature.name].max_request_rows)
-        call.rows = rows = len(examples)
-        servable, result = self._models.predict(servable, {input_name: examples}, signature=signature, pinned=pinned,
-                                                time_remaining_s=context.time_remaining())
-        call.batch_rows, call.batch_requests = result.batch_rows, result.batch_requests
-        return servable, signature, result.outputs, rows
+    def _examples(self, request: Any, record: RequestRecord, context: grpc.ServicerContext,
+                  method: Callable[..., tuple[Answer, Any]], response: Any) -> Any:
+        """Classify or Regress: the layer's `method` over the request's tf.Examples, into `response`."""
+        servable, spec = self._servable(request, record)
+        examples = serialized_examples(request.input, max_rows=self._layer.row_limit(servable))
+        answer, result = method(servable, request.model_spec.signature_name, examples, record=record,
+                                pinned=spec.pinned, client_timeout_s=context.time_remaining())
+        _set_model_spec(response.model_spec, answer.servable.model, answer.signature.name)
+        return result
 
-    def _classify(self, request: Any, call: _Call, context: grpc.ServicerContext) -> Any:
-        servable, signature, outputs, rows = self._examples(request, call, context, classify.CLASSIFY)
+    def _classify(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
         response = classification_pb2.ClassificationResponse()
-        _set_model_spec(response.model_spec, servable.model, signature.name)
-        classes, scores = outputs.get("classes"), outputs.get("scores")
-        if classes is None and scores is None:
-            raise errors.BadRequest("Expected classification signature outputs to contain 'classes' or 'scores'")
-        width = (classes if classes is not None else scores).reshape(rows, -1).shape[1]
-        for row in range(rows):
+        classes = self._examples(request, record, context, self._layer.classify, response)
+        for labels, scores in zip(classes.labels, classes.scores.tolist()):
             classifications = response.result.classifications.add()
-            for column in range(width):
-                entry = classifications.classes.add()
-                if classes is not None:
-                    entry.label = _text(classes.reshape(rows, width)[row, column])
-                if scores is not None:
-                    entry.score = float(scores.reshape(rows, width)[row, column])
+            for label, score in zip(labels, scores):
+                classifications.classes.add(label=label, score=score)
         return response
 
-    def _regress(self, request: Any, call: _Call, context: grpc.ServicerContext) -> Any:
-        servable, signature, outputs, rows = self._examples(request, call, context, classify.REGRESS)
-        values = np.asarray(outputs.get("outputs", next(iter(outputs.values()))))
-        if values.size != rows:
-            raise errors.BadRequest(f"Expected output Tensor shape to be [{rows}] or [{rows}, 1]; "
-                                    f"got {list(values.shape)}")
+    def _regress(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
         response = regression_pb2.RegressionResponse()
-        _set_model_spec(response.model_spec, servable.model, signature.name)
-        for value in values.reshape(rows).astype(np.float32).tolist():
+        for value in self._examples(request, record, context, self._layer.regress, response).tolist():
             response.result.regressions.add().value = value
         return response
 
-    def _metadata(self, request: Any, call: _Call, context: grpc.ServicerContext) -> Any:
+    def _metadata(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
         if not request.HasField("model_spec"):
             raise errors.BadRequest("Missing ModelSpec")
         if not request.metadata_field:
@@ -350,8 +232,7 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         for field in request.metadata_field:
             if field != "signature_def":
                 raise errors.BadRequest(f"Metadata field {field} is not supported")
-        model = self._models.get(request.model_spec)[0].model
-        call.model = model.name
+        model = self._layer.model(model_spec(request.model_spec), record).model
         response = get_model_metadata_pb2.GetModelMetadataResponse()
         _set_model_spec(response.model_spec, model, None)
         signatures = get_model_metadata_pb2.SignatureDefMap()
@@ -359,10 +240,6 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
             signatures.signature_def[key].CopyFrom(signature_def(signature))
         response.metadata["signature_def"].Pack(signatures)
         return response
-
-
-def _text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def signature_def(signature: Signature) -> Any:
@@ -384,16 +261,16 @@ _ERROR_CODES = status_pb2.StatusProto.DESCRIPTOR.fields_by_name["error_code"].en
 
 
 class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
-    def __init__(self, models: ModelsAdapter, observed: _Observed) -> None:
+    def __init__(self, layer: RequestLayer, observed: _Observed) -> None:
         # HandleReloadConfigRequest stays the base class's UNIMPLEMENTED: models come from settings.
         self.GetModelStatus = observed("/tensorflow.serving.ModelService/GetModelStatus", self._status)
-        self._models = models
+        self._layer = layer
 
-    def _status(self, request: Any, call: _Call, context: grpc.ServicerContext) -> Any:
+    def _status(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
         if not request.HasField("model_spec"):
             raise errors.BadRequest("Missing ModelSpec")
-        statuses = self._models.status(request.model_spec)
-        call.model = request.model_spec.name or None
+        statuses = self._layer.model_status(model_spec(request.model_spec))
+        record.model = request.model_spec.name or None
         response = get_model_status_pb2.GetModelStatusResponse()
         for entry in statuses:
             status = response.model_version_status.add()
@@ -412,14 +289,14 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 
     SERVICES = frozenset({"", "tensorflow.serving.PredictionService", "tensorflow.serving.ModelService"})
 
-    def __init__(self, models: ModelsAdapter) -> None:
-        self._models = models
+    def __init__(self, layer: RequestLayer) -> None:
+        self._layer = layer
         self.stopping = False
 
     def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
         if request.service not in self.SERVICES:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
-        serving = self._models.ready and not self.stopping
+        serving = self._layer.ready and not self.stopping
         return health_pb2.HealthCheckResponse(
             status=health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -428,10 +305,9 @@ class GrpcServer:
     """One worker's gRPC server: start after the app loaded, stop with every accepted call answered."""
 
     def __init__(self, app: Flask, *, bind: str, threads: int) -> None:
-        # REST's body limit: MAX_REQUEST_BYTES, or the limit the app derived from it.
-        max_bytes = app.config.get("MAX_CONTENT_LENGTH") or app.extensions["settings"].max_request_bytes
-        models = ModelsAdapter(app)
-        observed = _Observed(app.extensions["metrics"])
+        models = get_layer(app)
+        max_bytes = models.max_request_bytes  # REST's body limit: MAX_REQUEST_BYTES, or derived from the models
+        observed = _Observed(models.requests)
         self.health = HealthServicer(models)
         # As many calls at once as threads: past that, a fast RESOURCE_EXHAUSTED rather than
         # a wait in the thread pool's queue, where nothing counts or sees it.

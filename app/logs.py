@@ -152,14 +152,37 @@ def accept_request_id(given: str) -> str:
 
 @dataclasses.dataclass
 class RequestRecord:
-    """What a request's access line says beyond the HTTP basics; the views fill it in."""
+    """One request, as its access line and its metrics tell it, whatever its protocol.
+
+    The front door opens it (method, path, request id) and closes it (status: an HTTP
+    status, or a gRPC code's name); the request layer fills in the model and the rows.
+    """
 
     request_id: str
-    status: int = 500
+    method: str = ""
+    path: str = ""
+    status: int | str = 500
     model: str | None = None
     rows: int | None = None
     batch_rows: int | None = None
     batch_requests: int | None = None
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    def access_fields(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "path": self.path,
+            "status": self.status,
+            "latency_ms": round(self.seconds() * 1000, 3),
+            "rows": self.rows,
+            "batch_rows": self.batch_rows,
+            "batch_requests": self.batch_requests,
+            "model": self.model,
+            "request_id": self.request_id,
+        }
 
 
 def record() -> RequestRecord:
@@ -342,6 +365,12 @@ def log_access(fields: dict[str, Any], *, writer: AccessWriter | None = None) ->
         access_log.info("access", extra={"fields": fields})
 
 
+def write_access(record: RequestRecord, *, writer: AccessWriter | None = None) -> None:
+    """The record's access line, if the access log is on."""
+    if access_log.isEnabledFor(logging.INFO):
+        log_access(record.access_fields(), writer=writer)
+
+
 class _AccessLayer:
     """WSGI layer: every request gets an id, echoed in X-Request-ID, and one access line.
 
@@ -356,8 +385,8 @@ class _AccessLayer:
         self.writer = writer
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        started = time.perf_counter()
-        entry = RequestRecord(accept_request_id(environ.get(_REQUEST_ID_ENVIRON, "")))
+        entry = RequestRecord(accept_request_id(environ.get(_REQUEST_ID_ENVIRON, "")),
+                              environ.get("REQUEST_METHOD", ""))
         environ[RECORD_KEY] = entry
 
         def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
@@ -368,25 +397,15 @@ class _AccessLayer:
         try:
             return self.app(environ, start)
         finally:
-            self._log(environ, entry, started)
+            self._log(environ, entry)
 
-    def _log(self, environ: dict[str, Any], entry: RequestRecord, started: float) -> None:
+    def _log(self, environ: dict[str, Any], entry: RequestRecord) -> None:
         if not access_log.isEnabledFor(logging.INFO):
             return
-        path = "/" + get_path_info(environ).lstrip("/")  # as Werkzeug's request.path reads it
-        if path in PROBE_PATHS and not self.probes:
+        entry.path = "/" + get_path_info(environ).lstrip("/")  # as Werkzeug's request.path reads it
+        if entry.path in PROBE_PATHS and not self.probes:
             return
-        log_access({
-            "method": environ.get("REQUEST_METHOD", ""),
-            "path": path,
-            "status": entry.status,
-            "latency_ms": round((time.perf_counter() - started) * 1000, 3),
-            "rows": entry.rows,
-            "batch_rows": entry.batch_rows,
-            "batch_requests": entry.batch_requests,
-            "model": entry.model,
-            "request_id": entry.request_id,
-        }, writer=self.writer)
+        write_access(entry, writer=self.writer)
 
 
 def init_app(app: Flask, *, access: bool = True, probes: bool = False, writer: AccessWriter | None = None) -> None:

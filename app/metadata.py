@@ -7,9 +7,6 @@ from typing import Any
 
 from app.models import LoadedModel, Signature, TensorInfo
 
-SIGNATURE_NAME = "serving_default"
-
-
 def _tensor(spec: TensorInfo, prefix: str) -> dict[str, Any]:
     dims = [{"size": "-1", "name": ""}] + [{"size": str(-1 if d is None else d), "name": ""} for d in spec.shape]
     return {

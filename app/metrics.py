@@ -140,18 +140,37 @@ class RoutedRequest(Request):
         self.environ[ROUTE_KEY] = rule.rule if rule is not None else None
 
 
-class _MetricsLayer:
-    """WSGI layer: requests in flight, and each answer counted and timed by route, method and status.
+class RequestCounts:
+    """Each answer counted and timed by route, method and status, for every front door.
 
     Label children are looked up once per label set and kept: prometheus_client's labels()
     takes a lock and builds a key on every call.
     """
 
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._counters: dict[tuple[str, str, str], Any] = {}
+        self._timers: dict[str, Any] = {}
+
+    def count(self, route: str, method: str, status: str, seconds: float) -> None:
+        key = (route, method, status)
+        counter = self._counters.get(key)
+        if counter is None:
+            counter = self._counters[key] = self.metrics.requests.labels(route, method, status)
+        counter.inc()
+        timer = self._timers.get(route)
+        if timer is None:
+            timer = self._timers[route] = self.metrics.request_seconds.labels(route)
+        timer.observe(seconds)
+
+
+class _MetricsLayer:
+    """WSGI layer: HTTP requests in flight, and each answer counted by its URL rule (RequestCounts)."""
+
     def __init__(self, app: Callable[..., Iterable[bytes]], metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
-        self._counters: dict[tuple[str, str, int], Any] = {}
-        self._timers: dict[str, Any] = {}
+        self._counts = RequestCounts(metrics)
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         started = time.perf_counter()
@@ -174,15 +193,7 @@ class _MetricsLayer:
         method = environ.get("REQUEST_METHOD", "")
         if method not in HTTP_METHODS:
             method = OTHER
-        key = (route, method, status)
-        counter = self._counters.get(key)
-        if counter is None:
-            counter = self._counters[key] = self.metrics.requests.labels(route, method, str(status))
-        counter.inc()
-        timer = self._timers.get(route)
-        if timer is None:
-            timer = self._timers[route] = self.metrics.request_seconds.labels(route)
-        timer.observe(seconds)
+        self._counts.count(route, method, str(status), seconds)
 
 
 def metrics_view() -> Response:

@@ -29,7 +29,7 @@ from flask import Flask
 
 from app import batcher_broken, models, runtime
 from app.batching import Batcher, BatchResult, Tensors, bucket_sizes
-from app.errors import BadRequest, NotFound, Unavailable
+from app.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
 from app.metrics import Metrics
 from app.settings import ModelConfig, Settings, model_configs
 
@@ -67,8 +67,9 @@ class Servable:
         signature = self.model.signatures.get(key)
         if signature is None:
             # TF Serving's words (model_servers/http_rest_api_handler.cc, GetInfoMap).
-            raise BadRequest(f'Serving signature name: "{key}" not found in signature def (unknown signature_name; '
-                             f"model '{self.model.name}' v{self.model.version} has {sorted(self.model.signatures)})")
+            raise SignatureNotFound(f'Serving signature name: "{key}" not found in signature def (unknown '
+                                    f"signature_name; model '{self.model.name}' v{self.model.version} has "
+                                    f"{sorted(self.model.signatures)})", key=key)
         return signature
 
     def status(self) -> dict[str, Any]:
@@ -248,13 +249,6 @@ class ModelRegistry:
         del servable  # the last reference here: what refreeze_heap collects
         runtime.refreeze_heap()
         log.info("model '%s' v%d unloaded; serving %s", name, version, sorted(entry.serving))
-
-    def swap(self, new: Servable) -> None:
-        """Serve `new` and retire every other version of its model."""
-        self.add(new)
-        for version in self.versions(new.model.name):
-            if version != new.model.version:
-                self.retire(new.model.name, version)
 
     def versions(self, name: str) -> list[int]:
         with self._lock:

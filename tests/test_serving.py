@@ -1,0 +1,340 @@
+"""The request layer's policy, by plain calls: no server, no TensorFlow model.
+
+Which model, version, label and signature a request names (and TF Serving's words when it
+names none), the row and byte limits, the deadline, the shape of classify and regress
+answers, and the one request record behind the access log and the request metrics.
+Every front door (tests/test_grpc.py, test_tf_serving.py, test_signatures.py...) goes
+through these same calls; those files check the wire formats around them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from flask import Flask
+from prometheus_client import CollectorRegistry
+
+from app import logs, serving
+from app.batching import Batcher
+from app.errors import BadRequest, DeadlineExceeded, InvalidInput, NotFound, PayloadTooLarge, SignatureNotFound
+from app.metrics import Metrics
+from app.models import (
+    CLASSIFY_METHOD,
+    DEFAULT_SIGNATURE,
+    PREDICT_METHOD,
+    REGRESS_METHOD,
+    STRING,
+    LoadedModel,
+    Signature,
+    TensorInfo,
+)
+from app.registry import ModelRegistry, Servable
+from app.serving import ModelSpec, RequestLayer
+from app.settings import Settings
+
+TIMEOUT_S = 30.0
+MAX_REQUEST_ROWS = 4
+X = TensorInfo("x", (2,), np.dtype("float32"), "DT_FLOAT")
+Y = TensorInfo("y", (), np.dtype("float32"), "DT_FLOAT")
+Z = TensorInfo("z", (2,), np.dtype("float32"), "DT_FLOAT")
+EXAMPLES = TensorInfo("examples", (), STRING, "DT_STRING")
+
+
+def _sum_and_double(batch):
+    return {"y": batch["x"].sum(axis=1), "z": batch["x"] * 2}
+
+
+def _examples_model(batch):
+    rows = len(batch["examples"])
+    return {"classes": np.array([[b"a", b"b"]] * rows, dtype=object),
+            "scores": np.tile(np.array([0.25, 0.75], np.float32), (rows, 1)),
+            "outputs": np.arange(rows, dtype=np.float64) + 0.5}
+
+
+def _servable(version: int, *, with_default: bool = True) -> Servable:
+    """Version v of model 'm': serving_default (x -> y, z) and the tf.Example signatures."""
+    signatures = {
+        "classify": Signature("classify", CLASSIFY_METHOD, [EXAMPLES], [], _examples_model),
+        "regress": Signature("regress", REGRESS_METHOD, [EXAMPLES], [], _examples_model),
+        "takes_floats": Signature("takes_floats", CLASSIFY_METHOD, [X], [Y], _sum_and_double),
+    }
+    main = "classify"
+    if with_default:
+        signatures[DEFAULT_SIGNATURE] = Signature(DEFAULT_SIGNATURE, PREDICT_METHOD, [X], [Y, Z], _sum_and_double)
+        main = DEFAULT_SIGNATURE
+    model = LoadedModel("m", version, "test", signatures[main].inputs, signatures[main].outputs,
+                        signatures[main].predict, signatures=signatures)
+    batchers = {key: Batcher(signature.predict, name=f"m-v{version}/{key}", max_batch_size=8,
+                             max_queue_rows=16, max_request_rows=MAX_REQUEST_ROWS)
+                for key, signature in signatures.items()}
+    return Servable(model, batchers)
+
+
+@pytest.fixture
+def registry():
+    registry = ModelRegistry("m")
+    for version in (1, 2):
+        registry.add(_servable(version))
+    registry.set_labels("m", {"stable": 1})
+    yield registry
+    registry.close(drain=False)
+
+
+@pytest.fixture
+def metrics():
+    return Metrics(CollectorRegistry())
+
+
+@pytest.fixture
+def layer(registry, metrics):
+    return RequestLayer(registry, timeout_s=TIMEOUT_S, max_request_bytes=1 << 20, metrics=metrics)
+
+
+def _record():
+    return logs.RequestRecord("test-request")
+
+
+# -- which model, version, label ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec, version", [
+    (ModelSpec(), 2),
+    (ModelSpec("m"), 2),
+    (ModelSpec("m", 1), 1),
+    (ModelSpec("m", label="stable"), 1),
+])
+def test_a_spec_resolves_to_its_version_and_the_record_names_the_model(layer, spec, version):
+    record = _record()
+
+    assert layer.model(spec, record).model.version == version
+    assert record.model == "m"
+
+
+@pytest.mark.parametrize("spec, error, message", [
+    (ModelSpec("nope"), NotFound, "Servable not found for request: Latest(nope): no model named 'nope'"),
+    (ModelSpec("m", 7), NotFound, "Servable not found for request: Specific(m, 7): model 'm' has no version 7"),
+    (ModelSpec("m", label="canary"), BadRequest, "Unrecognized servable version label: canary"),
+])
+def test_an_unknown_model_version_or_label_is_refused_in_tf_servings_words(layer, spec, error, message):
+    record = _record()
+
+    with pytest.raises(error) as raised:
+        layer.model(spec, record)
+
+    assert type(raised.value) is error
+    assert raised.value.message.startswith(message)
+    assert record.model is None
+
+
+def test_pinned_means_a_version_or_a_label():
+    assert [ModelSpec().pinned, ModelSpec("m").pinned, ModelSpec("m", 1).pinned,
+            ModelSpec("m", label="stable").pinned] == [False, False, True, True]
+
+
+def test_model_status_without_a_name_is_the_default_models(layer):
+    assert [entry["version"] for entry in layer.model_status(ModelSpec())] == ["2", "1"]
+    assert [entry["version"] for entry in layer.model_status(ModelSpec("m", label="stable"))] == ["1"]
+
+
+# -- which signature ------------------------------------------------------------------------
+
+
+def test_an_empty_predict_signature_name_is_serving_default(layer, registry):
+    servable = registry.get("m")
+
+    assert layer.predict_signature(servable, "").name == DEFAULT_SIGNATURE
+    assert layer.predict_signature(servable, "takes_floats").name == "takes_floats"
+
+
+def test_an_unknown_predict_signature_carries_its_key(layer, registry):
+    with pytest.raises(SignatureNotFound) as raised:
+        layer.predict_signature(registry.get("m"), "train")
+
+    assert raised.value.key == "train"
+    assert raised.value.message.startswith('Serving signature name: "train" not found in signature def')
+
+
+@pytest.mark.parametrize("name, method, expected", [
+    ("classify", serving.CLASSIFY, ("classify", "examples")),
+    ("regress", serving.REGRESS, ("regress", "examples")),
+])
+def test_an_example_signature_and_its_one_input(layer, registry, name, method, expected):
+    signature, input_name = layer.example_signature(registry.get("m"), name, method)
+
+    assert (signature.name, input_name) == expected
+
+
+def test_without_serving_default_an_unnamed_example_signature_is_the_models_main_one(layer, registry):
+    registry.add(_servable(3, with_default=False))
+
+    signature, _ = layer.example_signature(registry.get("m", 3), "", serving.CLASSIFY)
+
+    assert signature.name == "classify"
+
+
+@pytest.mark.parametrize("name, method, message", [
+    ("nope", serving.CLASSIFY, "No signature was found with the name: nope"),
+    ("", serving.CLASSIFY, ("Expected classification signature method_name to be tensorflow/serving/classify. "
+                            "Was: tensorflow/serving/predict")),
+    ("classify", serving.REGRESS, ("Expected regression signature method_name to be tensorflow/serving/regress. "
+                                   "Was: tensorflow/serving/classify")),
+    ("takes_floats", serving.CLASSIFY, ("Expected one input Tensor of serialized tf.Examples in signature "
+                                        "'takes_floats'")),
+])
+def test_a_wrong_example_signature_is_refused_in_tf_servings_words(layer, registry, name, method, message):
+    with pytest.raises(BadRequest) as raised:
+        layer.example_signature(registry.get("m"), name, method)
+
+    assert raised.value.message == message
+
+
+def test_outputs_asked_for_come_in_the_order_asked(layer, registry):
+    signature = registry.get("m").model.signatures[DEFAULT_SIGNATURE]
+
+    assert [spec.name for spec in layer.select_outputs(signature)] == ["y", "z"]
+    assert [spec.name for spec in layer.select_outputs(signature, ["z", "y"])] == ["z", "y"]
+
+
+@pytest.mark.parametrize("names, message", [
+    (["w"], "output tensor alias not found in signature: w Outputs expected to be in the set {y,z}."),
+    (["y", "y"], "duplicate output tensor alias: y"),
+])
+def test_unknown_or_repeated_outputs_are_refused(layer, registry, names, message):
+    with pytest.raises(InvalidInput) as raised:
+        layer.select_outputs(registry.get("m").model.signatures[DEFAULT_SIGNATURE], names)
+
+    assert raised.value.message == message
+
+
+# -- limits -----------------------------------------------------------------------------------
+
+
+def test_rows_up_to_the_limit_pass_and_one_more_is_refused(layer, registry):
+    limit = layer.row_limit(registry.get("m"))
+
+    assert limit == MAX_REQUEST_ROWS
+    assert serving.check_rows(limit, limit) == limit
+    with pytest.raises(PayloadTooLarge) as raised:
+        serving.check_rows(limit + 1, limit, unit="examples")
+    assert raised.value.message == ("the request holds 5 examples; this model takes at most 4 rows per request "
+                                    "(MAX_REQUEST_ROWS)")
+
+
+def test_the_byte_limit_comes_from_settings_not_from_flask(registry, metrics):
+    app = Flask("layer")
+    app.extensions["metrics"] = metrics
+
+    layer = serving.init_app(app, Settings(max_request_bytes=12345, request_timeout_ms=250), registry)
+
+    assert (layer.max_request_bytes, layer.timeout_s) == (12345, 0.25)
+    assert serving.get_layer(app) is layer
+    assert "MAX_CONTENT_LENGTH" not in app.config or app.config["MAX_CONTENT_LENGTH"] is None
+
+
+# -- the deadline -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("client_s, expected_s", [(None, TIMEOUT_S), (5.0, 5.0), (TIMEOUT_S + 60, TIMEOUT_S)])
+def test_the_clients_deadline_caps_the_servers(layer, client_s, expected_s):
+    assert layer.deadline_s(client_s) == expected_s
+
+
+@pytest.mark.parametrize("client_s", [0.0, -0.5])
+def test_a_deadline_already_passed_is_refused_before_queueing(layer, registry, client_s):
+    servable = registry.get("m")
+    signature = servable.model.signatures[DEFAULT_SIGNATURE]
+    record = _record()
+
+    with pytest.raises(DeadlineExceeded, match="deadline passed before it was queued"):
+        layer.predict(servable, signature, {"x": np.ones((1, 2), np.float32)}, record=record, pinned=False,
+                      client_timeout_s=client_s)
+    assert servable.batchers[DEFAULT_SIGNATURE].batches_run == 0
+
+
+# -- predictions, classify and regress ------------------------------------------------------
+
+
+def test_a_prediction_answers_its_rows_and_fills_the_record(layer, registry):
+    servable = layer.model(ModelSpec("m", 1))
+    signature = layer.predict_signature(servable, "")
+    record = _record()
+    x = np.array([[1, 2], [3, 4]], np.float32)
+
+    answer = layer.predict(servable, signature, {"x": x}, record=record, pinned=True)
+
+    assert answer.servable is servable and answer.signature is signature
+    np.testing.assert_array_equal(answer.outputs["y"], [3, 7])
+    np.testing.assert_array_equal(answer.outputs["z"], x * 2)
+    assert (record.rows, record.batch_rows, record.batch_requests) == (2, 2, 1)
+
+
+def test_classify_answers_labels_and_scores_per_example(layer, registry):
+    record = _record()
+    examples = np.array([b"e1", b"e2", b"e3"], dtype=object)
+
+    answer, classes = layer.classify(registry.get("m"), "classify", examples, record=record, pinned=False)
+
+    assert answer.signature.name == "classify" and record.rows == 3
+    assert classes.labels == [["a", "b"]] * 3
+    assert classes.scores.dtype == np.float32
+    np.testing.assert_array_equal(classes.scores, [[0.25, 0.75]] * 3)
+
+
+def test_regress_answers_one_float32_per_example(layer, registry):
+    answer, values = layer.regress(registry.get("m"), "regress", np.array([b"e1", b"e2"], dtype=object),
+                                   record=_record(), pinned=False)
+
+    assert answer.signature.name == "regress"
+    assert values.dtype == np.float32
+    np.testing.assert_array_equal(values, [0.5, 1.5])
+
+
+def test_classes_fill_in_what_the_model_leaves_out():
+    only_scores = serving.classes({"scores": np.array([[0.5, 0.5]], np.float64)}, 1)
+    only_labels = serving.classes({"classes": np.array([[b"x", b"\xff"]], dtype=object)}, 1)
+
+    assert (only_scores.labels, only_scores.scores.tolist()) == ([["", ""]], [[0.5, 0.5]])
+    assert (only_labels.labels, only_labels.scores.tolist()) == ([["x", "\ufffd"]], [[0.0, 0.0]])
+
+
+@pytest.mark.parametrize("outputs, rows, message", [
+    ({"logits": np.zeros((2, 2))}, 2, "Expected classification signature outputs to contain 'classes' or 'scores'"),
+])
+def test_a_classify_answer_without_classes_or_scores_is_refused(outputs, rows, message):
+    with pytest.raises(BadRequest, match=message):
+        serving.classes(outputs, rows)
+
+
+def test_a_regress_answer_of_the_wrong_size_is_refused():
+    with pytest.raises(BadRequest) as raised:
+        serving.regressions({"outputs": np.zeros((2, 2))}, 2)
+
+    assert raised.value.message == "Expected output Tensor shape to be [2] or [2, 1]; got [2, 2]"
+    np.testing.assert_array_equal(serving.regressions({"other": np.array([[1.0], [2.0]])}, 2), [1.0, 2.0])
+
+
+# -- one record: access line and metrics ----------------------------------------------------
+
+
+def test_one_record_feeds_the_access_line_and_the_request_metrics(metrics, caplog):
+    requests = serving.Requests(metrics)
+    record = requests.start("GRPC", "/tensorflow.serving.PredictionService/Predict", "rid-1")
+    assert metrics.registry.get_sample_value("model_server_requests_in_flight") == 1
+    record.model, record.rows, record.batch_rows, record.batch_requests = "m", 2, 8, 3
+    record.status = "NOT_FOUND"
+
+    with caplog.at_level(logging.INFO, logger="app.access"):
+        requests.finish(record)
+        logs.flush_access_log()
+
+    labels = {"route": "/tensorflow.serving.PredictionService/Predict", "method": "GRPC", "status": "NOT_FOUND"}
+    assert metrics.registry.get_sample_value("model_server_requests_total", labels) == 1
+    assert metrics.registry.get_sample_value("model_server_request_duration_seconds_count",
+                                             {"route": labels["route"]}) == 1
+    assert metrics.registry.get_sample_value("model_server_requests_in_flight") == 0
+    [line] = [entry.fields for entry in caplog.records if entry.name == "app.access"]
+    assert line.pop("latency_ms") >= 0
+    assert line == {"method": "GRPC", "path": labels["route"], "status": "NOT_FOUND", "rows": 2, "batch_rows": 8,
+                    "batch_requests": 3, "model": "m", "request_id": "rid-1"}
