@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -189,11 +190,11 @@ def test_batch_timeout_waits_for_more_until_the_oldest_has_waited(make_batcher, 
 
 
 def test_batch_timeout_dispatches_a_partial_batch_after_the_timeout(make_batcher, fake):
-    batcher = make_batcher(max_batch_size=8, batch_timeout_ms=50)
-    started_at = batcher._clock()
+    batcher = make_batcher(max_batch_size=8, batch_timeout_ms=50, clock=time.monotonic)
+    started_at = time.monotonic()
     result = batcher.submit(rows(1.0)).result(WAIT_S)
     assert result.batch_requests == 1
-    assert batcher._clock() - started_at >= 0.05
+    assert time.monotonic() - started_at >= 0.05
 
 
 def test_expired_batch_window_still_takes_everything_queued(make_batcher, fake):
@@ -402,7 +403,7 @@ def test_thread_death_fails_pending_and_later_requests_at_once(make_batcher, fak
     for future in (running, queued):
         with pytest.raises(BatcherBroken, match="batch thread died"):
             future.result(WAIT_S)
-    batcher._thread.join(WAIT_S)
+    batcher.join(WAIT_S)
     assert not batcher.alive
     with pytest.raises(BatcherBroken):
         batcher.submit(rows(3.0))
@@ -538,7 +539,7 @@ def test_thread_death_calls_on_broken_once_and_liveness_says_so(make_batcher, fa
     assert not batcher.broken
     with pytest.raises(BatcherBroken):
         batcher.submit(rows(1.0)).result(WAIT_S)
-    batcher._thread.join(WAIT_S)
+    batcher.join(WAIT_S)
     assert calls == [batcher] and batcher.broken
 
 
@@ -551,14 +552,14 @@ def test_a_closed_batcher_is_not_broken(make_batcher):
 # -- races (item 4) --------------------------------------------------------------------------
 
 class LockCheckingObserver(BatchObserver):
-    """Records each queue depth and whether the batcher's lock was held while it was reported."""
+    """Records each queue depth and whether the row queue's mutex was held while it was reported."""
 
     def __init__(self) -> None:
         self.batcher: Batcher | None = None
         self.depths: list[tuple[int, bool]] = []
 
     def queue_depth(self, rows: int) -> None:
-        lock = self.batcher._lock
+        lock = self.batcher.queue.mutex
         free = lock.acquire(blocking=False)
         if free:
             lock.release()
@@ -850,10 +851,10 @@ def test_a_filling_batch_wakes_its_thread_once_for_the_requests_it_waits_for(mak
     answered_call(batcher, fake, now, requests=4, seconds=60.0)
     back = [batcher.submit(rows(4.0))]
     # The first one back starts a batch that waits for the other three of the loop.
-    assert wait_for(lambda: batcher._wake_requests == 3)
+    assert wait_for(lambda: batcher.queue.wake_requests == 3)
     woken = []
-    notify = batcher._arrived.notify
-    batcher._arrived.notify = lambda *args: (woken.append(len(back)), notify(*args))
+    notify = batcher.queue.enough_arrived.notify
+    batcher.queue.enough_arrived.notify = lambda *args: (woken.append(len(back)), notify(*args))
     for index in range(5, 8):
         back.append(batcher.submit(rows(float(index))))
     # Only the arrival that completes what the batch waits for wakes its thread: waking it for
@@ -868,7 +869,7 @@ def test_a_request_that_fills_the_waiting_batch_wakes_it_however_few_requests_ca
     batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
     answered_call(batcher, fake, now, requests=4, seconds=60.0)
     first = batcher.submit(rows(4.0))
-    assert wait_for(lambda: batcher._wake_requests == 3)
+    assert wait_for(lambda: batcher.queue.wake_requests == 3)
     # Three more requests were expected; one of seven rows fills the batch on its own.
     big = batcher.submit(rows(*[float(index) for index in range(5, 12)]))
     assert [(future.result(WAIT_S).batch_rows, future.result(WAIT_S).batch_requests)
