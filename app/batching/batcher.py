@@ -22,9 +22,9 @@ from app.batching.execution import Executor, PredictFn
 from app.batching.fill import FillPolicy
 from app.batching.observer import BatchObserver, GuardedObserver
 from app.batching.row_queue import RowQueue
-from app.batching.rows import Tensors, bucket_sizes, row_count
-from app.batching.work import Batch, BatchResult, Pending, Slice, drop_if_abandoned, settle
-from app.errors import BatcherBroken, DeadlineExceeded, InvalidInput, PayloadTooLarge, PredictFailed, ShuttingDown
+from app.batching.rows import Tensors, bucket_sizes, request_rows
+from app.batching.work import Batch, BatchResult, Pending, drop_if_abandoned, settle, start
+from app.errors import BatcherBroken, DeadlineExceeded, PredictFailed, ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +82,7 @@ class Batcher:
         `client_gone`, if given, is asked just before the request's first rows run: when it
         answers True the request is dropped unrun (its future cancelled) and counted.
         """
-        rows = row_count(inputs)
-        if rows == 0:
-            raise InvalidInput("the request holds no rows")
-        if rows > self.max_request_rows:
-            raise PayloadTooLarge(
-                f"the request holds {rows} rows; model '{self.name}' takes at most {self.max_request_rows} "
-                "rows per request (MAX_REQUEST_ROWS)"
-            )
+        rows = request_rows(inputs, max_rows=self.max_request_rows, name=self.name)
         now = self._clock()
         pending = Pending(inputs, rows, now, None if timeout_s is None else now + timeout_s, client_gone)
         # A request abandoned (cancelled, failed, answered) stops counting against the queue at once,
@@ -205,26 +198,8 @@ class Batcher:
             if pending.key == batch.key:
                 batch.take(pending)
 
-    def _start(self, piece: Slice) -> bool:
-        """Last check before a predict call: a request cancelled, expired or whose client has
-        gone meanwhile is left out."""
-        pending = piece.pending
-        if drop_if_abandoned(pending, self._clock(), self._hooks):
-            return False
-        if not pending.started:
-            if pending.client_gone is not None and self._hooks.guarded("client_gone", pending.client_gone):
-                if pending.future.cancel():
-                    self._hooks.rejected("client_gone")
-                pending.notify_if_cancelled()
-                return False
-            pending.started = True
-            if not pending.future.set_running_or_notify_cancel():
-                return False
-            self._hooks.queue_wait(self._clock() - pending.enqueued_at)
-        return True
-
     def _run_batch(self, batch: Batch) -> None:
-        slices = [piece for piece in batch.slices if self._start(piece)]
+        slices = [piece for piece in batch.slices if start(piece.pending, self._clock, self._hooks)]
         if not slices:
             return
         # Rows count as queued until their predict call starts (a forming batch waits too);

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from app.errors import BadRequest, InvalidInput
+from app.errors import BadRequest, InvalidInput, PayloadTooLarge
 
 Tensors = Mapping[str, np.ndarray]
 
@@ -34,6 +34,19 @@ def row_count(inputs: Tensors) -> int:
     if len(counts) != 1 or -1 in counts:
         raise InvalidInput(f"all inputs must have the same number of rows; got {sorted(counts)}")
     return counts.pop()
+
+
+def request_rows(inputs: Tensors, *, max_rows: int, name: str) -> int:
+    """The request's row count, once it is known to be one the model may take."""
+    rows = row_count(inputs)
+    if rows == 0:
+        raise InvalidInput("the request holds no rows")
+    if rows > max_rows:
+        raise PayloadTooLarge(
+            f"the request holds {rows} rows; model '{name}' takes at most {max_rows} rows per request "
+            "(MAX_REQUEST_ROWS)"
+        )
+    return rows
 
 
 def batch_key(inputs: Tensors) -> Hashable:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from app.batching.observer import BatchObserver
+from app.batching.observer import BatchObserver, GuardedObserver
 from app.batching.rows import Tensors, batch_key
 from app.errors import DeadlineExceeded, PredictFailed
 
@@ -136,3 +136,21 @@ def drop_if_abandoned(pending: Pending, now: float, observer: BatchObserver) -> 
             observer.rejected("deadline")
         return True
     return False
+
+
+def start(pending: Pending, clock: Callable[[], float], hooks: GuardedObserver) -> bool:
+    """The last check before a predict call: False leaves out a request cancelled or expired
+    meanwhile, or one whose client has gone (asked before its first rows run only)."""
+    if drop_if_abandoned(pending, clock(), hooks):
+        return False
+    if not pending.started:
+        if pending.client_gone is not None and hooks.guarded("client_gone", pending.client_gone):
+            if pending.future.cancel():
+                hooks.rejected("client_gone")
+            pending.notify_if_cancelled()
+            return False
+        pending.started = True
+        if not pending.future.set_running_or_notify_cancel():
+            return False
+        hooks.queue_wait(clock() - pending.enqueued_at)
+    return True
