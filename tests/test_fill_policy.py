@@ -39,8 +39,9 @@ def test_requests_that_waited_through_the_last_call_make_the_next_batch_wait_to_
     assert policy.decide(oldest_enqueued_at=0.2, now=0.75) == FillWait(until=1.25, requests=8)
 
 
-def test_without_requests_waiting_a_call_of_one_makes_no_batch_wait():
-    assert after(requests=1, waiting=0).decide(oldest_enqueued_at=0.0, now=0.0) is None
+def test_a_large_call_nobody_waited_through_makes_no_batch_wait_long_after_it():
+    # Four answered (a quarter of a batch and more), none waiting: a burst that has ended.
+    assert after(requests=4, waiting=0, predict_s=0.5).decide(oldest_enqueued_at=60.0, now=60.0) is None
 
 
 def test_the_first_request_back_after_a_large_call_waits_for_as_many_as_were_around_it():
