@@ -178,12 +178,11 @@ class Batcher:
         if wait is None:
             return batch
         while not batch.full and len(batch.slices) < wait.requests:
-            backlog = self.queue.wait_for_arrivals(requests=wait.requests - len(batch.slices),
-                                                   rows=batch.max_rows - batch.rows, until=wait.until,
-                                                   clock=self._clock)
-            if backlog is None:
+            more = self.queue.wait_for_arrivals(requests=wait.requests - len(batch.slices),
+                                                rows=batch.max_rows - batch.rows, until=wait.until, clock=self._clock)
+            if more is None:
                 break  # the window closed, or the server is stopping: go now
-            self._fill(batch, backlog)
+            self._fill(batch, more)
         return batch
 
     def _fill(self, batch: Batch, backlog: Iterable[Pending]) -> None:

@@ -29,6 +29,7 @@ class RowQueue(queue.Queue):
     get() blocks while there is nothing at all to do, and never once the queue is closed (a
     closed queue reads as non-empty, as 3.13's `Queue.shutdown()` wakes every getter).
     Capacity is in rows, checked by `_put`, so `maxsize` stays 0 and put() never blocks.
+    A request leaves when its future is done, not by task_done(): join() is not for this queue.
     """
 
     def __init__(self, *, name: str, max_rows: int, observer: BatchObserver) -> None:
