@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +41,31 @@ class GuardedObserver(BatchObserver):
         self._name = name
         self._failed: set[str] = set()
 
+    # Each hook calls its own: these run on every request's path, where a generic
+    # getattr-and-forward layer costs more than the hook itself.
     def queue_depth(self, rows: int) -> None:
-        self._call("queue_depth", rows)
+        try:
+            self._observer.queue_depth(rows)
+        except Exception:
+            self._log_once("observer hook queue_depth")
 
     def queue_wait(self, seconds: float) -> None:
-        self._call("queue_wait", seconds)
+        try:
+            self._observer.queue_wait(seconds)
+        except Exception:
+            self._log_once("observer hook queue_wait")
 
     def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
-        self._call("batch_done", rows=rows, requests=requests, padded_rows=padded_rows, predict_s=predict_s)
+        try:
+            self._observer.batch_done(rows=rows, requests=requests, padded_rows=padded_rows, predict_s=predict_s)
+        except Exception:
+            self._log_once("observer hook batch_done")
 
     def rejected(self, reason: str) -> None:
-        self._call("rejected", reason)
+        try:
+            self._observer.rejected(reason)
+        except Exception:
+            self._log_once("observer hook rejected")
 
     def guarded(self, what: str, call: Callable[[], bool]) -> bool:
         """call(), or False where it raises (logged once): for the callers' own predicates."""
@@ -61,12 +74,6 @@ class GuardedObserver(BatchObserver):
         except Exception:
             self._log_once(what)
             return False
-
-    def _call(self, hook: str, *args: Any, **kwargs: Any) -> None:
-        try:
-            getattr(self._observer, hook)(*args, **kwargs)
-        except Exception:
-            self._log_once(f"observer hook {hook}")
 
     def _log_once(self, what: str) -> None:
         if what not in self._failed:

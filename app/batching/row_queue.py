@@ -51,8 +51,8 @@ class RowQueue(queue.Queue):
         self.queued_rows = 0
         self.closed = False
         self.broken: BaseException | None = None
-        self.wake_requests = 1
-        self.wake_rows = 1
+        # While a batch fills: the arrivals (requests, rows) that wake the batch thread.
+        self._wake: tuple[int, int] | None = None
 
     def _qsize(self) -> int:
         return len(self._arrivals) + len(self._backlog) + self.closed
@@ -74,7 +74,7 @@ class RowQueue(queue.Queue):
         self._observer.queue_depth(self.queued_rows)
         self._arrivals.append(pending)
         self._arrival_rows += pending.rows
-        if len(self._arrivals) >= self.wake_requests or self._arrival_rows >= self.wake_rows:
+        if self._wake is not None and (len(self._arrivals) >= self._wake[0] or self._arrival_rows >= self._wake[1]):
             self.enough_arrived.notify()
 
     def _get(self) -> collections.deque[Pending]:
@@ -86,19 +86,24 @@ class RowQueue(queue.Queue):
 
     # -- the batch thread -------------------------------------------------------------
 
+    @property
+    def wake_requests(self) -> int | None:
+        """While a batch fills, the arrivals that wake its thread (fewer rows may fill it); else None."""
+        return None if self._wake is None else self._wake[0]
+
     def wait_for_arrivals(self, *, requests: int, rows: int, until: float,
                           clock: Callable[[], float]) -> collections.deque[Pending] | None:
         """Wait until `requests` requests or `rows` rows arrived, the clock reads `until`, or
         the queue closes; then get() the backlog, or None if nothing arrived."""
         with self.mutex:
-            self.wake_requests, self.wake_rows = requests, rows
+            self._wake = (requests, rows)
             try:
                 while len(self._arrivals) < requests and self._arrival_rows < rows and not self.closed:
                     remaining = until - clock()
                     if remaining <= 0 or not self.enough_arrived.wait(remaining):
                         break
             finally:
-                self.wake_requests = self.wake_rows = 1
+                self._wake = None
             if not self._arrivals:
                 return None
             return self._get()
