@@ -88,7 +88,7 @@ class _ModelObserver(BatchObserver):
         self._reported_rows = 0
         # Every reason's series exists from the start, at 0: dashboards show 0 rather than
         # "No data", and rate() and increase() count the very first rejection.
-        for reason in ("queue_full", "deadline", "shutting_down"):
+        for reason in ("queue_full", "deadline", "shutting_down", "client_gone"):
             metrics.rejections.labels(model, reason)
 
     def queue_depth(self, rows: int) -> None:

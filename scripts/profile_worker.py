@@ -53,6 +53,10 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import benchmark  # noqa: E402  (scripts/benchmark.py: servers, Locust, the wide model)
 
+# The batching engine's files: app/batching/ (app/batching.py in trees before it was a package).
+ENGINE = "app/batching"
+BATCH_THREAD_STAGE = "batch thread: gather, pad, deliver"
+QUEUE_STAGE = "request thread: queue and wait"
 # (stage, substrings of a py-spy frame "function (path:line)"), tried in order for each frame
 # from the leaf up; the first frame that matches any names the stage.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
@@ -63,9 +67,9 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("JSON decode and checks", ("(app/codec.py", "(app/classify.py")),
     ("access log", ("app/logs.py", "logging/")),
     ("metrics", ("prometheus_client/", "app/metrics.py")),
-    ("batch thread: gather, pad, deliver", ("Batcher._loop", "Batcher._run", "_execute", "_run_batch", "deliver",
-                                             "_concatenate", "_pad", "_check_outputs")),
-    ("request thread: queue and wait", ("app/batching.py", "app/registry.py", "concurrent/futures/_base.py")),
+    # The engine's frames (and the futures it settles) count for the thread they run on: see stage_of.
+    (BATCH_THREAD_STAGE, ()),
+    (QUEUE_STAGE, (ENGINE, "app/registry.py", "concurrent/futures/_base.py")),
     ("body limits", ("app/limits.py",)),
     ("views (app/api.py)", ("app/api.py", "app/errors.py")),
     ("floor app: parse, hand to the model thread, wait", ("floor_app.py",)),
@@ -76,7 +80,6 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
 OTHER_STAGE = "other"
 # Thread roles for the wall profile, by the thread's root frames.
 ROLES: list[tuple[str, tuple[str, ...]]] = [
-    ("batch thread", ("Batcher._run", "ModelThread._run")),
     ("access-log thread", ("AccessWriter._run",)),
     ("request threads", ("concurrent/futures/thread.py",)),
     ("main thread (Gunicorn's poller)", ("ThreadWorker.run", "Arbiter.run")),
@@ -112,11 +115,20 @@ def stage_of(stack: str) -> str:
     for frame in reversed(stack.split(";")):
         for stage, needles in STAGES:
             if any(needle in frame for needle in needles):
-                return stage
+                return BATCH_THREAD_STAGE if stage == QUEUE_STAGE and on_batch_thread(stack) else stage
     return OTHER_STAGE
 
 
+def on_batch_thread(stack: str) -> bool:
+    """The thread's outermost frame past threading.py is the engine's (or the floor's model thread):
+    told by file, so that no name inside the engine is needed."""
+    root = next((frame for frame in stack.split(";") if "(threading.py" not in frame), "")
+    return ENGINE in root or "ModelThread._run" in root
+
+
 def role_of(stack: str) -> str:
+    if on_batch_thread(stack):
+        return "batch thread"
     for role, needles in ROLES:
         if any(needle in stack for needle in needles):
             return role
@@ -371,7 +383,7 @@ def write_report(out: Path, results: list[dict[str, Any]], args: argparse.Namesp
                   "threads' is the floor under the server's.", ""]
     if any(result["label"] == FLOOR_BATCHER.name for result in results):
         lines += [f"`{FLOOR_BATCHER.name}` is the same app with FLOOR_BATCHER=true: the server's Batcher "
-                  "(app/batching.py, its defaults) in place of the model thread, fed one seeded row a request. "
+                  "(app/batching/, its defaults) in place of the model thread, fed one seeded row a request. "
                   f"Its Python threads' CPU less `{FLOOR.name}`'s is what the batching engine costs; this "
                   f"tree's less `{FLOOR_BATCHER.name}`'s is the rest of the server: the codec, request ids, "
                   "access lines, metrics, body limits and version routing.", ""]

@@ -6,8 +6,10 @@ the next ones queue up, so what the following batch holds is decided, not timed.
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ from app.errors import (
     QueueFull,
     ShuttingDown,
 )
-from tests.conftest import wait_for
+from tests.conftest import REPO, wait_for
 
 WAIT_S = 10  # upper bound for events that should come at once; never reached when passing
 
@@ -92,6 +94,19 @@ def occupy(batcher: Batcher, fake: FakeModel):
     future = batcher.submit(rows(-1.0))
     assert started.wait(WAIT_S)
     return future, release
+
+
+def test_the_engine_imports_neither_tensorflow_nor_flask():
+    """The predict function is injected: the engine runs, and is tested, without either."""
+    imported = set()
+    for path in (REPO / "app" / "batching").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module.split(".")[0])
+    assert "numpy" in imported and "queue" in imported
+    assert not imported & {"tensorflow", "keras", "flask", "werkzeug"}
 
 
 def test_bucket_sizes_are_powers_of_two_up_to_max():
@@ -189,11 +204,11 @@ def test_batch_timeout_waits_for_more_until_the_oldest_has_waited(make_batcher, 
 
 
 def test_batch_timeout_dispatches_a_partial_batch_after_the_timeout(make_batcher, fake):
-    batcher = make_batcher(max_batch_size=8, batch_timeout_ms=50)
-    started_at = batcher._clock()
+    batcher = make_batcher(max_batch_size=8, batch_timeout_ms=50, clock=time.monotonic)
+    started_at = time.monotonic()
     result = batcher.submit(rows(1.0)).result(WAIT_S)
     assert result.batch_requests == 1
-    assert batcher._clock() - started_at >= 0.05
+    assert time.monotonic() - started_at >= 0.05
 
 
 def test_expired_batch_window_still_takes_everything_queued(make_batcher, fake):
@@ -402,7 +417,7 @@ def test_thread_death_fails_pending_and_later_requests_at_once(make_batcher, fak
     for future in (running, queued):
         with pytest.raises(BatcherBroken, match="batch thread died"):
             future.result(WAIT_S)
-    batcher._thread.join(WAIT_S)
+    batcher.join(WAIT_S)
     assert not batcher.alive
     with pytest.raises(BatcherBroken):
         batcher.submit(rows(3.0))
@@ -538,7 +553,7 @@ def test_thread_death_calls_on_broken_once_and_liveness_says_so(make_batcher, fa
     assert not batcher.broken
     with pytest.raises(BatcherBroken):
         batcher.submit(rows(1.0)).result(WAIT_S)
-    batcher._thread.join(WAIT_S)
+    batcher.join(WAIT_S)
     assert calls == [batcher] and batcher.broken
 
 
@@ -551,14 +566,14 @@ def test_a_closed_batcher_is_not_broken(make_batcher):
 # -- races (item 4) --------------------------------------------------------------------------
 
 class LockCheckingObserver(BatchObserver):
-    """Records each queue depth and whether the batcher's lock was held while it was reported."""
+    """Records each queue depth and whether the row queue's mutex was held while it was reported."""
 
     def __init__(self) -> None:
         self.batcher: Batcher | None = None
         self.depths: list[tuple[int, bool]] = []
 
     def queue_depth(self, rows: int) -> None:
-        lock = self.batcher._lock
+        lock = self.batcher.queue.mutex
         free = lock.acquire(blocking=False)
         if free:
             lock.release()
@@ -850,10 +865,10 @@ def test_a_filling_batch_wakes_its_thread_once_for_the_requests_it_waits_for(mak
     answered_call(batcher, fake, now, requests=4, seconds=60.0)
     back = [batcher.submit(rows(4.0))]
     # The first one back starts a batch that waits for the other three of the loop.
-    assert wait_for(lambda: batcher._wake_requests == 3)
+    assert wait_for(lambda: batcher.queue.wake_requests == 3)
     woken = []
-    notify = batcher._arrived.notify
-    batcher._arrived.notify = lambda *args: (woken.append(len(back)), notify(*args))
+    notify = batcher.queue.enough_arrived.notify
+    batcher.queue.enough_arrived.notify = lambda *args: (woken.append(len(back)), notify(*args))
     for index in range(5, 8):
         back.append(batcher.submit(rows(float(index))))
     # Only the arrival that completes what the batch waits for wakes its thread: waking it for
@@ -868,9 +883,54 @@ def test_a_request_that_fills_the_waiting_batch_wakes_it_however_few_requests_ca
     batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
     answered_call(batcher, fake, now, requests=4, seconds=60.0)
     first = batcher.submit(rows(4.0))
-    assert wait_for(lambda: batcher._wake_requests == 3)
+    assert wait_for(lambda: batcher.queue.wake_requests == 3)
     # Three more requests were expected; one of seven rows fills the batch on its own.
     big = batcher.submit(rows(*[float(index) for index in range(5, 12)]))
     assert [(future.result(WAIT_S).batch_rows, future.result(WAIT_S).batch_requests)
             for future in (first, big)] == [(8, 2), (8, 2)]
     assert big.result(WAIT_S).outputs["y"][:, 0].tolist() == [10.0 * index for index in range(5, 12)]
+
+
+# -- a client that has gone (issue #28) ----------------------------------------------------
+
+def test_request_whose_client_has_gone_is_dropped_unrun_and_counted(make_batcher, fake):
+    observer = RecordingObserver()
+    batcher = make_batcher(observer=observer)
+    first, release = occupy(batcher, fake)
+    gone = [False]
+    left = batcher.submit(rows(7.0), client_gone=lambda: gone[0])
+    stayed = batcher.submit(rows(8.0), client_gone=lambda: False)
+    gone[0] = True  # asked just before dispatch, not at submit
+    release.set()
+    assert stayed.result(WAIT_S).outputs["y"][0, 0] == 80.0
+    assert left in concurrent.futures.wait([left], WAIT_S).done and left.cancelled()
+    assert all(7.0 not in call["x"] for call in fake.calls)
+    assert observer.rejections == ["client_gone"]
+    assert batcher.queued_rows == 0
+
+
+def test_predict_for_a_client_that_has_gone_raises_cancelled(make_batcher, fake):
+    batcher = make_batcher()
+    with pytest.raises(concurrent.futures.CancelledError):
+        batcher.predict(rows(7.0), timeout_s=WAIT_S, client_gone=lambda: True)
+    assert fake.calls == []
+
+
+def test_client_gone_is_asked_once_before_the_first_rows_run(make_batcher, fake):
+    asked = []
+    batcher = make_batcher(max_batch_size=2)
+    # Split over two batches: once its first rows ran, the request is finished whatever the answer.
+    result = batcher.submit(rows(1.0, 2.0, 3.0), client_gone=lambda: asked.append(True) or len(asked) > 1)
+    assert result.result(WAIT_S).outputs["y"][:, 0].tolist() == [10.0, 20.0, 30.0]
+    assert asked == [True]
+
+
+def test_a_failing_client_gone_check_is_logged_once_and_the_request_served(make_batcher, fake, caplog):
+    def broken_check() -> bool:
+        raise RuntimeError("socket check failed")
+
+    batcher = make_batcher()
+    results = [batcher.submit(rows(float(v)), client_gone=broken_check).result(WAIT_S) for v in (1, 2)]
+    assert [result.outputs["y"][0, 0] for result in results] == [10.0, 20.0]
+    assert [r.getMessage() for r in caplog.records] == ["client_gone of model 'default' failed (logged once)"]
+    assert batcher.alive

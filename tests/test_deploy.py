@@ -743,9 +743,10 @@ def test_rejection_series_exist_at_zero_for_every_reason_the_engine_uses():
 
     from app.metrics import Metrics
 
-    # observer.rejected("queue_full"), or through a helper: _notify("rejected", "queue_full").
-    reasons = set(re.findall(r'rejected(?:\(|",\s*)"(\w+)"', (REPO / "app" / "batching.py").read_text()))
-    assert reasons
+    # Each reason appears in the engine as hooks.rejected("queue_full") or observer.rejected(...).
+    engine = "".join(path.read_text() for path in sorted((REPO / "app" / "batching").glob("*.py")))
+    reasons = set(re.findall(r'rejected(?:\(|",\s*)"(\w+)"', engine))
+    assert reasons == {"queue_full", "shutting_down", "deadline", "client_gone"}
     registry = CollectorRegistry()
     Metrics(registry).observer("m")
     for reason in reasons:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from app.batching import Batcher, BatchObserver
-from app.errors import BatcherBroken, DeadlineExceeded, PayloadTooLarge, PredictFailed, QueueFull, ShuttingDown
+from app.errors import DeadlineExceeded, PayloadTooLarge, PredictFailed, QueueFull, ShuttingDown
 
 THREADS = 8
 REQUESTS_PER_THREAD = 150
@@ -144,10 +144,9 @@ def test_every_request_resolves_to_its_own_answer_under_random_load(drain):
             # A clean request fails only with a batch-mate's poison once the bisection budget is
             # spent, by its deadline, or (without drain) by the close.
             assert isinstance(error, (PredictFailed, DeadlineExceeded, ShuttingDown)), repr(error)
-            assert not isinstance(error, BatcherBroken)
             assert drain is False or not isinstance(error, ShuttingDown)
-            if poisoned:
-                assert isinstance(error, (PredictFailed, DeadlineExceeded, ShuttingDown))
+            # Only poison fails a predict call here: a PredictFailed of any other cause is a bug.
+            assert not isinstance(error, PredictFailed) or "ValueError: poisoned row" in str(error), repr(error)
             counts[type(error).__name__] = counts.get(type(error).__name__, 0) + 1
     print(f"drain={drain}: {sorted(counts.items())}, batches run: {batcher.batches_run}")
     assert counts["answered"] > THREADS * REQUESTS_PER_THREAD // 4

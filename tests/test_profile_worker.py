@@ -58,6 +58,24 @@ def test_the_batch_threads_predict_counts_as_the_model(profile_worker):
     assert not profile_worker.is_waiting(stack)
 
 
+BATCH_THREAD = "_bootstrap (threading.py:995);_bootstrap_inner (threading.py:1038);run (threading.py:975)"
+
+
+@pytest.mark.parametrize("stack, stage", [
+    # The engine's own frames, and the futures it settles, are the batch thread's time there ...
+    (BATCH_THREAD + ";Batcher._run (app/batching/batcher.py:150);Executor.run (app/batching/execution.py:60);"
+     "pad_rows (app/batching/rows.py:60)", "batch thread: gather, pad, deliver"),
+    (BATCH_THREAD + ";Batcher._run (app/batching/batcher.py:150);Pending.deliver (app/batching/work.py:70);"
+     "Future.set_result (concurrent/futures/_base.py:540)", "batch thread: gather, pad, deliver"),
+    # ... and a request thread's queueing and waiting on a request thread.
+    (REQUEST + ";Batcher.submit (app/batching/batcher.py:90);RowQueue._put (app/batching/row_queue.py:60)",
+     "request thread: queue and wait"),
+])
+def test_the_engines_frames_count_for_the_thread_they_run_on(profile_worker, stack, stage):
+    assert profile_worker.stage_of(stack) == stage
+    assert profile_worker.role_of(stack) == ("batch thread" if stack.startswith(BATCH_THREAD) else "request threads")
+
+
 def test_waiting_is_read_from_the_leaf(profile_worker):
     waiting = REQUEST + ";Future.result (concurrent/futures/_base.py:451);Condition.wait (threading.py:327)"
     assert profile_worker.role_of(waiting) == "request threads"

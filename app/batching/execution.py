@@ -1,0 +1,102 @@
+"""Execution: one batch through the model, and each request's rows back to it.
+
+The batch is padded up to the next bucket size, so the model only ever sees shapes it was
+warmed with, and each request gets its own rows back through its future. A failed call is
+retried in halves, so that a poisoned request fails alone, within a budget of calls. What
+the fill policy needs to know of the calls is returned, not written anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from app.batching.fill import CallStats
+from app.batching.observer import BatchObserver
+from app.batching.rows import check_outputs, join_rows, pad_rows
+from app.batching.work import Slice, drop_if_abandoned, settle
+from app.errors import PredictFailed, ServingError
+
+log = logging.getLogger(__name__)
+
+PredictFn = Callable[[dict[str, np.ndarray]], Mapping[str, Any]]
+
+
+def max_predict_calls(requests: int) -> int:
+    """Predict calls a failing batch may make while bisecting: enough to isolate two poisoned
+    requests, far fewer than the 2n - 1 that would prove each of n failing requests alone."""
+    return 1 + 4 * (requests - 1).bit_length()
+
+
+class Executor:
+    """Runs batches through one predict function; only the batch thread calls it."""
+
+    def __init__(self, predict_fn: PredictFn, *, name: str, buckets: Sequence[int], bisect_failures: bool,
+                 observer: BatchObserver, clock: Callable[[], float], waiting: Callable[[], int]) -> None:
+        self.name = name
+        self.buckets = tuple(buckets)
+        self.bisect_failures = bisect_failures
+        self._predict_fn = predict_fn
+        self._observer = observer
+        self._clock = clock
+        # Requests queued behind the batch, read as each call returns: they waited through it.
+        self._waiting = waiting
+
+    def run(self, slices: list[Slice]) -> CallStats | None:
+        """Predict; on failure retry halves (depth first) so that a poisoned request fails alone,
+        within a budget of calls, and never for requests whose deadline has passed. Returns the
+        statistics of the last call that answered, if any did."""
+        calls_left = max_predict_calls(len(slices)) if self.bisect_failures else 1
+        parts: list[tuple[list[Slice], ServingError | None]] = [(slices, None)]
+        stats = None
+        while parts:
+            part, earlier_error = parts.pop()
+            if earlier_error is not None:
+                part = [piece for piece in part if not drop_if_abandoned(piece.pending, self._clock(), self._observer)]
+                if not part:
+                    continue
+                if calls_left == 0:
+                    self.fail(part, earlier_error)
+                    continue
+            calls_left -= 1
+            try:
+                outputs, rows, padded, predict_s = self._predict(part)
+                stats = CallStats(requests=len(part), predict_s=predict_s, ended_at=self._clock(),
+                                  waiting=self._waiting())
+            except Exception as exc:
+                error = exc if isinstance(exc, ServingError) else PredictFailed.from_exception(exc)
+                if len(part) > 1 and calls_left > 0:
+                    middle = len(part) // 2
+                    parts += [(part[middle:], error), (part[:middle], error)]
+                else:
+                    self.fail(part, error)
+                continue
+            self._observer.batch_done(rows=rows, requests=len(part), padded_rows=padded - rows, predict_s=predict_s)
+            _slice_back(part, outputs, rows)
+        return stats
+
+    def fail(self, part: list[Slice], error: ServingError) -> None:
+        log.warning("predict of model '%s' failed for %d request(s): %s", self.name, len(part), error)
+        for piece in part:
+            settle(piece.pending.future, exception=error)
+
+    def _predict(self, part: list[Slice]) -> tuple[dict[str, np.ndarray], int, int, float]:
+        inputs = join_rows([(piece.pending.inputs, piece.start, piece.stop) for piece in part])
+        rows = sum(piece.rows for piece in part)
+        padded = next(size for size in self.buckets if size >= rows)
+        if padded > rows:
+            inputs = pad_rows(inputs, padded)
+        started = self._clock()
+        outputs = check_outputs(self._predict_fn(inputs), padded)
+        return outputs, rows, padded, self._clock() - started
+
+
+def _slice_back(part: list[Slice], outputs: dict[str, np.ndarray], rows: int) -> None:
+    offset = 0
+    for piece in part:
+        own = {name: out[offset : offset + piece.rows] for name, out in outputs.items()}
+        piece.pending.deliver(own, rows, len(part), done=piece.last)
+        offset += piece.rows

@@ -1,0 +1,81 @@
+"""What the engine reports (to metrics), and the guard that keeps a failing report harmless."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class BatchObserver:
+    """Hooks the engine calls; the default does nothing. A hook that raises is logged and ignored.
+
+    `queue_depth` is called with the row queue's mutex held, so successive calls report the
+    queued rows in the order they changed: a gauge set from it never ends on a stale value.
+    `rejected` hears of every request refused or dropped, with its reason: `queue_full`,
+    `shutting_down`, `deadline`, `client_gone`.
+    """
+
+    def queue_depth(self, rows: int) -> None:
+        pass
+
+    def queue_wait(self, seconds: float) -> None:
+        pass
+
+    def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
+        pass
+
+    def rejected(self, reason: str) -> None:
+        pass
+
+
+class GuardedObserver(BatchObserver):
+    """Calls an observer's hooks; one that raises is logged, once per hook, and ignored.
+
+    Metrics must never cost a request its answer, nor the batch thread its life.
+    """
+
+    def __init__(self, observer: BatchObserver, name: str) -> None:
+        self._observer = observer
+        self._name = name
+        self._failed: set[str] = set()
+
+    # Each hook calls its own: these run on every request's path, where a generic
+    # getattr-and-forward layer costs more than the hook itself.
+    def queue_depth(self, rows: int) -> None:
+        try:
+            self._observer.queue_depth(rows)
+        except Exception:
+            self._log_once("observer hook queue_depth")
+
+    def queue_wait(self, seconds: float) -> None:
+        try:
+            self._observer.queue_wait(seconds)
+        except Exception:
+            self._log_once("observer hook queue_wait")
+
+    def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
+        try:
+            self._observer.batch_done(rows=rows, requests=requests, padded_rows=padded_rows, predict_s=predict_s)
+        except Exception:
+            self._log_once("observer hook batch_done")
+
+    def rejected(self, reason: str) -> None:
+        try:
+            self._observer.rejected(reason)
+        except Exception:
+            self._log_once("observer hook rejected")
+
+    def guarded(self, what: str, call: Callable[[], bool]) -> bool:
+        """call(), or False where it raises (logged once): for the callers' own predicates."""
+        try:
+            return call()
+        except Exception:
+            self._log_once(what)
+            return False
+
+    def _log_once(self, what: str) -> None:
+        if what not in self._failed:
+            self._failed.add(what)
+            log.exception("%s of model '%s' failed (logged once)", what, self._name)

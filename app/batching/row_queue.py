@@ -1,0 +1,154 @@
+"""The row queue: the requests a batcher accepted and has not answered yet, counted in rows.
+
+A `queue.Queue` whose storage and accounting come in through CPython's extension points, as
+`PriorityQueue` and `LifoQueue` do theirs: `_put` accepts a request or refuses it, `_get`
+hands the batch thread everything there is to do, and the queue's own `mutex` guards it all,
+so nothing is queued once `close()` began and the row count changes in one order.
+
+A request is in one of two places from `put()` until its future is done: the arrivals (not
+yet seen by the batch thread) or the backlog (seen, not finished; only the batch thread
+changes it). `get()` moves the arrivals into the backlog, in that order, so a request is
+never in neither: whatever stops the batch thread, `unfinished()` finds every request.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from collections.abc import Callable, Iterable
+
+from app.batching.observer import BatchObserver
+from app.batching.work import Pending
+from app.errors import BatcherBroken, QueueFull, ShuttingDown
+
+
+class RowQueue(queue.Queue):
+    """put() a request, get() the backlog; rows count from put() until released or done.
+
+    get() blocks while there is nothing at all to do, and never once the queue is closed (a
+    closed queue reads as non-empty, as 3.13's `Queue.shutdown()` wakes every getter).
+    Capacity is in rows, checked by `_put`, so `maxsize` stays 0 and put() never blocks.
+    A request leaves when its future is done, not by task_done(): join() is not for this queue.
+    """
+
+    def __init__(self, *, name: str, max_rows: int, observer: BatchObserver) -> None:
+        self.name = name
+        self.max_rows = max_rows
+        self._observer = observer
+        super().__init__()
+        # The batch thread waits on this while a batch fills: _put wakes it only once the
+        # requests or rows it waits for have arrived. Waking it for every arrival would cost
+        # each request a thread switch and a GIL hand-off on the path between two predict calls.
+        self.enough_arrived = threading.Condition(self.mutex)
+
+    # -- queue.Queue's extension points (called with the mutex held) ---------------------
+
+    def _init(self, maxsize: int) -> None:
+        self._arrivals: collections.deque[Pending] = collections.deque()
+        self._arrival_rows = 0
+        self._backlog: collections.deque[Pending] = collections.deque()
+        self.queued_rows = 0
+        self.closed = False
+        self.broken: BaseException | None = None
+        # While a batch fills: the arrivals (requests, rows) that wake the batch thread.
+        self._wake: tuple[int, int] | None = None
+
+    def _qsize(self) -> int:
+        return len(self._arrivals) + len(self._backlog) + self.closed
+
+    def _put(self, pending: Pending) -> None:
+        if self.broken is not None:
+            raise BatcherBroken(f"model '{self.name}' cannot serve: its batch thread died")
+        if self.closed:
+            self._observer.rejected("shutting_down")
+            raise ShuttingDown("the server is shutting down")
+        if self.queued_rows + pending.rows > self.max_rows:
+            self._observer.rejected("queue_full")
+            raise QueueFull(
+                f"model '{self.name}' is overloaded: {self.queued_rows} rows are waiting "
+                f"and at most {self.max_rows} may (MAX_QUEUE_ROWS); retry later"
+            )
+        pending.counted = pending.rows
+        self.queued_rows += pending.rows
+        self._observer.queue_depth(self.queued_rows)
+        self._arrivals.append(pending)
+        self._arrival_rows += pending.rows
+        if self._wake is not None and (len(self._arrivals) >= self._wake[0] or self._arrival_rows >= self._wake[1]):
+            self.enough_arrived.notify()
+
+    def _get(self) -> collections.deque[Pending]:
+        # Into the backlog first, then out of the arrivals.
+        self._backlog.extend(self._arrivals)
+        self._arrivals.clear()
+        self._arrival_rows = 0
+        return self._backlog
+
+    # -- the batch thread -------------------------------------------------------------
+
+    @property
+    def wake_requests(self) -> int | None:
+        """While a batch fills, the arrivals that wake its thread (fewer rows may fill it); else None."""
+        return None if self._wake is None else self._wake[0]
+
+    def wait_for_arrivals(self, *, requests: int, rows: int, until: float,
+                          clock: Callable[[], float]) -> collections.deque[Pending] | None:
+        """Wait until `requests` requests or `rows` rows arrived, the clock reads `until`, or
+        the queue closes; then get() the backlog, or None if nothing arrived."""
+        with self.mutex:
+            self._wake = (requests, rows)
+            try:
+                while len(self._arrivals) < requests and self._arrival_rows < rows and not self.closed:
+                    remaining = until - clock()
+                    if remaining <= 0 or not self.enough_arrived.wait(remaining):
+                        break
+            finally:
+                self._wake = None
+            if not self._arrivals:
+                return None
+            return self._get()
+
+    def waiting(self) -> int:
+        """Requests queued and not finished taking (the batch thread's view; arrivals read unlocked)."""
+        return len(self._arrivals) + sum(1 for pending in self._backlog if pending.remaining)
+
+    def forget_done(self) -> None:
+        """Drop answered requests from the backlog; only they leave it."""
+        for pending in self._backlog:
+            if pending.future.done():
+                pending.notify_if_cancelled()
+        self._backlog = collections.deque(p for p in self._backlog if not p.future.done())
+
+    def unfinished(self) -> list[Pending]:
+        with self.mutex:
+            return [*self._backlog, *self._arrivals]
+
+    # -- any thread -------------------------------------------------------------------
+
+    def release(self, releases: Iterable[tuple[Pending, int]]) -> None:
+        """Stop counting rows of requests, each row once; the gauge hears of it once per call."""
+        with self.mutex:
+            released = 0
+            for pending, rows in releases:
+                rows = min(rows, pending.counted)
+                pending.counted -= rows
+                released += rows
+            if released:
+                self.queued_rows -= released
+                self._observer.queue_depth(self.queued_rows)
+
+    def uncount(self, pending: Pending) -> None:
+        """Stop counting whatever rows of a request still count (its future is done)."""
+        # Lock-free when nothing is left: counted only falls, and an answered request's rows
+        # were released when its predict call started.
+        if pending.counted:
+            self.release([(pending, pending.counted)])
+
+    def close(self, *, broken: BaseException | None = None) -> None:
+        """Refuse every later put(), and wake the batch thread wherever it waits."""
+        with self.mutex:
+            self.closed = True
+            if broken is not None:
+                self.broken = broken
+            self.not_empty.notify_all()
+            self.enough_arrived.notify_all()

@@ -1,0 +1,156 @@
+"""The work item: one request's rows, its future, and how far the batch thread got with it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import numpy as np
+
+from app.batching.observer import BatchObserver, GuardedObserver
+from app.batching.rows import Tensors, batch_key
+from app.errors import DeadlineExceeded, PredictFailed
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchResult:
+    """What a request gets back: its own output rows and how its (last) batch looked."""
+
+    outputs: dict[str, np.ndarray]
+    batch_rows: int
+    batch_requests: int
+
+
+class Pending:
+    """One submitted request: its rows, its future, and how far the batch thread got."""
+
+    __slots__ = ("inputs", "future", "rows", "key", "enqueued_at", "deadline", "client_gone", "next_row", "parts",
+                 "started", "counted")
+
+    def __init__(self, inputs: Tensors, rows: int, enqueued_at: float, deadline: float | None,
+                 client_gone: Callable[[], bool] | None = None) -> None:
+        self.inputs = inputs
+        self.future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
+        self.rows = rows
+        self.key: Hashable = batch_key(inputs)
+        self.enqueued_at = enqueued_at
+        self.deadline = deadline
+        # Asked just before the request's first rows run: true when nobody will read the answer.
+        self.client_gone = client_gone
+        self.next_row = 0
+        self.started = False
+        self.parts: list[Mapping[str, np.ndarray]] = []
+        # Rows of this request still counted against max_queue_rows (changed under the queue's mutex).
+        self.counted = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.rows - self.next_row
+
+    def deliver(self, outputs: dict[str, np.ndarray], batch_rows: int, batch_requests: int, done: bool) -> None:
+        if self.future.done():
+            return
+        if not done:
+            self.parts.append(outputs)
+            return
+        if self.parts:
+            self.parts.append(outputs)
+            try:
+                outputs = {name: np.concatenate([part[name] for part in self.parts]) for name in outputs}
+            except (ValueError, KeyError) as exc:
+                # E.g. a model whose output width follows the batch: this request alone cannot be answered.
+                settle(self.future, exception=PredictFailed(
+                    f"the outputs of the batches that held this request's rows do not join: {exc}"))
+                return
+            finally:
+                self.parts = []
+        settle(self.future, result=BatchResult(outputs, batch_rows, batch_requests))
+
+    def notify_if_cancelled(self) -> None:
+        # As concurrent.futures' executors do: until this call, concurrent.futures.wait() and
+        # as_completed() do not count a cancelled future as done, and would wait for it forever.
+        if self.future.cancelled() and not self.started:
+            self.started = True
+            self.future.set_running_or_notify_cancel()
+
+
+@dataclasses.dataclass
+class Slice:
+    """Rows start:stop of one request, as one batch holds them."""
+
+    pending: Pending
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def last(self) -> bool:
+        return self.stop == self.pending.rows
+
+
+class Batch:
+    """Slices of compatible requests, at most max_rows rows in all."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self.slices: list[Slice] = []
+        self.rows = 0
+        self.key: Hashable | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.rows >= self.max_rows
+
+    def take(self, pending: Pending) -> None:
+        count = min(pending.remaining, self.max_rows - self.rows)
+        start = pending.next_row
+        pending.next_row += count
+        self.slices.append(Slice(pending, start, start + count))
+        self.rows += count
+
+
+def settle(future: concurrent.futures.Future, *, result: Any = None, exception: BaseException | None = None) -> bool:
+    """Finish the future unless something already did (an earlier chunk failed, a caller gave up)."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        return False
+    return True
+
+
+def drop_if_abandoned(pending: Pending, now: float, observer: BatchObserver) -> bool:
+    """True for a request nobody waits for any more: cancelled, failed, or past its deadline
+    (its future then fails with DeadlineExceeded, counted once as a rejection)."""
+    if pending.future.done():
+        return True
+    if pending.deadline is not None and now >= pending.deadline:
+        if settle(pending.future, exception=DeadlineExceeded("the request's deadline passed before it ran")):
+            observer.rejected("deadline")
+        return True
+    return False
+
+
+def start(pending: Pending, clock: Callable[[], float], hooks: GuardedObserver) -> bool:
+    """The last check before a predict call: False leaves out a request cancelled or expired
+    meanwhile, or one whose client has gone (asked before its first rows run only)."""
+    if drop_if_abandoned(pending, clock(), hooks):
+        return False
+    if not pending.started:
+        if pending.client_gone is not None and hooks.guarded("client_gone", pending.client_gone):
+            if pending.future.cancel():
+                hooks.rejected("client_gone")
+            pending.notify_if_cancelled()
+            return False
+        pending.started = True
+        if not pending.future.set_running_or_notify_cancel():
+            return False
+        hooks.queue_wait(clock() - pending.enqueued_at)
+    return True
