@@ -34,8 +34,8 @@ mmdebstrap --variant=minbase --quiet \
     "deb http://deb.debian.org/debian bookworm-updates main" \
     "deb http://deb.debian.org/debian-security bookworm-security main"
 
-container=$(buildah --storage-driver "$storage" from scratch)
-buildah --storage-driver "$storage" add "$container" "$work/root.tar" /
+container=$(buildah --storage-driver "$storage" from --quiet scratch)
+buildah --storage-driver "$storage" add --quiet "$container" "$work/root.tar" /
 # The official image's configuration, which the Dockerfile's stages inherit.
 buildah --storage-driver "$storage" config \
     --env PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin \
