@@ -4,8 +4,8 @@
 #   GPU:                       docker build --target gpu -t model-server:1.0.0-gpu .
 #   Load tests:                docker build --target loadtest -t model-server:1.0.0-loadtest .
 #
-# It builds with Docker 20.10 and later, with or without BuildKit, and with buildah/podman 4
-# (`buildah bud --format docker`: the OCI format has no HEALTHCHECK); docs/image.md.
+# It builds with Docker 20.10 and later and with buildah/podman 4 (`buildah bud --format
+# docker`: the OCI format has no HEALTHCHECK); docs/image.md says which builders and how.
 # Every Python package comes from a lock file that pins the whole tree (scripts/lock.sh
 # writes them from the requirements*.txt files), so a rebuild next month is the same server.
 # Requirements are installed in a layer of their own, before the code is copied, so that a
@@ -24,8 +24,8 @@ WORKDIR /srv/model-server
 EXPOSE 8000 8500
 # Liveness only (/readyz also fails while a model loads, no reason to restart). It asks the
 # first address in BIND, as gunicorn.conf.py reads it: a wildcard host is asked on loopback.
-# No --start-interval: Docker before 25 and buildah/podman before 5 reject it; compose sets
-# its own start_interval (docker-compose.yml) where the engine has it.
+# No --start-interval: Docker Engine before 25 and Debian 12's buildah stop at it; compose
+# runs this command every 5 s instead (docker-compose.yml).
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; host, _, port = os.environ.get('BIND', '0.0.0.0:8000').split(',')[0].strip().rpartition(':'); host = {'': '127.0.0.1', '0.0.0.0': '127.0.0.1', '[::]': '[::1]'}.get(host, host); urllib.request.urlopen('http://' + host + ':' + port + '/healthz', timeout=4)"]
 CMD ["gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"]
@@ -55,7 +55,7 @@ USER 10001:10001
 
 # TensorFlow Serving's gRPC stubs import TensorFlow's generated protocol buffer modules
 # (tensorflow.core.framework.tensor_pb2, ...). The load generator needs those, not TensorFlow:
-# take the *_pb2.py files out of the wheel the CPU lock pins (about 1 MB of its 250), into a
+# take the *_pb2.py files out of the wheel the CPU lock pins (about 1 MB of its 274), into a
 # tree that mirrors the base's own site-packages, wherever that is.
 FROM base AS tf-protos
 COPY requirements-cpu.lock ./
