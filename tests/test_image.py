@@ -96,7 +96,9 @@ class Container:
 
     def start(self, args: list[str]) -> Container:
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.command(args), stdout=self._log, stderr=subprocess.STDOUT)
+        # A session of its own: buildah's helpers and the container's processes share its group.
+        self.proc = subprocess.Popen(self.command(args), stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         return self
 
     def run(self, args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120):
@@ -107,7 +109,8 @@ class Container:
 
     def remove(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+            # Killing `buildah run` alone would leave the container's processes running.
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         if self.proc is not None:
             self._log.close()
@@ -152,7 +155,7 @@ class ImageServer(Container):
         return self.proc.wait(within_s)
 
     def remove(self) -> None:
-        # Killing `buildah run` would leave Gunicorn's processes behind: stop them first.
+        # Gracefully where it came up, so that a test's end is not a crash in the log.
         if self.proc is not None and self.proc.poll() is None and hasattr(self, "readyz"):
             self.stop()
         super().remove()
