@@ -4,6 +4,8 @@
 #   GPU:                       docker build --target gpu -t model-server:1.0.0-gpu .
 #   Load tests:                docker build --target loadtest -t model-server:1.0.0-loadtest .
 #
+# It builds with Docker 20.10 and later and with buildah/podman 4 (`buildah bud --format
+# docker`: the OCI format has no HEALTHCHECK); docs/image.md says which builders and how.
 # Every Python package comes from a lock file that pins the whole tree (scripts/lock.sh
 # writes them from the requirements*.txt files), so a rebuild next month is the same server.
 # Requirements are installed in a layer of their own, before the code is copied, so that a
@@ -20,26 +22,30 @@ RUN groupadd --system --gid 10001 app \
 WORKDIR /srv/model-server
 # How every target below runs, unless it says otherwise: HTTP, and gRPC (GRPC_BIND).
 EXPOSE 8000 8500
-# Liveness only (/readyz also fails while a model loads, no reason to restart); the port
-# follows BIND. A worker answers /healthz once its model is loaded and warm, and during the
-# start period the check runs every 2 s, so compose's service_healthy dependants start then.
-HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --start-interval=2s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; port = os.environ.get('BIND', '0.0.0.0:8000').rpartition(':')[2]; urllib.request.urlopen('http://127.0.0.1:' + port + '/healthz', timeout=4)"]
+# Liveness only (/readyz also fails while a model loads, no reason to restart). It asks the
+# first address in BIND, as gunicorn.conf.py reads it: a wildcard host is asked on loopback.
+# No --start-interval: Docker Engine before 25 and Debian 12's buildah stop at it; compose
+# runs this command every 5 s instead (docker-compose.yml).
+HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; host, _, port = os.environ.get('BIND', '0.0.0.0:8000').split(',')[0].strip().rpartition(':'); host = {'': '127.0.0.1', '0.0.0.0': '127.0.0.1', '[::]': '[::1]'}.get(host, host); urllib.request.urlopen('http://' + host + ':' + port + '/healthz', timeout=4)"]
 CMD ["gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"]
 
 # tensorflow-serving-api declares the full `tensorflow` as a dependency, which would shadow
 # tensorflow-cpu: it is installed without dependencies; what it imports is in the lock.
+# libclang (61 MB) is TensorFlow's for generating code, never imported when serving.
 FROM base AS deps-cpu
 COPY requirements-cpu.lock requirements-nodeps.txt ./
 RUN pip install --no-cache-dir -r requirements-cpu.lock \
-    && pip install --no-cache-dir --no-deps -r requirements-nodeps.txt
+    && pip install --no-cache-dir --no-deps -r requirements-nodeps.txt \
+    && pip uninstall --yes libclang
 
 # tensorflow[and-cuda] brings CUDA and cuDNN as wheels: the host needs only the NVIDIA
 # driver and container toolkit. Same pins as the CPU lock, TensorFlow's GPU build in its place.
 FROM base AS gpu
 COPY requirements-gpu.lock requirements-nodeps.txt ./
 RUN pip install --no-cache-dir -r requirements-gpu.lock \
-    && pip install --no-cache-dir --no-deps -r requirements-nodeps.txt
+    && pip install --no-cache-dir --no-deps -r requirements-nodeps.txt \
+    && pip uninstall --yes libclang
 COPY wsgi.py gunicorn.conf.py ./
 COPY app/ app/
 # The derived worker count (one per 4 CPUs) is a CPU rule: on a GPU every worker holds a model
@@ -49,11 +55,13 @@ USER 10001:10001
 
 # TensorFlow Serving's gRPC stubs import TensorFlow's generated protocol buffer modules
 # (tensorflow.core.framework.tensor_pb2, ...). The load generator needs those, not TensorFlow:
-# take the *_pb2.py files out of the pinned wheel (about 1 MB of the wheel's 250).
+# take the *_pb2.py files out of the wheel the CPU lock pins (about 1 MB of its 274), into a
+# tree that mirrors the base's own site-packages, wherever that is.
 FROM base AS tf-protos
-ARG TENSORFLOW_VERSION=2.21.0
-RUN pip download --no-cache-dir --no-deps --only-binary=:all: --dest /tmp/wheel "tensorflow-cpu==${TENSORFLOW_VERSION}" \
-    && python -c "import glob, zipfile; wheel = zipfile.ZipFile(glob.glob('/tmp/wheel/*.whl')[0]); wheel.extractall('/protos', [n for n in wheel.namelist() if n.startswith('tensorflow/') and n.endswith('_pb2.py')])" \
+COPY requirements-cpu.lock ./
+RUN pip download --no-cache-dir --no-deps --only-binary=:all: --dest /tmp/wheel \
+        --constraint requirements-cpu.lock tensorflow-cpu \
+    && python -c "import glob, sysconfig, zipfile; wheel = zipfile.ZipFile(glob.glob('/tmp/wheel/*.whl')[0]); wheel.extractall('/protos' + sysconfig.get_path('purelib'), [n for n in wheel.namelist() if n.startswith('tensorflow/') and n.endswith('_pb2.py')])" \
     && rm -rf /tmp/wheel
 
 # Locust against a running server (docker-compose.yml's locust service): only Locust, what
@@ -62,7 +70,7 @@ FROM base AS loadtest
 COPY requirements-loadtest.lock requirements-nodeps.txt ./
 RUN pip install --no-cache-dir -r requirements-loadtest.lock \
     && pip install --no-cache-dir --no-deps -r requirements-nodeps.txt
-COPY --from=tf-protos /protos/tensorflow /usr/local/lib/python3.11/site-packages/tensorflow
+COPY --from=tf-protos /protos/ /
 COPY locustfile.py ./
 USER 10001:10001
 EXPOSE 8089

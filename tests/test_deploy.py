@@ -15,14 +15,17 @@ tree the requirements name. nginx's own config is run for real in tests/test_ngi
 
 from __future__ import annotations
 
+import ast
 import copy
 import fnmatch
+import importlib.metadata
 import json
 import os
 import re
 import runpy
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -31,7 +34,7 @@ import pytest
 import yaml
 from flask import Flask
 
-from tests.conftest import REPO, SERVER_COMMAND
+from tests.conftest import REPO, SERVER_COMMAND, free_port
 
 KUBERNETES_VERSION = "1.33.0"
 MANIFESTS = sorted((REPO / "deploy" / "kubernetes").glob("*.yaml"))
@@ -221,10 +224,40 @@ def test_server_runs_as_numeric_non_root_user(stages, target):
 @pytest.mark.parametrize("target", SERVER_TARGETS)
 def test_healthcheck_gets_a_liveness_route_on_the_bind_port(stages, target, get_routes, gunicorn_defaults):
     healthcheck = last(stages[target], "HEALTHCHECK")
+    # buildah/podman 4 and Docker before 25 stop at --start-interval.
+    assert "--start-interval" not in healthcheck
     assert re.findall(r"'(/[\w/.-]*)'", healthcheck) == ["/healthz"]
     assert "/healthz" in get_routes
     # It reads the port from BIND as gunicorn.conf.py does, with the same default.
     assert f"'BIND', '{gunicorn_defaults['bind']}'" in healthcheck
+
+
+@pytest.mark.parametrize("bind", ["0.0.0.0:{port}", "127.0.0.1:{port}", " 127.0.0.1:{port} , 0.0.0.0:{other}"])
+def test_healthcheck_command_asks_the_first_address_in_bind(stages, bind):
+    """The image's HEALTHCHECK command run here, against a /healthz on the port BIND names."""
+    import http.server
+    import threading
+
+    class Healthz(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/healthz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    command = json.loads(last(stages["cpu"], "HEALTHCHECK").partition("CMD")[2])
+    assert command[0] == "python"
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthz) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        port, other = server.server_address[1], free_port()
+        environ = {**os.environ, "BIND": bind.format(port=port, other=other)}
+        passed = subprocess.run([sys.executable, *command[1:]], env=environ, capture_output=True, timeout=30)
+        server.shutdown()
+    assert passed.returncode == 0, passed.stderr
+    environ["BIND"] = f"0.0.0.0:{other},127.0.0.1:{port}"
+    failed = subprocess.run([sys.executable, *command[1:]], env=environ, capture_output=True, timeout=30)
+    assert failed.returncode != 0
 
 
 @pytest.mark.parametrize("target", SERVER_TARGETS)
@@ -236,8 +269,10 @@ def test_requirements_install_before_the_code_is_copied(stages, target):
     copied_before = [args for key, args in steps[:install] if key == "COPY"]
     assert copied_before == [f"requirements-{target}.lock requirements-nodeps.txt ./"]
     # The lock, then TF Serving's stubs without their `tensorflow` dependency.
+    # libclang (61 MB) goes in the same layer, or it would still be in the image.
     assert " ".join(steps[install][1].split()) == (f"pip install --no-cache-dir -r requirements-{target}.lock "
-                                 "&& pip install --no-cache-dir --no-deps -r requirements-nodeps.txt")
+                                 "&& pip install --no-cache-dir --no-deps -r requirements-nodeps.txt "
+                                 "&& pip uninstall --yes libclang")
 
 
 def test_dockerignore_passes_what_the_image_copies_and_nothing_else():
@@ -412,6 +447,15 @@ def test_compose_services_build_the_dockerfile_targets(stages, default_port):
     assert services["locust"]["command"][-2:] == ["--host", f"http://api:{nginx_listen_port()}"]
     assert "-f" in services["locust"]["command"] and "127.0.0.1:8089:8089" in services["locust"]["ports"]
     assert json.loads(last(stages["loadtest"], "CMD")) == services["locust"]["command"]
+
+
+def test_compose_asks_the_images_healthcheck_every_5_seconds():
+    services = yaml_file("docker-compose.yml")["services"]
+    health = services["api"]["healthcheck"]
+    # No test: the image's own command, which follows BIND. No start_interval: Compose before
+    # 2.20 rejects it (test_compose_file_passes_compose_validation runs Debian's 1.29).
+    assert health == {"interval": "5s", "timeout": "5s", "start_period": "300s", "retries": 3}
+    assert services["locust"]["depends_on"]["api"] == {"condition": "service_healthy"}
 
 
 def test_compose_passes_every_setting_with_the_servers_default(monkeypatch):
@@ -800,10 +844,38 @@ def test_loadtest_lock_is_slim_and_the_image_takes_tensorflows_protos_from_the_p
     assert not {"tensorflow", "tensorflow-cpu", "keras", "gunicorn"} & set(loadtest)
     assert {"locust", "grpcio", "protobuf", "numpy", "requests"} <= set(loadtest)
     assert loadtest["protobuf"] == pins(REPO / "requirements-cpu.lock")["protobuf"]
-    arguments = " ".join(args for key, args in stages["tf-protos"] if key == "ARG")
-    assert f"TENSORFLOW_VERSION={pins(REPO / 'requirements-cpu.lock')['tensorflow-cpu']}" in arguments
+    # The wheel's version is the CPU lock's, not a second pin; the protos land in whatever
+    # site-packages the base has (the stage mirrors it under /protos).
+    protos = stages["tf-protos"]
+    assert not [args for key, args in protos if key == "ARG"]
+    assert ("COPY", "requirements-cpu.lock ./") in protos
+    download = last(protos, "RUN")
+    assert "--constraint requirements-cpu.lock tensorflow-cpu " in " ".join(download.split())
+    assert "sysconfig.get_path('purelib')" in download and "site-packages" not in download
     copies = [args for key, args in stages["loadtest"] if key == "COPY"]
+    assert "--from=tf-protos /protos/ /" in copies
     assert "locustfile.py ./" in copies and not any(args.startswith("app/") for args in copies)
+
+
+def locustfile_imports() -> list[str]:
+    """locustfile.py's import statements in source order, the gRPC user's included."""
+    tree = ast.parse((REPO / "locustfile.py").read_text())
+    nodes = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+             and getattr(node, "module", None) != "__future__"]
+    return [ast.unparse(node) for node in sorted(nodes, key=lambda node: node.lineno)]
+
+
+def test_loadtest_lock_holds_every_package_locustfile_imports():
+    pinned = set(pins(REPO / "requirements-loadtest.lock")) | set(pins(REPO / "requirements-nodeps.txt"))
+    distributions = importlib.metadata.packages_distributions()
+    modules = {statement.split()[1].split(".")[0] for statement in locustfile_imports()}
+    third_party = sorted(modules - set(sys.stdlib_module_names))
+    assert {"locust", "orjson", "ml_dtypes", "grpc", "tensorflow_serving", "tensorflow"} <= set(third_party)
+    for module in third_party:
+        if module == "tensorflow":
+            continue  # only its generated *_pb2 modules, from the tf-protos stage
+        names = {re.sub(r"[-_.]+", "-", name).lower() for name in distributions[module]}
+        assert names & pinned, f"locustfile.py imports {module}: pin {sorted(names)} in requirements-loadtest.txt"
 
 
 def test_lock_script_writes_every_lock_and_ci_installs_the_dev_lock():
