@@ -144,8 +144,10 @@ class Settings:
     large_body_slots: int = _env(
         "LARGE_BODY_SLOTS", validate_pos_int, 2,
         "Large bodies read and handled at once per worker; others wait until their deadline, then 503.")
+    # BATCHING and PREDICT_METHOD exist for the benchmark's naive baselines (scripts/benchmark/configs.py).
     batching: bool = _env(
-        "BATCHING", validate_bool, True, "false: every request gets its own predict call (the naive server).")
+        "BATCHING", validate_bool, True,
+        "Benchmark only. false: every request gets its own predict call (the naive server).")
     batch_fill_under_load: bool = _env(
         "BATCH_FILL_UNDER_LOAD", validate_bool, True,
         "With BATCH_TIMEOUT_MS=0: when the last predict call answered a quarter of a full batch (at least 3 "
@@ -155,7 +157,8 @@ class Settings:
         "soon as the model is free.")
     predict_method: str = _env(
         "PREDICT_METHOD", validate_choice("function", "keras_predict"), "function",
-        "function: a compiled tf.function; keras_predict: Keras model.predict (slow, for comparison).")
+        "Benchmark only. function: a compiled tf.function; keras_predict: Keras model.predict (slow, the naive "
+        "server).")
     tf_intra_op_threads: int = _env(
         "TF_INTRA_OP_THREADS", validate_non_neg_int, 0, "TensorFlow intra-op threads; 0: usable CPUs / workers.")
     tf_inter_op_threads: int = _env(
