@@ -21,7 +21,7 @@ Environment knobs:
                             LOCUST_STEP_USERS_MAX (default 50), hold LOCUST_STEP_HOLD_SECONDS
                             (default one step), then stop. Unset: the plain -u/-r/-t run.
     LOCUST_SUMMARY_FILE     if set, a JSON file written at exit with the mean X-Batch-Size and
-                            X-Batch-Requests the answers reported (scripts/benchmark.py reads it)
+                            X-Batch-Requests the answers reported (scripts/benchmark/ reads it)
 """
 
 from __future__ import annotations

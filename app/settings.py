@@ -170,13 +170,15 @@ class Settings:
         "LARGE_BODY_SLOTS", validate_pos_int, 2,
         "Large bodies read and handled at once per worker; others wait until their deadline, then 503.",
         section="Requests and limits")
+    # BATCHING and PREDICT_METHOD exist for the benchmark's naive baselines (scripts/benchmark/configs.py).
     batching: bool = _env(
         "BATCHING", validate_bool, True,
-        "false: every request gets its own predict call, one at a time per worker (the naive server, "
-        "for benchmarks).", section="Benchmark comparisons")
+        "Benchmark only. false: every request gets its own predict call, one at a time per worker (the naive "
+        "server).", section="Benchmark comparisons")
     predict_method: str = _env(
         "PREDICT_METHOD", validate_choice("function", "keras_predict"), "function",
-        "`function`: a compiled `tf.function`; `keras_predict`: Keras `model.predict` (slow, for benchmarks).",
+        "Benchmark only. `function`: a compiled `tf.function`; `keras_predict`: Keras `model.predict` (slow, the "
+        "naive server).",
         section="Benchmark comparisons")
     tf_intra_op_threads: int = _env(
         "TF_INTRA_OP_THREADS", validate_non_neg_int, 0,

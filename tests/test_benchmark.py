@@ -1,4 +1,4 @@
-"""scripts/benchmark.py --quick end to end: real servers, real Locust, a report and a plot.
+"""scripts/benchmark --quick end to end: real servers, real Locust, a report and a plot.
 
 Only the shape of the report is checked: timings are whatever the machine gives. The
 arithmetic behind the figures (calls per batch size from a /metrics page, the model's
@@ -7,21 +7,24 @@ ceiling at those batches, the CPU split) is checked exactly, from given inputs.
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import types
 
 import pytest
+from conftest import REPO
 from prometheus_client import CollectorRegistry, generate_latest
 
 from app.batching import bucket_sizes
 from app.metrics import Metrics
 from app.settings import Settings
-from conftest import REPO
+from scripts import benchmark
+from scripts.benchmark import measure
 
 BENCHMARK_TIMEOUT_S = 300
 # The run happens in the first test's set-up: leave room past our own timeout to stop it cleanly.
@@ -33,20 +36,9 @@ def quick_configs() -> list[str]:
     return [f"baseline@{git('rev-parse', '--short', 'HEAD')}", "naive", "default"]
 
 
-def load_benchmark_module():
-    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-benchmark = load_benchmark_module()
-
-
 def run_quick_benchmark(out, work_dir) -> subprocess.CompletedProcess:
     # --baseline-ref HEAD: the before/after machinery end to end (a second tree, its own server).
-    command = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--quick", "--out", str(out),
+    command = [sys.executable, "-m", "scripts.benchmark", "--quick", "--out", str(out),
                "--work-dir", str(work_dir), "--baseline-ref", "HEAD"]
     env = {key: value for key, value in os.environ.items() if not key.startswith("LOCUST_")}
     # A session of its own, so that a timeout stops the servers and Locust it started as well.
@@ -173,8 +165,8 @@ def test_one_user_is_set_against_a_bare_call_after_idling(quick_run):
     assert [row[0] for row in rows] == [f"`{config}`" for config in quick_configs()]
     for name, mean, p50, bare, difference in rows:
         expected = one_user[name.strip("`")]["mean_ms"] - after_idle["mean_ms"]
-        assert bare == benchmark._fmt(after_idle["mean_ms"], 2) and is_number(bare), name
-        assert difference == benchmark._fmt(expected, 2) and is_signed_number(difference), name
+        assert bare == benchmark.fmt(after_idle["mean_ms"], 2) and is_number(bare), name
+        assert difference == benchmark.fmt(expected, 2) and is_signed_number(difference), name
 
 
 def test_servers_run_with_their_default_access_log(quick_run):
@@ -203,7 +195,8 @@ def test_calls_per_padded_batch_size_from_the_metrics_page(monkeypatch):
     after = benchmark.metric_snapshot(observed_metrics(
         [("a", 1, 0.125), ("b", 2, 0.25), ("a", 3, 0.5), ("b", 5, 1.0), ("a", 32, 2.0), ("b", 17, 0.125)], metrics))
     delta = benchmark.batch_delta(before, after, bucket_sizes(32))
-    assert delta == {"calls_per_bucket": {1: 1, 2: 1, 4: 1, 8: 1, 32: 2}, "rows": 60, "calls": 6, "predict_s": 4.0}
+    assert delta == benchmark.BatchDelta(calls_per_bucket={1: 1, 2: 1, 4: 1, 8: 1, 32: 2}, rows=60, calls=6,
+                                         predict_s=4.0)
 
 
 def test_a_max_batch_size_off_the_powers_of_two_pads_to_itself(monkeypatch):
@@ -212,18 +205,23 @@ def test_a_max_batch_size_off_the_powers_of_two_pads_to_itself(monkeypatch):
     empty = benchmark.metric_snapshot(observed_metrics([], metrics))
     # The histogram's bucket le=64 holds 33..64 rows; with MAX_BATCH_SIZE 48 the server padded them to 48.
     after = benchmark.metric_snapshot(observed_metrics([("m", 40, 0.5), ("m", 20, 0.5)], metrics))
-    assert benchmark.batch_delta(empty, after, bucket_sizes(48))["calls_per_bucket"] == {48: 1, 32: 1}
+    assert benchmark.batch_delta(empty, after, bucket_sizes(48)).calls_per_bucket == {48: 1, 32: 1}
 
 
-TIMINGS = {1: {"median_ms": 10.0, "cpu_ms_per_call": 8.0}, 4: {"median_ms": 20.0, "cpu_ms_per_call": 16.0},
-           8: {"median_ms": 40.0, "cpu_ms_per_call": 30.0}}
+def timing(median_ms: float, cpu_ms_per_call: float) -> benchmark.CallTiming:
+    """Only the median and the CPU per call enter the ceiling; the other figures are never read."""
+    return benchmark.CallTiming(calls=3, median_ms=median_ms, mean_ms=median_ms, items_per_s=0.0,
+                                cpu_ms_per_call=cpu_ms_per_call, cpu_ms_per_row=0.0)
+
+
+TIMINGS = {1: timing(10.0, 8.0), 4: timing(20.0, 16.0), 8: timing(40.0, 30.0)}
 
 
 def test_ceiling_ratio_and_cpu_split_at_the_batches_the_server_ran():
     # 2 calls at batch 1 and 3 padded to 4: 14 real rows; the model alone needs 2 x 10 + 3 x 20 = 80 ms.
-    batches = {"calls_per_bucket": {"1": 2, "4": 3}, "rows": 14, "calls": 5, "predict_s": 0.7}
+    batches = benchmark.BatchDelta(calls_per_bucket={1: 2, 4: 3}, rows=14, calls=5, predict_s=0.7)
     figures = benchmark.ceiling_figures(batches, TIMINGS, requests=14, rps=7.0, server_cpu_s=0.5)
-    assert figures == pytest.approx({
+    assert dataclasses.asdict(figures) == pytest.approx({
         "mean_batch_rows": 14 / 5,
         "ceiling_rows_per_s": 14 / 0.080,  # 175 rows/s
         "ratio": 7.0 / 175,
@@ -235,11 +233,11 @@ def test_ceiling_ratio_and_cpu_split_at_the_batches_the_server_ran():
 
 
 def test_no_ceiling_for_a_batch_size_part_one_did_not_time():
-    batches = {"calls_per_bucket": {1: 1, 16: 1}, "rows": 10, "calls": 2, "predict_s": 0.1}
+    batches = benchmark.BatchDelta(calls_per_bucket={1: 1, 16: 1}, rows=10, calls=2, predict_s=0.1)
     figures = benchmark.ceiling_figures(batches, TIMINGS, requests=10, rps=5.0, server_cpu_s=0.2)
-    assert figures["ceiling_rows_per_s"] is None and figures["ratio"] is None
-    assert figures["other_cpu_ms_per_request"] is None
-    assert figures["cpu_ms_per_request"] == pytest.approx(20.0) and figures["mean_batch_rows"] == 5.0
+    assert figures.ceiling_rows_per_s is None and figures.ratio is None
+    assert figures.other_cpu_ms_per_request is None
+    assert figures.cpu_ms_per_request == pytest.approx(20.0) and figures.mean_batch_rows == 5.0
 
 
 def git(*args: str) -> str:
@@ -292,19 +290,19 @@ def test_rounds_alternate_the_order_and_keep_each_rounds_results_in_configuratio
 
     def run_config(config, loads, args, work_dir, *, tag=""):
         ran.append((config.name, tag))
-        return {"config": config.name, "tag": tag, "loads": {}}
+        return types.SimpleNamespace(config=config.name, tag=tag)
 
-    monkeypatch.setattr(benchmark, "run_config", run_config)
+    monkeypatch.setattr(measure, "run_config", run_config)
     configs = [benchmark.CONFIGS_BY_NAME["naive"], benchmark.CONFIGS_BY_NAME["default"]]
     args = benchmark.parse_args(["--rounds", "3"])
     rounds = benchmark.run_rounds(configs, [], args, tmp_path)
     assert ran == [("naive", "-round1"), ("default", "-round1"), ("default", "-round2"), ("naive", "-round2"),
                    ("naive", "-round3"), ("default", "-round3")]
-    assert [[(result["config"], result["tag"]) for result in results] for results in rounds] == [
+    assert [[(result.config, result.tag) for result in results] for results in rounds] == [
         [("naive", f"-round{number}"), ("default", f"-round{number}")] for number in (1, 2, 3)]
     ran.clear()
     assert benchmark.run_rounds(configs, [], benchmark.parse_args([]), tmp_path) == [
-        [{"config": "naive", "tag": "", "loads": {}}, {"config": "default", "tag": "", "loads": {}}]]
+        [types.SimpleNamespace(config="naive", tag=""), types.SimpleNamespace(config="default", tag="")]]
     for bad in ("0", "-2", "1.5", "x", "2,3"):
         with pytest.raises(SystemExit):
             benchmark.parse_args(["--rounds", bad])
@@ -317,15 +315,16 @@ def test_rounds_report_the_median_of_each_rounds_ratio_not_the_ratio_of_medians(
     one = benchmark.Load("1", 1, (1.0, 3.0))
 
     def stats(rps, mean):
-        return {"rps": rps, "mean_ms": mean, "p99_ms": 2 * mean}
+        return benchmark.LoadStats(rps=rps, mean_ms=mean, p99_ms=2 * mean)
 
-    rounds = [[{"config": "baseline@abc", "loads": {"1": stats(1, 10.0), closed.label: stats(250, 100.0)}},
-               {"config": "default", "loads": {"1": stats(1, 8.0), closed.label: stats(300, 80.0)}}]
+    rounds = [[benchmark.ConfigResult("baseline@abc", {"1": stats(1, 10.0), closed.label: stats(250, 100.0)}),
+               benchmark.ConfigResult("default", {"1": stats(1, 8.0), closed.label: stats(300, 80.0)})]
               for _ in range(3)]
     for results, (base_rps, rps) in zip(rounds, [(250, 300), (200, 300), (240, 336)]):
-        results[0]["loads"][closed.label]["rps"], results[1]["loads"][closed.label]["rps"] = base_rps, rps
+        results[0].loads[closed.label].rps, results[1].loads[closed.label].rps = base_rps, rps
     configs = {"baseline@abc": benchmark.Config("baseline@abc", 1, {}, "", True), "default": benchmark.CONFIGS_BY_NAME["default"]}
-    alone = {"batches": []}
+    alone = benchmark.ModelAlone(batches=[], after_idle=benchmark.AfterIdle(
+        calls=0, think_s=(1.0, 3.0), mean_ms=0.0, median_ms=0.0, wall_ms=[]))
     lines = benchmark.round_lines(rounds, configs, alone, [one, closed])
     assert "| **median** | **1.00** | **10.00** | **20.00** | **1.00** | **8.00** | **16.00** | **1.25×** |" in lines
     assert lines.index("### 1 user") < lines.index("### The closed loop")
@@ -344,3 +343,27 @@ def test_the_floor_runs_only_when_named_and_serves_the_floor_app():
     assert floor.app == floor_batcher.app == ("--pythonpath", "scripts", "floor_app:app")
     assert floor.tree == floor_batcher.tree == benchmark.REPO
     assert "FLOOR_BATCHER" not in floor.env and floor_batcher.env["FLOOR_BATCHER"] == "true"
+
+
+def test_a_configuration_runs_with_its_own_settings_only(monkeypatch, tmp_path):
+    """The caller's server and Locust variables would change every configuration alike: none is inherited."""
+    for name, value in {"MAX_BATCH_SIZE": "7", "BATCHING": "true", "LOCUST_ROWS": "3",
+                        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "BENCHMARK_UNRELATED": "kept"}.items():
+        monkeypatch.setenv(name, value)
+    server = benchmark.Server(benchmark.CONFIGS_BY_NAME["naive"], model_path="model.keras", log_path=tmp_path / "n.log")
+    assert {name: server.env.get(name) for name in ("MAX_BATCH_SIZE", "BATCHING", "PREDICT_METHOD", "LOCUST_ROWS",
+                                                    "PROMETHEUS_MULTIPROC_DIR", "MODEL_PATH", "BENCHMARK_UNRELATED")
+            } == {"MAX_BATCH_SIZE": None, "BATCHING": "false", "PREDICT_METHOD": "keras_predict", "LOCUST_ROWS": None,
+                  "PROMETHEUS_MULTIPROC_DIR": None, "MODEL_PATH": "model.keras", "BENCHMARK_UNRELATED": "kept"}
+    assert server.env["BIND"] == f"127.0.0.1:{server.port}" and server.log_path == tmp_path / "n.log"
+    floor = benchmark.Server(benchmark.CONFIGS_BY_NAME["floor"], model_path=None, log_path=tmp_path / "f.log")
+    assert floor.env["GRPC_BIND"] == "" and "MODEL_PATH" not in floor.env
+    assert floor.command(workers=1)[-4:] == ["--pythonpath", "scripts", "floor_app:app", "--workers=1"]
+
+
+@pytest.mark.parametrize("command", [["-m", "scripts.benchmark"], ["scripts/benchmark"]])
+def test_both_documented_commands_start_the_benchmark(command):
+    done = subprocess.run([sys.executable, *command, "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m scripts.benchmark") and "--baseline-ref" in done.stdout

@@ -17,7 +17,7 @@ from tests.conftest import REPO
 
 README = REPO / "README.md"
 SETTINGS_PAGE = REPO / "docs" / "settings.md"
-# The manual's prose pages; docs/*/ holds benchmark output (data), written by scripts/benchmark.py.
+# The manual's prose pages; docs/*/ holds benchmark output (data), written by scripts/benchmark/.
 PAGES = [README, REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
 
 # Pages other branches of the same change add; links to them may dangle only until they are

@@ -19,15 +19,11 @@ from tests.conftest import REPO, wait_for
 
 @pytest.fixture(scope="module")
 def profile_worker():
-    sys.path.insert(0, str(REPO / "scripts"))  # it imports scripts/benchmark.py as `benchmark`
-    try:
-        spec = importlib.util.spec_from_file_location("profile_worker", REPO / "scripts" / "profile_worker.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location("profile_worker", REPO / "scripts" / "profile_worker.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 REQUEST = ("_bootstrap (threading.py:995);_worker (concurrent/futures/thread.py:83);"
