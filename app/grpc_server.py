@@ -48,7 +48,7 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import classify, errors, logs, tensor_proto
+from app import classify, errors, logs, metadata, tensor_proto
 from app.logs import access_log, accept_request_id
 from app.models import DEFAULT_SIGNATURE, LoadedModel, Signature, TensorInfo
 from app.registry import Servable
@@ -356,7 +356,7 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         _set_model_spec(response.model_spec, model, None)
         signatures = get_model_metadata_pb2.SignatureDefMap()
         for key, signature in sorted(model.signatures.items()):
-            signatures.signature_def[key].CopyFrom(signature_def(signature))
+            signatures.signature_def[key].CopyFrom(metadata.signature_def(signature))
         response.metadata["signature_def"].Pack(signatures)
         return response
 
