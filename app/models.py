@@ -227,7 +227,8 @@ def _dtype_info(dtype: Any) -> tuple[np.dtype, str]:
     import tensorflow as tf
     from tensorflow.core.framework import types_pb2
 
-    tf_dtype = tf.as_dtype(dtype)
+    # A TF1 signature may fetch a reference variable (DT_FLOAT_REF); what it answers is a DT_FLOAT.
+    tf_dtype = tf.as_dtype(dtype).base_dtype
     enum_name = types_pb2.DataType.Name(tf_dtype.as_datatype_enum)  # DT_FLOAT, as TF Serving names it
     if tf_dtype == tf.string:
         return STRING, enum_name

@@ -12,7 +12,10 @@ sent here and the answers checked against each model's own arithmetic:
   regress_x_to_y, regress_x_to_y2, regress_x2_to_y3, classify_x_to_y; an asset foo.txt whose
   file name a variable is assigned from in the init op (legacy_init_op, or main_op).
 - half_plus_three (TF1): y = 0.5 x + 3, exported as TF 1.0 wrote it: every signature tensor
-  declared a scalar (an empty TensorShapeProto) although it carries a batch. Its signatures:
+  and the placeholder declared a scalar (an empty TensorShapeProto) although it carries a
+  batch, in a graph of producer version 21, parsed by TF 1.0's ParseExample op.
+  tf.saved_model.load cannot load it under TF 2 (it rebuilds each signature from the declared
+  scalar shapes and fails on the rank); a session can, as TF Serving's loader does. Its signatures:
   serving_default (x -> y) and tensorflow/serving/regress (tf_example -> y).
 - half_plus_two_2_versions: half_plus_two in 00000123 and 00000124.
 - counter (TF1): a float variable; get_counter, incr_counter, reset_counter take no input,
@@ -116,7 +119,11 @@ def save_half_plus_three_tf1(path: Path) -> None:
     with graph.as_default(), v1.Session(graph=graph) as session:
         a, c = _variable(0.5, "a"), _variable(3.0, "c")
         serialized = v1.placeholder(tf.string, name="tf_example")
-        x = tf.identity(v1.io.parse_example(serialized, {"x": v1.io.FixedLenFeature([1], tf.float32)})["x"], name="x")
+        # The ParseExample op of TF 1.0 (parse_example now builds ParseExampleV2).
+        parsed = tf.raw_ops.ParseExample(serialized=serialized, names=tf.constant([], tf.string), sparse_keys=[],
+                                         dense_keys=[tf.constant("x")], dense_defaults=[tf.constant([], tf.float32)],
+                                         sparse_types=[], dense_shapes=[[1]])
+        x = tf.identity(parsed.dense_values[0], name="x")
         y = tf.identity(a * x + c, name="y")
         init_op = _asset_init_op(path)
         session.run(v1.global_variables_initializer())
@@ -129,13 +136,20 @@ def save_half_plus_three_tf1(path: Path) -> None:
                                                     "tensorflow/serving/regress"),
         }, assets_collection=v1.get_collection(v1.GraphKeys.ASSET_FILEPATHS), legacy_init_op=init_op)
         builder.save()
-    # TF 1.0 wrote an empty TensorShapeProto (a scalar) where the shape was unknown.
+    # TF 1.0 wrote an empty TensorShapeProto (a scalar) where the shape was unknown, in the
+    # signatures and in the placeholder's shape attribute, in a graph of producer version 21:
+    # TensorFlow's graph import still reads such a placeholder as of unknown shape.
     proto_path = path / "saved_model.pb"
     saved_model = saved_model_pb2.SavedModel()
     saved_model.ParseFromString(proto_path.read_bytes())
-    for signature_def in saved_model.meta_graphs[0].signature_def.values():
+    meta_graph = saved_model.meta_graphs[0]
+    for signature_def in meta_graph.signature_def.values():
         for tensor in [*signature_def.inputs.values(), *signature_def.outputs.values()]:
             tensor.tensor_shape.Clear()
+    for node in meta_graph.graph_def.node:
+        if node.op == "Placeholder":
+            node.attr["shape"].shape.Clear()
+    meta_graph.graph_def.versions.producer = 21
     proto_path.write_bytes(saved_model.SerializeToString())
 
 
