@@ -355,3 +355,45 @@ def test_a_tensor_of_unknown_rank_takes_rows_of_any_shape():
     assert (spec.unknown_rank, spec.batched, fixed.dims, fixed.batched) == (True, False, (None, 1), True)
     assert spec.accepts_row_shape(()) and spec.accepts_row_shape((3, 2))
     assert fixed.accepts_row_shape((1,)) and not fixed.accepts_row_shape((3, 2))
+
+
+# -- the tensorflow_model_server command -----------------------------------------------------
+
+
+def test_the_tensorflow_model_server_command_serves_half_plus_two(tfs_models, tmp_path):  # noqa: F811
+    """TF Serving's own command line (RunServer's flags) starts this Gunicorn server."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, free_port
+
+    running = Server(tmp_path, {"TFS_LISTEN_HOST": "127.0.0.1"})
+    grpc_port = free_port()
+    command = [sys.executable, "-m", "app.tfs_flags", f"--port={grpc_port}", f"--rest_api_port={running.port}",
+               "--model_name=default", f"--model_base_path={tfs_models['half_plus_two']}",
+               "--file_system_poll_wait_seconds=0"]
+    running._log = open(running.log_path, "wb")
+    running.proc = subprocess.Popen(command, cwd=REPO, env=running.env, stdout=running._log, stderr=subprocess.STDOUT)
+    try:
+        running.wait_ready()
+        assert post(running, "/v1/models/default:predict", {"instances": [2.0, 3.0]}).json() == {
+            "predictions": [3.0, 3.5]}
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            response = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(predict_x("default", 2.0),
+                                                                                          TIMEOUT_S)
+        assert_y(response, 3.0, model="default")
+    finally:
+        running.stop()
+
+
+def test_the_command_refuses_an_unknown_flag_naming_it(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "-m", "app.tfs_flags", "--model_base_path=/m", "--no_such_flag=1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 1
+    assert done.stderr.strip() == "tensorflow_model_server flags: unknown flag --no_such_flag: " \
+                                  "tensorflow_model_server has no such flag"
