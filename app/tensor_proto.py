@@ -89,7 +89,7 @@ def to_ndarray(proto: Any, spec: TensorInfo, where: str, *, max_rows: int, max_b
     if len(shape) < 1 or not spec.accepts_row_shape(shape[1:]):
         wanted = "[" + ", ".join("-1" if dim is None else str(dim) for dim in spec.shape) + "]"
         raise InvalidInput(f"{where}: each row of input '{spec.name}' must have shape {wanted}; "
-                           f"the tensor has shape {list(shape)}")
+                           f"the tensor has shape {list(shape)}, rows of shape {list(shape[1:])}")
     if shape[0] > max_rows:
         raise PayloadTooLarge(f"{where}: the tensor holds {shape[0]} rows; this model takes at most {max_rows} "
                               "rows per request (MAX_REQUEST_ROWS)")

@@ -326,8 +326,9 @@ def test_tf1_half_plus_three_loads_through_a_session_where_saved_model_load_fail
 
     path = str(tfs_models["half_plus_three"] / f"{VERSION:08d}")
     # TF Serving's own copy fails with "Shape must be rank 1 but is rank 0 for ParseExample";
-    # this one on the rank of y: the same declared scalars, met at another op.
-    with pytest.raises(ValueError, match="rank, but are 2 and 0"):
+    # this one with that, or on the rank of y, whichever signature is rebuilt first.
+    with pytest.raises(ValueError, match=r"Shape must be rank 1 but is rank 0 for .*ParseExample|"
+                                         r"Shapes must be equal rank, but are 2 and 0"):
         tf.saved_model.load(path)
     model = models.load_model(path, name="half_plus_three")
     answer = model.signatures["serving_default"].predict({"x": np.array([1.0, 2.0, 5.0], np.float32)})
@@ -347,6 +348,16 @@ def test_each_signature_says_whether_it_can_be_batched(tfs_models, name, batchab
     """Batchable: every input and output has a leading dimension of any size (known rank)."""
     model = models.load_model(str(tfs_models[name]), name=name)
     assert {key: signature.batchable for key, signature in model.signatures.items()} == batchable
+
+
+def test_a_signature_without_inputs_or_with_an_unbatched_output_cannot_be_batched():
+    """Nothing to stack (export_counter.py's get_counter), or nothing to slice rows back from."""
+    output = models.TensorInfo("y", (), np.dtype("float32"), "DT_FLOAT")
+    assert output.batched
+    assert not models.Signature("get", models.PREDICT_METHOD, [], [output], lambda batch: {}).batchable
+    assert models.Signature("f", models.PREDICT_METHOD, [output], [output], lambda batch: {}).batchable
+    scalar = models.TensorInfo("total", (), np.dtype("float32"), "DT_FLOAT", dims=())  # one value per call
+    assert not models.Signature("sum", models.PREDICT_METHOD, [output], [scalar], lambda batch: {}).batchable
 
 
 def test_a_tensor_of_unknown_rank_takes_rows_of_any_shape():
@@ -397,3 +408,37 @@ def test_the_command_refuses_an_unknown_flag_naming_it(tmp_path):
     assert done.returncode == 1
     assert done.stderr.strip() == "tensorflow_model_server flags: unknown flag --no_such_flag: " \
                                   "tensorflow_model_server has no such flag"
+
+
+def test_metadata_of_the_loaded_models_without_a_server(tfs_models):  # noqa: F811
+    """The same documents as the served ones, from app.metadata directly (REST JSON and gRPC proto)."""
+    from google.protobuf import json_format
+
+    from app import metadata
+
+    model = models.load_model(str(tfs_models["half_plus_two"]), name="default")
+    assert metadata.describe(model)["metadata"]["signature_def"]["signature_def"] == HALF_PLUS_TWO_SIGNATURES
+    regress = json_format.MessageToDict(metadata.signature_def(model.signatures["regress_x_to_y"]))
+    assert regress == {"inputs": {"inputs": {"name": "tf_example:0", "dtype": "DT_STRING",
+                                             "tensorShape": {"unknownRank": True}}},
+                       "outputs": {"outputs": {"name": "y:0", "dtype": "DT_FLOAT",
+                                               "tensorShape": {"dim": [{"size": "-1"}, {"size": "1"}]}}},
+                       "methodName": "tensorflow/serving/regress"}
+    counter = models.load_model(str(tfs_models["counter"]), name="counter")
+    output = metadata.describe(counter)["metadata"]["signature_def"]["signature_def"]["incr_counter"]["outputs"]
+    assert output == {"output": {"dtype": "DT_FLOAT", "tensor_shape": _dims(), "name": "incr_counter_op/AssignAdd:0"}}
+
+
+def test_a_rank_one_tensor_for_an_input_declared_minus_one_by_one_is_rows_of_one_value():
+    from tensorflow.core.framework import tensor_pb2
+
+    from app import tensor_proto
+
+    spec = models.TensorInfo("x", (1,), np.dtype("float32"), "DT_FLOAT")
+    proto = tensor_pb2.TensorProto(dtype=1, float_val=[2.0, 3.0])
+    proto.tensor_shape.dim.add().size = 2
+    decoded = tensor_proto.to_ndarray(proto, spec, "inputs['x']", max_rows=8, max_bytes=1024)
+    np.testing.assert_array_equal(decoded, np.array([[2.0], [3.0]], np.float32))
+    wider = models.TensorInfo("x", (2,), np.dtype("float32"), "DT_FLOAT")
+    with pytest.raises(Exception, match=r"must have shape \[2\]; the tensor has shape \[2\], rows of shape \[\]"):
+        tensor_proto.to_ndarray(proto, wider, "inputs['x']", max_rows=8, max_bytes=1024)
