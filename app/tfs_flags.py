@@ -277,9 +277,10 @@ def environment(values: Mapping[str, Any], *, read: Callable[[str], str], config
     env["MODEL_POLL_SECONDS"] = str(value("file_system_poll_wait_seconds"))
     env["BATCHING"] = "true" if value("enable_batching") else "false"
     if value("model_config_file"):
+        config = model_config_json(_read(read, value("model_config_file"), "model_config_file"))
         path = os.path.join(config_dir, "model_config.json")
         with open(path, "w", encoding="utf-8") as config_file:
-            json.dump(model_config_json(_read(read, value("model_config_file"), "model_config_file")), config_file)
+            json.dump(config, config_file)
         env["MODEL_CONFIG"] = path
     elif value("model_base_path"):
         env["MODEL_PATH"], env["MODEL_NAME"] = value("model_base_path"), value("model_name")

@@ -21,7 +21,7 @@ TF_SERVING_BATCHING = ("max_batch_size { value: 128 }\nbatch_timeout_micros { va
                        "max_enqueued_batches { value: 1000000 }\nnum_batch_threads { value: 8 }\n")
 
 
-def env_for(argv, files=None, tmp_path=None):
+def env_for(argv, files=None, config_dir=None):
     files = files or {}
 
     def read(path):
@@ -29,7 +29,8 @@ def env_for(argv, files=None, tmp_path=None):
             raise FileNotFoundError(2, "No such file or directory")
         return files[path]
 
-    return environment(parse_flags(argv), read=read, config_dir=str(tmp_path or "."))
+    # No config_dir: nothing may be written (only a ModelServerConfig is, and only once read).
+    return environment(parse_flags(argv), read=read, config_dir=str(config_dir or "/nonexistent"))
 
 
 def test_the_docker_image_command_line_maps_to_ports_model_and_no_batching():

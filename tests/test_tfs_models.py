@@ -442,3 +442,14 @@ def test_a_rank_one_tensor_for_an_input_declared_minus_one_by_one_is_rows_of_one
     wider = models.TensorInfo("x", (2,), np.dtype("float32"), "DT_FLOAT")
     with pytest.raises(Exception, match=r"must have shape \[2\]; the tensor has shape \[2\], rows of shape \[\]"):
         tensor_proto.to_ndarray(proto, wider, "inputs['x']", max_rows=8, max_bytes=1024)
+
+
+def test_warm_up_leaves_unbatchable_signatures_alone(tfs_models):  # noqa: F811
+    """Warm-up runs placeholder rows through batchable signatures only: a fixed-shape one cannot
+    take a bucket of rows, and one may change state (export_counter.py's incr_counter)."""
+    model = models.load_model(str(tfs_models["half_plus_two_tf2"]), name="tf2")
+    called = []
+    for key, signature in model.signatures.items():
+        signature.predict = (lambda key, run: lambda batch: (called.append(key), run(batch))[1])(key, signature.predict)
+    models.warm_up(model, [1, 4])
+    assert sorted(set(called)) == ["classify_x_to_y", "regress_x_to_y", "regress_x_to_y2"]
