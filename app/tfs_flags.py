@@ -89,7 +89,7 @@ def _flags() -> dict[str, Flag]:
         ("tensorflow_inter_op_parallelism", _int, 0, MAPPED, "TF_INTER_OP_THREADS"),
         ("tensorflow_session_parallelism", _int, 0, MAPPED, "TF_INTRA_OP_THREADS and TF_INTER_OP_THREADS"),
         ("saved_model_tags", _text, "", ACCEPTED, "only 'serve' (the MetaGraph loaded here)"),
-        ("enable_model_warmup", _bool, True, ACCEPTED, "every signature is warmed with placeholder rows"),
+        ("enable_model_warmup", _bool, True, ACCEPTED, "batchable signatures warm with placeholder rows; assets.extra records are not replayed"),
         ("num_request_iterations_for_warmup", _int, 0, ACCEPTED, "no effect"),
         ("num_load_threads", _int, 0, ACCEPTED, "no effect: each worker loads its models"),
         ("num_unload_threads", _int, 0, ACCEPTED, "no effect"),
@@ -123,6 +123,18 @@ def _flags() -> dict[str, Flag]:
 
 
 FLAGS = _flags()
+
+
+def markdown_table() -> str:
+    """The flags table of docs/tf-serving.md, made from FLAGS so the page cannot drift from the code."""
+    def shown(value: Any) -> str:
+        return str(value).lower() if isinstance(value, bool) else (f'"{value}"' if isinstance(value, str) else str(value))
+
+    rows = ["| flag | TF Serving's default | here | what it does here |", "|---|---|---|---|"]
+    for kind in (MAPPED, ACCEPTED, REFUSED):
+        rows += [f"| `--{flag.name}` | `{shown(flag.default)}` | {kind} | {flag.help} |"
+                 for flag in FLAGS.values() if flag.kind == kind]
+    return "\n".join(rows) + "\n"
 
 
 def parse_flags(argv: Sequence[str]) -> dict[str, Any]:

@@ -148,3 +148,9 @@ def test_config_files_and_required_flags_are_checked():
         env_for(["--model_config_file=/nowhere.conf"])
     with pytest.raises(FlagError, match="--batching_parameters_file needs --enable_batching"):
         env_for(["--model_base_path=/m", "--batching_parameters_file=/b.txt"], {"/b.txt": SICARA_BATCHING})
+
+
+def test_the_docs_flag_table_is_the_codes():
+    from tests.conftest import REPO
+
+    assert tfs_flags.markdown_table() in (REPO / "docs" / "tf-serving.md").read_text()
