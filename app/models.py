@@ -75,7 +75,7 @@ class TensorInfo:
     @property
     def batched(self) -> bool:
         """Whether the leading dimension is a batch of any size: the batcher may stack requests on it."""
-        return bool(self.dims) and self.dims[0] is None
+        return self.dims is not None and len(self.dims) > 0 and self.dims[0] is None
 
     def accepts_row_shape(self, shape: Sequence[int]) -> bool:
         if self.dims is None:
@@ -411,7 +411,7 @@ def _session_predicts(path: str, definitions: Mapping[str, Any]) -> dict[str, Pr
             feed=[definition.inputs[key].name for key in input_names],
             fetch=[definition.outputs[key].name for key in output_names])
         with graph.as_default():
-            run = session._make_callable_from_options(options)  # noqa: SLF001
+            run = session._make_callable_from_options(options)
 
         def predict(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             values = run(*(batch[key] for key in input_names))

@@ -210,7 +210,12 @@ _BATCHING_FIELDS = [
 
 
 def _batching_message() -> Any:
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, wrappers_pb2
+    from google.protobuf import (
+        descriptor_pb2,
+        descriptor_pool,
+        message_factory,
+        wrappers_pb2,
+    )
 
     pool = descriptor_pool.DescriptorPool()
     pool.AddSerializedFile(wrappers_pb2.DESCRIPTOR.serialized_pb)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -86,7 +87,7 @@ def test_tf_servings_defaults_for_refused_features_are_accepted():
 
 def test_a_model_server_config_becomes_our_json_model_config(tmp_path):
     env = env_for(["--model_config_file=/cfg/models.conf"], {"/cfg/models.conf": GOOD_MODEL_CONFIG}, tmp_path)
-    assert json.loads(open(env["MODEL_CONFIG"]).read()) == {"models": [
+    assert json.loads(Path(env["MODEL_CONFIG"]).read_text()) == {"models": [
         {"name": "half_plus_two", "path": "/models/half_plus_two"},
         {"name": "half_plus_three", "path": "/models/half_plus_three"}], "default": "half_plus_two"}
     assert "MODEL_PATH" not in env
