@@ -129,9 +129,6 @@ class LoadedModel:
         """serving_default, or for a SavedModel without one, the signature inputs/outputs describe."""
         return next(key for key, signature in self.signatures.items() if signature.predict is self.predict)
 
-    def input(self, name: str) -> TensorInfo:
-        return next(spec for spec in self.inputs if spec.name == name)
-
 
 class ModelLoadError(RuntimeError):
     pass
