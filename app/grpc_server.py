@@ -35,8 +35,6 @@ import numpy as np
 from flask import Flask
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tensorflow.core.example import example_pb2
-from tensorflow.core.framework import types_pb2
-from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow_serving.apis import (
     classification_pb2,
     get_model_metadata_pb2,
@@ -48,7 +46,7 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import errors, tensor_proto
+from app import errors, metadata, tensor_proto
 from app.errors import SignatureNotFound
 from app.logs import RequestRecord, accept_request_id
 from app.models import LoadedModel, Signature
@@ -237,24 +235,9 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         _set_model_spec(response.model_spec, model, None)
         signatures = get_model_metadata_pb2.SignatureDefMap()
         for key, signature in sorted(model.signatures.items()):
-            signatures.signature_def[key].CopyFrom(signature_def(signature))
+            signatures.signature_def[key].CopyFrom(metadata.signature_def(signature))
         response.metadata["signature_def"].Pack(signatures)
         return response
-
-
-def signature_def(signature: Signature) -> Any:
-    """The same signature as the REST metadata (app/metadata.py), as a SignatureDef proto."""
-    proto = meta_graph_pb2.SignatureDef(method_name=signature.method_name)
-    for target, specs, prefix in ((proto.inputs, signature.inputs, f"{signature.name}_"),
-                                  (proto.outputs, signature.outputs, "")):
-        for spec in specs:
-            info = target[spec.name]
-            info.name = f"{prefix}{spec.name}:0"
-            info.dtype = types_pb2.DataType.Value(spec.tf_dtype)
-            info.tensor_shape.dim.add().size = -1
-            for dim in spec.shape:
-                info.tensor_shape.dim.add().size = -1 if dim is None else dim
-    return proto
 
 
 _ERROR_CODES = status_pb2.StatusProto.DESCRIPTOR.fields_by_name["error_code"].enum_type.values_by_name

@@ -43,16 +43,43 @@ REGRESS_METHOD = "tensorflow/serving/regress"
 _VERSION_FOLDER = re.compile(r"[0-9]+")
 
 
+# TensorInfo.dims when a caller gives none: a batch of rows of `shape`.
+_ROWS: Any = object()
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
-    """One named input or output: per-row shape (None where any size goes) and dtype."""
+    """One named input or output: per-row shape (None where any size goes) and dtype.
+
+    `dims` is the shape as the signature declares it, batch dimension included, and None
+    where the rank is unknown (a TF1 placeholder without a shape); `tensor_name` is the
+    graph's tensor (`x:0`), as TF Serving's metadata shows it, or "" where there is no graph
+    tensor to name (a Keras model). A tensor of unknown rank takes rows of any shape.
+    """
 
     name: str
     shape: tuple[int | None, ...]
     dtype: np.dtype
     tf_dtype: str
+    tensor_name: str = ""
+    dims: tuple[int | None, ...] | None = _ROWS
+
+    def __post_init__(self) -> None:
+        if self.dims is _ROWS:
+            object.__setattr__(self, "dims", (None, *self.shape))
+
+    @property
+    def unknown_rank(self) -> bool:
+        return self.dims is None
+
+    @property
+    def batched(self) -> bool:
+        """Whether the leading dimension is a batch of any size: the batcher may stack requests on it."""
+        return self.dims is not None and len(self.dims) > 0 and self.dims[0] is None
 
     def accepts_row_shape(self, shape: Sequence[int]) -> bool:
+        if self.dims is None:
+            return True
         return len(shape) == len(self.shape) and all(
             want is None or want == got for want, got in zip(self.shape, shape)
         )
@@ -70,6 +97,13 @@ class Signature:
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]
     predict: PredictFn
+
+    @property
+    def batchable(self) -> bool:
+        """Whether requests may be stacked into one call: every input and output has a leading
+        batch dimension of any size. TF Serving serves the others as they are, one request a
+        call; so will the engine."""
+        return bool(self.inputs) and all(spec.batched for spec in [*self.inputs, *self.outputs])
 
 
 @dataclasses.dataclass
@@ -190,16 +224,31 @@ def _dtype_info(dtype: Any) -> tuple[np.dtype, str]:
     import tensorflow as tf
     from tensorflow.core.framework import types_pb2
 
-    tf_dtype = tf.as_dtype(dtype)
+    # A TF1 signature may fetch a reference variable (DT_FLOAT_REF); what it answers is a DT_FLOAT.
+    tf_dtype = tf.as_dtype(dtype).base_dtype
     enum_name = types_pb2.DataType.Name(tf_dtype.as_datatype_enum)  # DT_FLOAT, as TF Serving names it
     if tf_dtype == tf.string:
         return STRING, enum_name
     return np.dtype(tf_dtype.as_numpy_dtype), enum_name
 
 
-def _info(name: str, shape: Sequence[int | None], dtype: Any) -> TensorInfo:
+def _info(name: str, shape: Any, dtype: Any, tensor_name: str = "") -> TensorInfo:
+    """From a Keras tensor's or a TensorSpec's shape (a TensorShape of unknown rank gives dims None)."""
     np_dtype, tf_name = _dtype_info(dtype)
-    return TensorInfo(name=name, shape=tuple(shape[1:]), dtype=np_dtype, tf_dtype=tf_name)
+    if shape is None or getattr(shape, "rank", 0) is None:
+        dims = None
+    else:
+        dims = tuple(None if dim is None else int(dim) for dim in (shape.as_list() if hasattr(shape, "as_list")
+                                                                   else shape))
+    return TensorInfo(name=name, shape=tuple(dims[1:]) if dims else (), dtype=np_dtype, tf_dtype=tf_name,
+                      tensor_name=tensor_name, dims=dims)
+
+
+def _info_from_proto(name: str, proto: Any) -> TensorInfo:
+    """From a SignatureDef's TensorInfo: the graph's tensor name, and -1 sizes as any size."""
+    shape = None if proto.tensor_shape.unknown_rank else [None if dim.size < 0 else dim.size
+                                                           for dim in proto.tensor_shape.dim]
+    return _info(name, shape, proto.dtype, tensor_name=proto.name)
 
 
 def _from_keras(keras_model: Any, *, name: str, version: int, source: str, method: str) -> LoadedModel:
@@ -246,58 +295,128 @@ def _from_keras(keras_model: Any, *, name: str, version: int, source: str, metho
 
 
 def _from_saved_model(path: str, *, name: str, version: int) -> LoadedModel:
-    import tensorflow as tf
-
+    """A TF2 SavedModel through tf.saved_model.load; a TF1 one (no object graph) through a v1
+    session on its MetaGraph, as TF Serving's loader runs every SavedModel. tf.saved_model.load
+    rebuilds a TF1 signature from its declared shapes, and those may be wrong: TF 1.0 wrote a
+    scalar where the shape was unknown, so TF Serving's half_plus_three fails there
+    ("Shape must be rank 1 but is rank 0 for ParseExample"); a session feeds what it is given.
+    Signatures are described from the SignatureDefs themselves, as TF Serving's metadata is."""
+    meta_graph = _serving_meta_graph(path)
+    definitions = {key: definition for key, definition in meta_graph.signature_def.items()
+                   if key != _INIT_OP_SIGNATURE}
+    if not definitions:
+        raise ModelLoadError(f"the SavedModel in {path} has no signatures to serve")
     try:
-        loaded = tf.saved_model.load(path)
-        functions = dict(loaded.signatures)
+        if meta_graph.object_graph_def.nodes:
+            predicts = _tf2_predicts(path, sorted(definitions))
+        else:
+            predicts = _session_predicts(path, definitions)
+    except ModelLoadError:
+        raise
     except Exception as exc:
         raise ModelLoadError(f"cannot load the SavedModel in {path}: {type(exc).__name__}: {exc}") from exc
-    if not functions:
-        raise ModelLoadError(f"the SavedModel in {path} has no signatures to serve")
-    methods = _method_names(path)
     signatures = {}
-    for key, function in sorted(functions.items()):
-        input_specs = function.structured_input_signature[1]
+    for key, definition in sorted(definitions.items()):
         signatures[key] = Signature(
             name=key,
-            method_name=methods.get(key, PREDICT_METHOD),
-            inputs=[_info(k, spec.shape, spec.dtype) for k, spec in sorted(input_specs.items())],
-            outputs=[_info(k, spec.shape, spec.dtype) for k, spec in sorted(function.structured_outputs.items())],
-            predict=_signature_predict(loaded, key),
+            method_name=definition.method_name or PREDICT_METHOD,
+            inputs=[_info_from_proto(k, info) for k, info in sorted(definition.inputs.items())],
+            outputs=[_info_from_proto(k, info) for k, info in sorted(definition.outputs.items())],
+            predict=predicts[key],
         )
     main = signatures.get(DEFAULT_SIGNATURE) or next(iter(signatures.values()))
     return LoadedModel(name=name, version=version, source=path, inputs=main.inputs, outputs=main.outputs,
                        predict=main.predict, signatures=signatures)
 
 
-def _signature_predict(loaded: Any, key: str) -> PredictFn:
-    import tensorflow as tf
-
-    def predict(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        # Through `loaded`, not a saved reference to the function: the signature's variables
-        # live as long as the loaded object does.
-        result = loaded.signatures[key](**{name: tf.constant(value) for name, value in batch.items()})
-        return {name: value.numpy() for name, value in result.items()}
-
-    return predict
+# TF2 exports list the init op as a signature; it is run at load, never served.
+_INIT_OP_SIGNATURE = "__saved_model_init_op"
+_SERVE_TAG = "serve"
 
 
-def _method_names(path: str) -> dict[str, str]:
-    """Each signature's method_name (predict, classify, regress): tf.saved_model.load drops
-    them, so they are read from saved_model.pb itself (TF2 and TF1 SavedModels alike)."""
+def _serving_meta_graph(path: str) -> Any:
+    """The MetaGraph tagged 'serve' of saved_model.pb (or .pbtxt), as TF Serving picks it."""
+    from google.protobuf import text_format
     from tensorflow.core.protobuf import saved_model_pb2
 
-    proto_path = os.path.join(path, "saved_model.pb")
-    if not os.path.exists(proto_path):
-        return {}
     saved_model = saved_model_pb2.SavedModel()
-    with open(proto_path, "rb") as proto_file:
-        saved_model.ParseFromString(proto_file.read())
-    for graph in saved_model.meta_graphs:
-        if "serve" in graph.meta_info_def.tags:
-            return {key: signature.method_name for key, signature in graph.signature_def.items()}
-    return {}
+    binary, text = os.path.join(path, "saved_model.pb"), os.path.join(path, "saved_model.pbtxt")
+    try:
+        if os.path.exists(binary):
+            with open(binary, "rb") as proto_file:
+                saved_model.ParseFromString(proto_file.read())
+        elif os.path.exists(text):
+            with open(text, encoding="utf-8") as proto_file:
+                text_format.Parse(proto_file.read(), saved_model)
+        else:
+            raise ModelLoadError(f"cannot load the SavedModel in {path}: it holds no saved_model.pb or "
+                                 "saved_model.pbtxt")
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the SavedModel in {path}: {type(exc).__name__}: {exc}") from exc
+    for meta_graph in saved_model.meta_graphs:
+        if _SERVE_TAG in meta_graph.meta_info_def.tags:
+            return meta_graph
+    tags = [list(graph.meta_info_def.tags) for graph in saved_model.meta_graphs]
+    raise ModelLoadError(f"the SavedModel in {path} has no MetaGraph tagged '{_SERVE_TAG}' (it has {tags})")
+
+
+def _tf2_predicts(path: str, keys: Sequence[str]) -> dict[str, PredictFn]:
+    import tensorflow as tf
+
+    loaded = tf.saved_model.load(path)
+    missing = sorted(set(keys) - set(loaded.signatures))
+    if missing:
+        raise ModelLoadError(f"the SavedModel in {path} lists signatures it cannot load: {missing}")
+
+    def predict_for(key: str) -> PredictFn:
+        def predict(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            # Through `loaded`, not a saved reference to the function: the signature's variables
+            # live as long as the loaded object does.
+            result = loaded.signatures[key](**{name: tf.constant(value) for name, value in batch.items()})
+            return {name: value.numpy() for name, value in result.items()}
+
+        return predict
+
+    return {key: predict_for(key) for key in keys}
+
+
+def _session_predicts(path: str, definitions: Mapping[str, Any]) -> dict[str, PredictFn]:
+    """One v1 session holds the graph, its variables and what its init op (main_op or
+    legacy_init_op, run by the loader with the assets in place) set up; each signature is a
+    callable of that session fed by tensor name."""
+    import tensorflow as tf
+    from tensorflow.core.protobuf import config_pb2
+
+    v1 = tf.compat.v1
+    threading = tf.config.threading
+    graph = tf.Graph()
+    session = v1.Session(graph=graph, config=v1.ConfigProto(
+        intra_op_parallelism_threads=threading.get_intra_op_parallelism_threads(),
+        inter_op_parallelism_threads=threading.get_inter_op_parallelism_threads()))
+    with graph.as_default():
+        v1.saved_model.loader.load(session, [_SERVE_TAG], path)
+
+    def predict_for(definition: Any) -> PredictFn:
+        input_names, output_names = sorted(definition.inputs), sorted(definition.outputs)
+        # A callable made from CallableOptions runs in C++ without Python's feed checks, so, as
+        # in TF Serving's C++ session, a value is not held to the tensor's static shape: a [N]
+        # batch for an input declared [-1, 1] or a scalar is fed as it is. (Session.run and
+        # make_callable with feeds refuse it.) Keras's TF1 backend used the same entry point.
+        options = config_pb2.CallableOptions(
+            feed=[definition.inputs[key].name for key in input_names],
+            fetch=[definition.outputs[key].name for key in output_names])
+        with graph.as_default():
+            run = session._make_callable_from_options(options)
+
+        def predict(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            values = run(*(batch[key] for key in input_names))
+            return {key: np.asarray(value) for key, value in zip(output_names, values)}
+
+        return predict
+
+    return {key: predict_for(definition) for key, definition in definitions.items()}
 
 
 def example_batch(model: LoadedModel | Signature, rows: int) -> dict[str, np.ndarray]:
@@ -314,10 +433,13 @@ def warm_up(model: LoadedModel, buckets: Sequence[int]) -> float:
 
     A signature that cannot run on placeholder values (serialized tf.Examples that must hold
     a feature, say) is left cold: its first request pays for the trace, and a broken
-    serving_default still fails the load.
+    serving_default still fails the load. So is one that cannot be batched: its shapes are
+    fixed or unknown, and running it may change its state (TF Serving's counter model).
     """
     started = time.perf_counter()
     for signature in model.signatures.values():
+        if not signature.batchable:
+            continue
         try:
             for rows in buckets:
                 signature.predict(example_batch(signature, rows))

@@ -170,7 +170,9 @@ def test_predict_answers_the_models_own_output_row_for_row(stub, exact_model):
     response, call = stub.Predict.with_call(predict_request("exact", rows), timeout=30)
 
     np.testing.assert_array_equal(scores(response), exact_model(rows).numpy())
-    assert response.outputs["scores"].tensor_content  # as TensorFlow Serving answers: raw bytes
+    # As TensorFlow Serving answers by default (predict_util.cc, kAsProtoField): the typed field.
+    assert list(response.outputs["scores"].float_val) == exact_model(rows).numpy().flatten().tolist()
+    assert not response.outputs["scores"].tensor_content
     assert (response.model_spec.name, response.model_spec.version.value,
             response.model_spec.signature_name) == ("exact", 1, "serving_default")
     assert dict(call.initial_metadata())["x-request-id"]
@@ -533,10 +535,15 @@ def test_tensor_proto_encodes_as_tensorflow_serving_answers(name, dtype, values)
 
     np.testing.assert_array_equal(make_ndarray(proto), array)
     assert make_ndarray(proto).dtype == array.dtype
-    if name == "DT_STRING":
-        assert list(proto.string_val) == array.flatten().tolist() and not proto.tensor_content
-    else:
-        assert proto.tensor_content and not proto.float_val
+    # Every value in its dtype's typed field (predict_util.cc, kAsProtoField), as a hand-written proto has them.
+    assert proto == _typed_field_proto(name, array)
+    assert not proto.tensor_content
+    if name != "DT_STRING":  # --enable_serialization_as_tensor_content: raw bytes, and no typed field
+        raw = tensor_pb2.TensorProto()
+        tensor_proto.from_ndarray(array, name, raw, tensor_content=True)
+        np.testing.assert_array_equal(make_ndarray(raw), array)
+        assert raw.tensor_content == np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()
+        assert raw.ListFields()[-1][0].name == "tensor_content"  # the last field set: no *_val after it
 
 
 def test_a_short_typed_field_is_filled_with_its_last_value_as_tensorflow_does():

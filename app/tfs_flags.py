@@ -1,0 +1,345 @@
+"""`tensorflow_model_server`'s command line, translated to this server's settings.
+
+    python -m app.tfs_flags --port=8500 --rest_api_port=8501 --model_name=m --model_base_path=/models/m
+
+starts the same Gunicorn server as the Dockerfile, with the environment the flags map to.
+Flags are read as TensorFlow's flag parser reads them (`--name=value`, `-name=value`, a bare
+`--name` for a boolean true) with TF Serving's defaults (model_servers/main.cc, server.h).
+Each flag is one of three kinds:
+
+- mapped: it sets one of our settings (`--port` sets GRPC_BIND, `--model_base_path`
+  MODEL_PATH, `--model_config_file` MODEL_CONFIG, ...);
+- accepted: it is allowed and changes nothing here, because what it tunes does not exist
+  here (`--num_load_threads`) or is already what this server does;
+- refused: a feature this server lacks, asked for with a value other than TF Serving's
+  default (`--grpc_socket_path=/tmp/s`, `--ssl_config_file=...`). An unknown flag is refused
+  too. Either stops start-up with a message naming the flag.
+
+The ModelServerConfig (`--model_config_file`) and BatchingParameters
+(`--batching_parameters_file`) text formats are parsed with protobuf's text_format into
+their messages, then written as our JSON model config and batching settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+MAPPED, ACCEPTED, REFUSED = "mapped", "accepted", "refused"
+# TF Serving's REST port in its Docker image and docs; this server always answers HTTP.
+DEFAULT_REST_PORT = 8501
+# max_enqueued_batches x max_batch_size can reach millions of rows (TF Serving's own test file
+# asks for 128 million); the queue also sets the threads each Gunicorn worker starts, so it is capped.
+MAX_QUEUE_ROWS_CAP = 1024
+
+
+class FlagError(ValueError):
+    """A flag or a config file this server cannot honour; the message names it."""
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1"):
+        return True
+    if lowered in ("false", "0"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _int(text: str) -> int:
+    return int(text.strip())
+
+
+def _float(text: str) -> float:
+    return float(text.strip())
+
+
+def _text(text: str) -> str:
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    kind: str
+    help: str
+
+
+def _flags() -> dict[str, Flag]:
+    """Every flag of tensorflow_model_server, its default there, and what it does here."""
+    table = [
+        ("port", _int, 8500, MAPPED, "GRPC_BIND=0.0.0.0:PORT; 0: no gRPC"),
+        ("rest_api_port", _int, 0, MAPPED, f"BIND=0.0.0.0:PORT; 0: {DEFAULT_REST_PORT} (HTTP is never off here)"),
+        ("rest_api_timeout_in_ms", _int, 30000, MAPPED, "REQUEST_TIMEOUT_MS"),
+        ("rest_api_num_threads", _int, 0, MAPPED, "THREADS (per worker); 0: derived"),
+        ("model_name", _text, "default", MAPPED, "MODEL_NAME"),
+        ("model_base_path", _text, "", MAPPED, "MODEL_PATH"),
+        ("model_config_file", _text, "", MAPPED, "MODEL_CONFIG (written as JSON from the ModelServerConfig)"),
+        ("file_system_poll_wait_seconds", _int, 1, MAPPED, "MODEL_POLL_SECONDS"),
+        ("enable_batching", _bool, False, MAPPED, "BATCHING"),
+        ("batching_parameters_file", _text, "", MAPPED, "MAX_BATCH_SIZE, BATCH_TIMEOUT_MS, MAX_QUEUE_ROWS"),
+        ("tensorflow_intra_op_parallelism", _int, 0, MAPPED, "TF_INTRA_OP_THREADS"),
+        ("tensorflow_inter_op_parallelism", _int, 0, MAPPED, "TF_INTER_OP_THREADS"),
+        ("tensorflow_session_parallelism", _int, 0, MAPPED, "TF_INTRA_OP_THREADS and TF_INTER_OP_THREADS"),
+        ("saved_model_tags", _text, "", ACCEPTED, "only 'serve' (the MetaGraph loaded here)"),
+        ("enable_model_warmup", _bool, True, ACCEPTED, "batchable signatures warm with placeholder rows; assets.extra records are not replayed"),
+        ("num_request_iterations_for_warmup", _int, 0, ACCEPTED, "no effect"),
+        ("num_load_threads", _int, 0, ACCEPTED, "no effect: each worker loads its models"),
+        ("num_unload_threads", _int, 0, ACCEPTED, "no effect"),
+        ("max_num_load_retries", _int, 5, ACCEPTED, "no effect: a new version is retried at each poll"),
+        ("load_retry_interval_micros", _int, 60_000_000, ACCEPTED, "no effect"),
+        ("flush_filesystem_caches", _bool, True, ACCEPTED, "no effect"),
+        ("grpc_max_threads", _int, 0, ACCEPTED, "no effect: gRPC shares the worker's threads"),
+        ("enable_profiler", _bool, True, ACCEPTED, "no effect: there is no profiler service"),
+        ("skip_initialize_tpu", _bool, False, ACCEPTED, "no effect"),
+        ("enable_signature_method_name_check", _bool, False, ACCEPTED,
+         "Classify and Regress check the method name either way (until issue #26 item 4)"),
+        ("enable_serialization_as_tensor_content", _bool, False, REFUSED,
+         "true refused until the gRPC servicer passes the setting through"),
+        ("model_config_file_poll_wait_seconds", _int, 0, REFUSED, "above 0 refused: no config reload yet"),
+        ("grpc_socket_path", _text, "", REFUSED, "no gRPC on a Unix socket"),
+        ("grpc_channel_arguments", _text, "", REFUSED, "no gRPC channel arguments"),
+        ("ssl_config_file", _text, "", REFUSED, "no TLS for gRPC"),
+        ("monitoring_config_file", _text, "", REFUSED, "metrics are at /metrics"),
+        ("per_process_gpu_memory_fraction", _float, 0.0, REFUSED, "use GPU_MEMORY_LIMIT_MB"),
+        ("rest_api_enable_cors_support", _bool, False, REFUSED, "no CORS headers"),
+        ("platform_config_file", _text, "", REFUSED, "TensorFlow SavedModels only"),
+        ("prefer_tflite_model", _bool, False, REFUSED, "no TensorFlow Lite"),
+        ("use_alts_credentials", _bool, False, REFUSED, "no ALTS"),
+        ("enable_grpc_healthcheck_service", _bool, False, REFUSED, "no gRPC health service"),
+        ("allow_version_labels_for_unavailable_models", _bool, False, REFUSED, "labels name loaded versions"),
+        ("thread_pool_factory_config_file", _text, "", REFUSED, "no thread pool factory"),
+        ("mixed_precision", _text, "", REFUSED, "no mixed precision mode"),
+        ("version", _bool, False, REFUSED, "no version display"),
+    ]
+    return {name: Flag(name, parse, default, kind, help) for name, parse, default, kind, help in table}
+
+
+FLAGS = _flags()
+
+
+def markdown_table() -> str:
+    """The flags table of docs/tf-serving.md, made from FLAGS so the page cannot drift from the code."""
+    def shown(value: Any) -> str:
+        return str(value).lower() if isinstance(value, bool) else (f'"{value}"' if isinstance(value, str) else str(value))
+
+    rows = ["| flag | TF Serving's default | here | what it does here |", "|---|---|---|---|"]
+    for kind in (MAPPED, ACCEPTED, REFUSED):
+        rows += [f"| `--{flag.name}` | `{shown(flag.default)}` | {kind} | {flag.help} |"
+                 for flag in FLAGS.values() if flag.kind == kind]
+    return "\n".join(rows) + "\n"
+
+
+def parse_flags(argv: Sequence[str]) -> dict[str, Any]:
+    """Flag name -> value for every flag given, checked; an unknown or refused one raises FlagError."""
+    values: dict[str, Any] = {}
+    for arg in argv:
+        if not arg.startswith("-") or arg in ("-", "--"):
+            raise FlagError(f"unexpected argument {arg!r}: tensorflow_model_server takes only --flag=value")
+        name, has_value, text = arg.lstrip("-").partition("=")
+        flag = FLAGS.get(name)
+        if flag is None:
+            raise FlagError(f"unknown flag --{name}: tensorflow_model_server has no such flag")
+        if not has_value:
+            if flag.parse is not _bool:
+                raise FlagError(f"--{name} needs a value: --{name}=...")
+            text = "true"
+        try:
+            value = flag.parse(text)
+        except ValueError as exc:
+            raise FlagError(f"--{name}={text}: {exc}") from None
+        if flag.kind == REFUSED and value != flag.default:
+            raise FlagError(f"--{name}={text} is not supported by this server ({flag.help})")
+        if name == "saved_model_tags" and value not in ("", "serve"):
+            raise FlagError(f"--saved_model_tags={text}: only the 'serve' MetaGraph is loaded here")
+        values[name] = value
+    return values
+
+
+def model_config_json(text: str) -> dict[str, Any]:
+    """A ModelServerConfig in text format, as our MODEL_CONFIG JSON ({"models": [...]})."""
+    from google.protobuf import text_format
+    from tensorflow_serving.config import model_server_config_pb2
+
+    config = model_server_config_pb2.ModelServerConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as exc:
+        # TF Serving's own words, which its test looks for.
+        raise FlagError(f"Error parsing text-format tensorflow.serving.ModelServerConfig: {exc}") from None
+    if config.HasField("custom_model_config"):
+        raise FlagError("--model_config_file: custom_model_config is not supported; use model_config_list")
+    models = []
+    for entry in config.model_config_list.config:
+        if entry.model_platform not in ("", "tensorflow"):
+            raise FlagError(f"--model_config_file: model '{entry.name}': model_platform "
+                            f"{entry.model_platform!r} is not supported; only 'tensorflow'")
+        model: dict[str, Any] = {"name": entry.name, "path": entry.base_path}
+        policy = entry.model_version_policy
+        choice = policy.WhichOneof("policy_choice")
+        if choice == "latest":
+            model["model_version_policy"] = {"latest": {"num_versions": policy.latest.num_versions or 1}}
+        elif choice == "all":
+            model["model_version_policy"] = {"all": {}}
+        elif choice == "specific":
+            model["model_version_policy"] = {"specific": {"versions": list(policy.specific.versions)}}
+        if entry.version_labels:
+            model["version_labels"] = dict(entry.version_labels)
+        models.append(model)
+    if not models:
+        raise FlagError("--model_config_file: model_config_list holds no config")
+    return {"models": models, "default": models[0]["name"]}
+
+
+# BatchingParameters (servables/tensorflow/session_bundle_config.proto) is not in the
+# tensorflow-serving-api package: its fields, for a message built here to parse the text.
+_BATCHING_FIELDS = [
+    ("max_batch_size", 1, "Int64Value"), ("batch_timeout_micros", 2, "Int64Value"),
+    ("max_enqueued_batches", 3, "Int64Value"), ("num_batch_threads", 4, "Int64Value"),
+    ("thread_pool_name", 5, "StringValue"), ("allowed_batch_sizes", 6, None),
+    ("pad_variable_length_inputs", 7, None), ("enable_large_batch_splitting", 8, "BoolValue"),
+    ("max_execution_batch_size", 9, "Int64Value"),
+]
+
+
+def _batching_message() -> Any:
+    from google.protobuf import (
+        descriptor_pb2,
+        descriptor_pool,
+        message_factory,
+        wrappers_pb2,
+    )
+
+    pool = descriptor_pool.DescriptorPool()
+    pool.AddSerializedFile(wrappers_pb2.DESCRIPTOR.serialized_pb)
+    file = descriptor_pb2.FileDescriptorProto(name="batching_parameters.proto", package="tensorflow.serving",
+                                              syntax="proto3", dependency=["google/protobuf/wrappers.proto"])
+    message = file.message_type.add(name="BatchingParameters")
+    kinds = descriptor_pb2.FieldDescriptorProto
+    for name, number, wrapper in _BATCHING_FIELDS:
+        field = message.field.add(name=name, number=number)
+        if wrapper:
+            field.type, field.type_name = kinds.TYPE_MESSAGE, f".google.protobuf.{wrapper}"
+            field.label = kinds.LABEL_OPTIONAL
+        elif name == "allowed_batch_sizes":
+            field.type, field.label = kinds.TYPE_INT64, kinds.LABEL_REPEATED
+        else:
+            field.type, field.label = kinds.TYPE_BOOL, kinds.LABEL_OPTIONAL
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tensorflow.serving.BatchingParameters"))()
+
+
+def batching_settings(text: str) -> dict[str, str]:
+    """A BatchingParameters in text format, as our batching settings (environment names).
+
+    max_batch_size -> MAX_BATCH_SIZE; batch_timeout_micros -> BATCH_TIMEOUT_MS;
+    max_enqueued_batches x max_batch_size -> MAX_QUEUE_ROWS (at most MAX_QUEUE_ROWS_CAP).
+    num_batch_threads, thread_pool_name, allowed_batch_sizes, enable_large_batch_splitting
+    and max_execution_batch_size are accepted without effect: here one thread per signature
+    runs batches, padded to warmed sizes of its own, and large requests are always split.
+    pad_variable_length_inputs is refused: requests of different shapes never share a batch.
+    """
+    from google.protobuf import text_format
+
+    parameters = _batching_message()
+    try:
+        text_format.Parse(text, parameters)
+    except text_format.ParseError as exc:
+        raise FlagError(f"Error parsing text-format tensorflow.serving.BatchingParameters: {exc}") from None
+    if parameters.pad_variable_length_inputs:
+        raise FlagError("--batching_parameters_file: pad_variable_length_inputs is not supported")
+    settings: dict[str, str] = {}
+    size = parameters.max_batch_size.value if parameters.HasField("max_batch_size") else None
+    if size is not None:
+        if size < 1:
+            raise FlagError(f"--batching_parameters_file: max_batch_size must be at least 1; got {size}")
+        settings["MAX_BATCH_SIZE"] = str(size)
+    if parameters.HasField("batch_timeout_micros"):
+        micros = parameters.batch_timeout_micros.value
+        if micros < 0:
+            raise FlagError(f"--batching_parameters_file: batch_timeout_micros must not be negative; got {micros}")
+        settings["BATCH_TIMEOUT_MS"] = f"{micros / 1000:g}"
+    if parameters.HasField("max_enqueued_batches"):
+        batches = parameters.max_enqueued_batches.value
+        if batches < 1:
+            raise FlagError(f"--batching_parameters_file: max_enqueued_batches must be at least 1; got {batches}")
+        # TF Serving's default max_batch_size is 1000 when the file does not set it.
+        settings["MAX_QUEUE_ROWS"] = str(min(batches * (size or 1000), MAX_QUEUE_ROWS_CAP))
+    return settings
+
+
+def environment(values: Mapping[str, Any], *, read: Callable[[str], str], config_dir: str,
+                host: str = "0.0.0.0") -> dict[str, str]:
+    """The settings (environment variables) the parsed flags map to. `read` reads a config
+    file; a ModelServerConfig becomes a JSON file in `config_dir`. Ports listen on `host`,
+    all interfaces as TF Serving's do unless TFS_LISTEN_HOST names one."""
+    def value(name: str) -> Any:
+        return values.get(name, FLAGS[name].default)
+
+    env: dict[str, str] = {}
+    port = value("port")
+    env["GRPC_BIND"] = f"{host}:{port}" if port else ""
+    env["BIND"] = f"{host}:{value('rest_api_port') or DEFAULT_REST_PORT}"
+    if "rest_api_timeout_in_ms" in values:
+        env["REQUEST_TIMEOUT_MS"] = str(value("rest_api_timeout_in_ms"))
+    if value("rest_api_num_threads"):
+        env["THREADS"] = str(value("rest_api_num_threads"))
+    env["MODEL_POLL_SECONDS"] = str(value("file_system_poll_wait_seconds"))
+    env["BATCHING"] = "true" if value("enable_batching") else "false"
+    if value("model_config_file"):
+        config = model_config_json(_read(read, value("model_config_file"), "model_config_file"))
+        path = os.path.join(config_dir, "model_config.json")
+        with open(path, "w", encoding="utf-8") as config_file:
+            json.dump(config, config_file)
+        env["MODEL_CONFIG"] = path
+    elif value("model_base_path"):
+        env["MODEL_PATH"], env["MODEL_NAME"] = value("model_base_path"), value("model_name")
+    else:
+        raise FlagError("--model_base_path or --model_config_file is required")
+    if value("batching_parameters_file"):
+        if not value("enable_batching"):
+            raise FlagError("--batching_parameters_file needs --enable_batching")
+        env.update(batching_settings(_read(read, value("batching_parameters_file"), "batching_parameters_file")))
+    session_threads = value("tensorflow_session_parallelism")
+    for flag, setting in (("tensorflow_intra_op_parallelism", "TF_INTRA_OP_THREADS"),
+                          ("tensorflow_inter_op_parallelism", "TF_INTER_OP_THREADS")):
+        if value(flag) or session_threads:
+            env[setting] = str(value(flag) or session_threads)
+    return env
+
+
+def _read(read: Callable[[str], str], path: str, flag: str) -> str:
+    try:
+        return read(path)
+    except OSError as exc:
+        raise FlagError(f"--{flag}={path}: {exc.strerror or exc}") from None
+
+
+def _read_file(path: str) -> str:
+    with open(path, encoding="utf-8") as config_file:
+        return config_file.read()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Translate the flags and replace this process with Gunicorn, run from the repository."""
+    try:
+        env = environment(parse_flags(sys.argv[1:] if argv is None else argv), read=_read_file,
+                          config_dir=tempfile.mkdtemp(prefix="tfs-flags-"),
+                          host=os.environ.get("TFS_LISTEN_HOST", "0.0.0.0"))
+    except FlagError as exc:
+        sys.exit(f"tensorflow_model_server flags: {exc}")
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.chdir(repository)
+    command = [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"]
+    os.execve(sys.executable, command, {**os.environ, **env})
+
+
+if __name__ == "__main__":
+    main()

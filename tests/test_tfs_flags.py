@@ -1,0 +1,157 @@
+"""tensorflow_model_server's flags and config files translated to our settings (pure functions)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app import tfs_flags
+from app.tfs_flags import FlagError, environment, parse_flags
+
+# TF Serving's testdata/good_model_config.txt, with its placeholders filled in.
+GOOD_MODEL_CONFIG = """model_config_list: {
+  config: { name: "half_plus_two", base_path: "/models/half_plus_two", model_platform: "tensorflow" },
+  config: { name: "half_plus_three", base_path: "/models/half_plus_three", model_platform: "tensorflow" }
+}"""
+# The Sicara article's batching file, and TF Serving's testdata/batching_config.txt.
+SICARA_BATCHING = ("max_batch_size { value: 20 } batch_timeout_micros { value: 500000 } "
+                   "max_enqueued_batches { value: 100 } num_batch_threads { value: 8 }")
+TF_SERVING_BATCHING = ("max_batch_size { value: 128 }\nbatch_timeout_micros { value: 0 }\n"
+                       "max_enqueued_batches { value: 1000000 }\nnum_batch_threads { value: 8 }\n")
+
+
+def env_for(argv, files=None, config_dir=None):
+    files = files or {}
+
+    def read(path):
+        if path not in files:
+            raise FileNotFoundError(2, "No such file or directory")
+        return files[path]
+
+    # No config_dir: nothing may be written (only a ModelServerConfig is, and only once read).
+    return environment(parse_flags(argv), read=read, config_dir=str(config_dir or "/nonexistent"))
+
+
+def test_the_docker_image_command_line_maps_to_ports_model_and_no_batching():
+    """TF Serving's image runs: --port=8500 --rest_api_port=8501 --model_name=... --model_base_path=..."""
+    env = env_for(["--port=8500", "--rest_api_port=8501", "--model_name=m", "--model_base_path=/models/m"])
+    assert env == {"GRPC_BIND": "0.0.0.0:8500", "BIND": "0.0.0.0:8501", "MODEL_PATH": "/models/m",
+                   "MODEL_NAME": "m", "MODEL_POLL_SECONDS": "1", "BATCHING": "false"}
+
+
+def test_tf_serving_defaults_apply_to_flags_left_out():
+    env = env_for(["--model_base_path=/models/default"])
+    assert (env["GRPC_BIND"], env["BIND"], env["MODEL_NAME"], env["BATCHING"]) == (
+        "0.0.0.0:8500", "0.0.0.0:8501", "default", "false")
+    assert "REQUEST_TIMEOUT_MS" not in env and "TF_INTRA_OP_THREADS" not in env
+
+
+def test_flags_take_tensorflows_forms():
+    values = parse_flags(["-port=9000", "--enable_batching", "--flush_filesystem_caches=false",
+                          "--rest_api_timeout_in_ms=1500", "--tensorflow_session_parallelism=3"])
+    assert values == {"port": 9000, "enable_batching": True, "flush_filesystem_caches": False,
+                      "rest_api_timeout_in_ms": 1500, "tensorflow_session_parallelism": 3}
+    env = env_for(["--model_base_path=/m", "--port=0", "--rest_api_timeout_in_ms=1500",
+                   "--tensorflow_session_parallelism=3", "--tensorflow_intra_op_parallelism=2"])
+    assert (env["GRPC_BIND"], env["REQUEST_TIMEOUT_MS"], env["TF_INTRA_OP_THREADS"], env["TF_INTER_OP_THREADS"]) == (
+        "", "1500", "2", "3")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--no_such_flag=1"], "unknown flag --no_such_flag"),
+    (["--grpc_socket_path=/tmp/grpc.sock"], "--grpc_socket_path=/tmp/grpc.sock is not supported"),
+    (["--ssl_config_file=/etc/ssl.conf"], "--ssl_config_file=/etc/ssl.conf is not supported"),
+    (["--monitoring_config_file=/m.txt"], "--monitoring_config_file=/m.txt is not supported"),
+    (["--enable_serialization_as_tensor_content"], "--enable_serialization_as_tensor_content=true is not supported"),
+    (["--model_config_file_poll_wait_seconds=60"], "--model_config_file_poll_wait_seconds=60 is not supported"),
+    (["--port=http"], "--port=http: invalid literal"),
+    (["--model_name"], "--model_name needs a value"),
+    (["--enable_batching=maybe"], "--enable_batching=maybe: expected true or false"),
+    (["--saved_model_tags=serve,gpu"], "only the 'serve' MetaGraph"),
+    (["model"], "takes only --flag=value"),
+])
+def test_unknown_unsupported_and_malformed_flags_stop_with_a_message_naming_them(argv, message):
+    with pytest.raises(FlagError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        parse_flags(argv)
+
+
+def test_tf_servings_defaults_for_refused_features_are_accepted():
+    """Its own default values name no feature: --grpc_socket_path= or --enable_profiler=true pass."""
+    assert parse_flags(["--grpc_socket_path=", "--enable_profiler=true", "--model_config_file_poll_wait_seconds=0",
+                        "--enable_serialization_as_tensor_content=false"]) == {
+        "grpc_socket_path": "", "enable_profiler": True, "model_config_file_poll_wait_seconds": 0,
+        "enable_serialization_as_tensor_content": False}
+
+
+def test_a_model_server_config_becomes_our_json_model_config(tmp_path):
+    env = env_for(["--model_config_file=/cfg/models.conf"], {"/cfg/models.conf": GOOD_MODEL_CONFIG}, tmp_path)
+    assert json.loads(Path(env["MODEL_CONFIG"]).read_text()) == {"models": [
+        {"name": "half_plus_two", "path": "/models/half_plus_two"},
+        {"name": "half_plus_three", "path": "/models/half_plus_three"}], "default": "half_plus_two"}
+    assert "MODEL_PATH" not in env
+
+
+def test_version_policies_and_labels_carry_over():
+    config = tfs_flags.model_config_json("""model_config_list { config {
+        name: "m" base_path: "/models/m" model_platform: "tensorflow"
+        model_version_policy { specific { versions: 1 versions: 2 } }
+        version_labels { key: "stable" value: 1 } version_labels { key: "canary" value: 2 } }
+      config { name: "n" base_path: "/models/n" model_version_policy { all {} } }
+      config { name: "o" base_path: "/models/o" model_version_policy { latest { num_versions: 2 } } } }""")
+    assert config["models"] == [
+        {"name": "m", "path": "/models/m", "model_version_policy": {"specific": {"versions": [1, 2]}},
+         "version_labels": {"stable": 1, "canary": 2}},
+        {"name": "n", "path": "/models/n", "model_version_policy": {"all": {}}},
+        {"name": "o", "path": "/models/o", "model_version_policy": {"latest": {"num_versions": 2}}}]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("improperly formatted file", "Error parsing text-format tensorflow.serving.ModelServerConfig"),  # testBadModelConfig
+    ('model_config_list { config { name: "m" base_path: "/m" model_platform: "tflite" } }',
+     "model_platform 'tflite' is not supported"),
+    ("model_config_list { }", "holds no config"),
+])
+def test_a_bad_model_server_config_is_refused_with_tf_servings_words(text, message):
+    with pytest.raises(FlagError, match=message):
+        tfs_flags.model_config_json(text)
+
+
+def test_batching_parameters_files_map_onto_our_batcher():
+    assert tfs_flags.batching_settings(SICARA_BATCHING) == {
+        "MAX_BATCH_SIZE": "20", "BATCH_TIMEOUT_MS": "500", "MAX_QUEUE_ROWS": "1024"}  # 100 x 20 capped
+    assert tfs_flags.batching_settings(TF_SERVING_BATCHING) == {
+        "MAX_BATCH_SIZE": "128", "BATCH_TIMEOUT_MS": "0", "MAX_QUEUE_ROWS": "1024"}
+    assert tfs_flags.batching_settings("max_batch_size { value: 8 } max_enqueued_batches { value: 4 } "
+                                       "allowed_batch_sizes: 4 allowed_batch_sizes: 8") == {
+        "MAX_BATCH_SIZE": "8", "MAX_QUEUE_ROWS": "32"}
+    env = env_for(["--model_base_path=/m", "--enable_batching", "--batching_parameters_file=/b.txt"],
+                  {"/b.txt": SICARA_BATCHING})
+    assert (env["BATCHING"], env["MAX_BATCH_SIZE"], env["BATCH_TIMEOUT_MS"]) == ("true", "20", "500")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max_batch_size: 20", "Error parsing text-format tensorflow.serving.BatchingParameters"),
+    ("pad_variable_length_inputs: true", "pad_variable_length_inputs is not supported"),
+    ("max_batch_size { value: 0 }", "max_batch_size must be at least 1"),
+    ("batch_timeout_micros { value: -5 }", "batch_timeout_micros must not be negative"),
+])
+def test_a_bad_batching_parameters_file_is_refused(text, message):
+    with pytest.raises(FlagError, match=message):
+        tfs_flags.batching_settings(text)
+
+
+def test_config_files_and_required_flags_are_checked():
+    with pytest.raises(FlagError, match="--model_base_path or --model_config_file is required"):
+        env_for(["--port=8500"])
+    with pytest.raises(FlagError, match="--model_config_file=/nowhere.conf: No such file"):
+        env_for(["--model_config_file=/nowhere.conf"])
+    with pytest.raises(FlagError, match="--batching_parameters_file needs --enable_batching"):
+        env_for(["--model_base_path=/m", "--batching_parameters_file=/b.txt"], {"/b.txt": SICARA_BATCHING})
+
+
+def test_the_docs_flag_table_is_the_codes():
+    from tests.conftest import REPO
+
+    assert tfs_flags.markdown_table() in (REPO / "docs" / "tf-serving.md").read_text()
