@@ -12,9 +12,10 @@ Gunicorn's worker_exit hook).
 Work that must start as soon as a stop is asked (gRPC refusing new calls) registers with
 `when_stopping`: the handler writes a byte to a pipe, and a thread waiting on it does the work.
 
-Signals that arrive before Gunicorn's own handlers are installed (post_fork may import
-TensorFlow: seconds) are caught by `catch_early_stops` and acted on once the worker is
-set up; a worker asked to stop before its app loaded does not load it.
+Until Gunicorn installs the worker's own handlers, a forked worker runs the master's, which
+only queue the signal in the master's (copied) state: post_fork calls `catch_early_stops`
+first, as it may import TensorFlow for seconds. A worker asked to stop before it serves
+(importing TensorFlow, loading models) has accepted nothing and exits at once.
 
 The gthread keep-alive patch lives in app/patches.py. Imports nothing of TensorFlow:
 Gunicorn's master loads the worker class.
@@ -35,39 +36,19 @@ from app.patches import body_fully_read
 
 __all__ = ["ThreadWorker", "body_fully_read"]
 
-_QUICK = (signal.SIGINT, signal.SIGQUIT)
-
 
 class ThreadWorker(patches.KeepAliveWithoutDrain, gthread.ThreadWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._stop_asked = False
-        self._quit_asked = False  # a quick stop was asked before its handler could act on it
         self._quitting = False  # SystemExit raised for a quick stop, or the exit path began
         self._stop_writers: list[int] = []
 
     def catch_early_stops(self) -> None:
-        """Note stop signals from now until Gunicorn installs the worker's own handlers."""
+        """Act on stop signals from now on, before Gunicorn installs the worker's own handlers."""
         signal.signal(signal.SIGTERM, self.handle_exit)
-        for signum in _QUICK:
-            signal.signal(signum, self._note_quit)
-
-    def _note_quit(self, signum: int, frame: Any) -> None:
-        self.alive = False
-        self._quit_asked = True
-        self._notify_stop()
-
-    def init_signals(self) -> None:
-        super().init_signals()
-        if self._quit_asked:
-            self.handle_quit(signal.SIGQUIT, None)
-
-    def load_wsgi(self) -> None:
-        if not self.alive:
-            # Asked to stop while starting: loading models now would only delay the exit.
-            self.wsgi = None
-            return
-        super().load_wsgi()
+        for signum in (signal.SIGINT, signal.SIGQUIT):
+            signal.signal(signum, self.handle_quit)
 
     def run(self) -> None:
         try:
@@ -80,6 +61,10 @@ class ThreadWorker(patches.KeepAliveWithoutDrain, gthread.ThreadWorker):
         # loop itself may hold at the moment the signal interrupts it.
         self.alive = False
         self._notify_stop()
+        if not self.booted:
+            # Still importing TensorFlow or loading models: no connection accepted, nothing to
+            # drain, so the stop is quick rather than seconds of loading for nothing.
+            self.handle_quit(sig, frame)
 
     def handle_quit(self, sig: int, frame: Any) -> None:
         self.alive = False
