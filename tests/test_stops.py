@@ -140,12 +140,15 @@ def test_group_stop_is_clean(servers, pattern):
         assert_clean(server, server.wait_stopped(), server.worker_pids)
 
 
-@pytest.mark.parametrize("pattern", list(MASTER_STOPS))
-def test_master_stop_is_clean(servers, pattern):
-    (server,) = servers(1, workers=2)
-    predict_once(server)
-    MASTER_STOPS[pattern](server)
-    assert_clean(server, server.wait_stopped(), server.worker_pids)
+def test_master_stops_are_clean(servers):
+    """One server per pattern, started side by side; 2 workers each."""
+    batch = servers(len(MASTER_STOPS), workers=2)
+    for server, send in zip(batch, MASTER_STOPS.values()):
+        predict_once(server)
+        send(server)
+    for server, pattern in zip(batch, MASTER_STOPS):
+        print(pattern)
+        assert_clean(server, server.wait_stopped(), server.worker_pids)
 
 
 def test_stop_while_the_workers_load_their_models_is_clean(servers, tmp_path):
