@@ -1,5 +1,7 @@
 """Gunicorn settings, all from the environment; command-line flags still override them.
 
+Importing this file only reads: the hooks do the work (on_starting checks the settings and
+prepares the metrics folder; post_fork, post_worker_init, worker_exit, child_exit, on_exit).
 The master never imports TensorFlow: the app is loaded in each worker after the fork
 (no preload_app), and post_fork sizes TensorFlow's thread pools and GPU memory in the
 worker before the model loads.
@@ -39,11 +41,6 @@ threads = _env("THREADS", _settings.max_queue_rows + 2 * _settings.max_batch_siz
 timeout = _env("TIMEOUT", 120)
 graceful_timeout = _env("GRACEFUL_TIMEOUT", 30)
 keepalive = _env("KEEPALIVE", 5)
-# A stopping worker answers what it accepted only if a batch window closes within its grace.
-_longest_window_s = max(config.batch_timeout_ms for config in model_configs(_settings)) / 1000
-if _longest_window_s >= graceful_timeout:
-    raise SystemExit(f"BATCH_TIMEOUT_MS={_longest_window_s * 1000:g} must stay below GRACEFUL_TIMEOUT="
-                     f"{graceful_timeout} s, or a stopping worker could end before its queued requests run")
 preload_app = False
 # Gunicorn 27's control socket lives at one fixed path per user: two servers on a machine
 # would fight over it, and nothing here uses it.
@@ -71,21 +68,34 @@ class _Logger(glogging.Logger):
 logger_class = _Logger
 
 
-# prometheus_client's multiprocess mode: each worker writes its values to files in this
-# directory and /metrics adds them up. It must be set before any worker starts, and
-# start empty, or counts from an earlier run would be added in.
-_own_metrics_dir = "PROMETHEUS_MULTIPROC_DIR" not in os.environ
-if _own_metrics_dir:
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="model-server-metrics-")
-else:
-    _dir = os.environ["PROMETHEUS_MULTIPROC_DIR"]
-    os.makedirs(_dir, exist_ok=True)
-    for _name in os.listdir(_dir):
-        if _name.endswith(".db"):
-            os.remove(os.path.join(_dir, _name))
+def on_starting(server):
+    # A stopping worker answers what it accepted only if a batch window closes within its grace.
+    longest_window_s = max(config.batch_timeout_ms for config in model_configs(_settings)) / 1000
+    if longest_window_s >= server.cfg.graceful_timeout:
+        raise SystemExit(f"BATCH_TIMEOUT_MS={longest_window_s * 1000:g} must stay below GRACEFUL_TIMEOUT="
+                         f"{server.cfg.graceful_timeout} s, or a stopping worker could end before its queued "
+                         "requests run")
+    server.own_metrics_dir = prepare_metrics_dir(os.environ)
+
+
+def prepare_metrics_dir(environ):
+    """prometheus_client's multiprocess mode: each worker writes its values to files in this
+    folder and /metrics adds them up. It must be named before any worker starts, and start
+    empty, or counts from an earlier run would be added in. Returns the folder it made, if any."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in environ:
+        environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="model-server-metrics-")
+        return environ["PROMETHEUS_MULTIPROC_DIR"]
+    folder = environ["PROMETHEUS_MULTIPROC_DIR"]
+    os.makedirs(folder, exist_ok=True)
+    for name in os.listdir(folder):
+        if name.endswith(".db"):
+            os.remove(os.path.join(folder, name))
+    return None
 
 
 def post_fork(server, worker):
+    # Before anything slow: a stop signal from now on is the worker's, not the master's.
+    worker.catch_early_stops()
     import app
 
     # A worker whose batch thread died stops gracefully, so the master starts a fresh one.
@@ -128,5 +138,6 @@ def child_exit(server, worker):
 
 
 def on_exit(server):
-    if _own_metrics_dir:
-        shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
+    made = getattr(server, "own_metrics_dir", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)

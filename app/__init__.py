@@ -15,26 +15,12 @@ from app.settings import Settings
 replace_worker: Callable[[], None] | None = None
 
 
-class _Flask(Flask):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._sync: dict[Callable[..., Any], Callable[..., Any]] = {}
-
-    def ensure_sync(self, func: Callable[..., Any]) -> Callable[..., Any]:
-        # Flask asks inspect.iscoroutinefunction of every view and hook on every call; the
-        # answer never changes for a function, so it is asked once per function.
-        sync = self._sync.get(func)
-        if sync is None:
-            sync = self._sync[func] = super().ensure_sync(func)
-        return sync
-
-
 def create_app(settings: Settings | None = None) -> Flask:
-    from app import api, errors, limits, logs, metrics, openapi, registry, runtime, serving
+    from app import api, errors, limits, logs, metrics, openapi, patches, registry, runtime, serving
 
     settings = settings or Settings.from_env()
     logs.configure_logging(settings.log_level, settings.log_format)
-    app = _Flask(__name__)
+    app = patches.CachedEnsureSync(__name__)
     # Flask would take FLASK_DEBUG from the environment: a production server never debugs.
     app.debug = False
     app.extensions["settings"] = settings

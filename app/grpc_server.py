@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -330,22 +329,20 @@ class GrpcServer:
         return self.stop(grace_s=timeout_s).wait(timeout_s)
 
 
-def serve_in_worker(worker: Any) -> GrpcServer:
-    """Gunicorn's post_worker_init: start gRPC, and stop it on SIGTERM when HTTP stops accepting."""
+def serve_in_worker(worker: Any) -> GrpcServer | None:
+    """Gunicorn's post_worker_init: start gRPC, and refuse new calls as soon as a stop is asked.
+
+    The stop runs on the worker's stopping thread, not in a signal handler: gRPC's stop takes
+    locks and starts a thread, and a second signal would interrupt the first one's handler
+    while it holds them (app/worker.py). None when the worker was asked to stop while starting.
+    """
     app = worker.wsgi
+    if app is None or not worker.alive:
+        return None
     grace_s = float(worker.cfg.graceful_timeout)
     server = GrpcServer(app, bind=app.extensions["settings"].grpc_bind, threads=worker.cfg.threads).start()
     worker.grpc_server = server
-    gunicorn_handler = signal.getsignal(signal.SIGTERM)
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        server.stop(grace_s=grace_s)  # returns at once: the calls finish on their own threads
-        if callable(gunicorn_handler):
-            gunicorn_handler(signum, frame)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    # As Gunicorn has it: SIGTERM does not interrupt the system calls of requests in flight.
-    signal.siginterrupt(signal.SIGTERM, False)
+    worker.when_stopping(lambda: server.stop(grace_s=grace_s))
     return server
 
 

@@ -16,24 +16,23 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import dataclasses
-import io
 import logging
 import os
 import random
 import re
-import select
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import Any
 
 import orjson
 from flask import Flask, has_request_context, request
 from werkzeug.wsgi import get_path_info
+
+from app import patches
 
 access_log = logging.getLogger("app.access")
 
@@ -249,7 +248,7 @@ class AccessWriter:
                 traceback.print_exc()
 
     def _write_pending(self) -> None:
-        with _batched_writes(self._logger):
+        with patches.batched_writes(self._logger):
             while True:
                 try:
                     created, fields = self._pending.popleft()
@@ -265,73 +264,6 @@ class AccessWriter:
         entry.msecs = int((created - int(created)) * 1000) + 0.0
         entry.relativeCreated = (created - logging._startTime) * 1000
         self._logger.handle(entry)
-
-
-@contextlib.contextmanager
-def _batched_writes(logger: logging.Logger) -> Iterator[None]:
-    """Records handled inside reach each plain stream handler's stream in a few large writes.
-
-    A StreamHandler writes and flushes every record: a system call per access line, each one
-    handing the GIL to another thread under load. Each handler's lock is held meanwhile, so
-    lines from other threads wait and stay in order; filters and formatters run as ever.
-    Only handlers of exactly StreamHandler's class: a subclass (a rotating file, pytest's
-    live log) may size, rotate or decorate its stream, and keeps its own way.
-    """
-    swapped: list[tuple[logging.StreamHandler, Any, io.StringIO]] = []
-    try:
-        for handler in dict.fromkeys(_handlers_of(logger)):  # a handler reached twice is swapped once
-            if type(handler) is not logging.StreamHandler or handler.stream is None:
-                continue
-            handler.acquire()
-            buffer = io.StringIO()
-            # Not setStream(): that flushes the old stream, a system call for nothing.
-            swapped.append((handler, handler.stream, buffer))
-            handler.stream = buffer
-        yield
-    finally:
-        for handler, stream, buffer in swapped:
-            try:
-                handler.stream = stream
-                _write_whole_lines(stream, buffer.getvalue())
-            except Exception:
-                handler.handleError(logging.makeLogRecord({"msg": "access lines", "levelno": logging.INFO}))
-            finally:
-                handler.release()
-
-
-def _write_whole_lines(stream: Any, text: str) -> None:
-    """Write `text` in pieces of whole lines, each at most PIPE_BUF bytes where a line allows.
-
-    Every worker writes to the same stderr pipe: a write of up to PIPE_BUF bytes reaches it
-    whole, a longer one may be interleaved with another process's lines when the pipe is full.
-    """
-    piece: list[str] = []
-    size = 0
-    for line in text.splitlines(keepends=True):
-        length = len(line.encode()) if not line.isascii() else len(line)
-        if piece and size + length > select.PIPE_BUF:
-            _write_and_flush(stream, "".join(piece))
-            piece, size = [], 0
-        piece.append(line)
-        size += length
-    if piece:
-        _write_and_flush(stream, "".join(piece))
-
-
-def _write_and_flush(stream: Any, text: str) -> None:
-    stream.write(text)
-    if hasattr(stream, "flush"):
-        stream.flush()
-
-
-def _handlers_of(logger: logging.Logger) -> list[logging.Handler]:
-    """The handlers a record of `logger` reaches, as Logger.callHandlers walks them."""
-    found: list[logging.Handler] = []
-    current: logging.Logger | None = logger
-    while current is not None:
-        found.extend(current.handlers)
-        current = current.parent if current.propagate else None
-    return found
 
 
 _writer: AccessWriter | None = None

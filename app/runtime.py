@@ -162,7 +162,10 @@ def configure(settings: Settings, *, workers: int = 1) -> dict[str, Any]:
         inter = settings.tf_inter_op_threads or share
         tf.config.threading.set_intra_op_parallelism_threads(intra)
         tf.config.threading.set_inter_op_parallelism_threads(inter)
-        gpus = tf.config.list_physical_devices("GPU")
+        # The first look for devices loads CUDA in TensorFlow's CUDA build, which prints
+        # straight to descriptor 2 (on a host without a GPU: "failed call to cuInit").
+        with native_stderr_logged():
+            gpus = tf.config.list_physical_devices("GPU")
         for gpu in gpus:
             if settings.gpu_memory_limit_mb:
                 tf.config.set_logical_device_configuration(

@@ -1,10 +1,10 @@
-"""The app factory's Flask subclass: what it changes of Flask's per-request work."""
+"""The app's Flask subclass (app/patches.py): what it changes of Flask's per-request work."""
 
 from __future__ import annotations
 
 from flask import Flask
 
-from app import _Flask
+from app.patches import CachedEnsureSync
 
 
 def test_flask_asks_once_per_function_whether_it_is_a_coroutine(monkeypatch):
@@ -16,7 +16,7 @@ def test_flask_asks_once_per_function_whether_it_is_a_coroutine(monkeypatch):
         return original(self, func)
 
     monkeypatch.setattr(Flask, "ensure_sync", counting)
-    app = _Flask("factory")
+    app = CachedEnsureSync("factory")
     app.add_url_rule("/", "root", lambda: "ok")
     app.before_request(lambda: None)
     with app.test_client() as client:

@@ -7,7 +7,7 @@ controller: cpu.cfs_quota_us and cpu.cfs_period_us).
 
 from __future__ import annotations
 
-import json
+import runpy
 import os
 import shutil
 import subprocess
@@ -96,25 +96,23 @@ def test_one_worker_per_four_usable_cpus(cpus, workers):
     assert default_workers(cpus) == workers
 
 
-def _gunicorn_config(tmp_path: Path, environ: dict[str, str], cpus: int) -> dict:
-    """gunicorn.conf.py's knobs, read in a child with `cpus` usable CPUs (it writes os.environ)."""
-    script = (
-        "import json, runpy, app.runtime as runtime\n"
-        f"runtime.usable_cpus = lambda **_: runtime.UsableCpus({cpus}, 'affinity', {cpus}, None)\n"
-        "config = runpy.run_path('gunicorn.conf.py')\n"
-        "print(json.dumps({name: config[name] for name in ('workers', 'threads')}))\n")
-    clean = {k: v for k, v in os.environ.items() if k not in ("WORKERS", "THREADS")}
-    environ = {**clean, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), **environ}
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=environ,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
+def _gunicorn_config(monkeypatch, environ: dict[str, str], cpus: int) -> dict:
+    """gunicorn.conf.py's knobs with `cpus` usable CPUs (its import only reads)."""
+    from app import runtime
+
+    monkeypatch.setattr(runtime, "usable_cpus", lambda **_: runtime.UsableCpus(cpus, "affinity", cpus, None))
+    for name in ("WORKERS", "THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    config = runpy.run_path(str(REPO / "gunicorn.conf.py"))
+    return {name: config[name] for name in ("workers", "threads")}
 
 
-def test_gunicorn_derives_workers_from_usable_cpus_unless_workers_is_set(tmp_path):
-    assert _gunicorn_config(tmp_path, {}, cpus=16) == {"workers": 4, "threads": 128 + 2 * 32}
-    assert _gunicorn_config(tmp_path, {"WORKERS": "3"}, cpus=16)["workers"] == 3
-    assert _gunicorn_config(tmp_path, {"WORKERS": ""}, cpus=2)["workers"] == 1
+def test_gunicorn_derives_workers_from_usable_cpus_unless_workers_is_set(monkeypatch):
+    assert _gunicorn_config(monkeypatch, {}, cpus=16) == {"workers": 4, "threads": 128 + 2 * 32}
+    assert _gunicorn_config(monkeypatch, {"WORKERS": "3"}, cpus=16)["workers"] == 3
+    assert _gunicorn_config(monkeypatch, {"WORKERS": ""}, cpus=2)["workers"] == 1
 
 
 class _PinnedServer(Server):
@@ -148,3 +146,35 @@ def test_one_usable_cpu_reaches_tensorflow_through_gunicorn(tmp_path):
         "intra_op_threads": 1, "inter_op_threads": 1, "gpus": 0, "gpu_memory_limit_mb": None,
         "workers": 1, "usable_cpus": 1, "usable_cpus_from": "affinity"}
     assert "'usable_cpus': 1, 'usable_cpus_from': 'affinity'" in server.log()
+
+
+def test_importing_gunicorn_conf_changes_nothing_and_on_starting_does_the_work(monkeypatch, tmp_path):
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setenv("BATCH_TIMEOUT_MS", "40000")
+    monkeypatch.setenv("GRACEFUL_TIMEOUT", "30")
+    before = dict(os.environ)
+    config = runpy.run_path(str(REPO / "gunicorn.conf.py"))  # neither exits nor writes
+    assert dict(os.environ) == before
+
+    class Master:
+        cfg = type("Cfg", (), {"graceful_timeout": 30})()
+
+    with pytest.raises(SystemExit, match="BATCH_TIMEOUT_MS=40000 must stay below GRACEFUL_TIMEOUT=30"):
+        config["on_starting"](Master())
+    monkeypatch.setenv("BATCH_TIMEOUT_MS", "5")
+    config = runpy.run_path(str(REPO / "gunicorn.conf.py"))
+    master = Master()
+    config["on_starting"](master)
+    made = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    assert master.own_metrics_dir == made and os.path.isdir(made) and not os.listdir(made)
+    config["on_exit"](master)
+    assert not os.path.exists(made)
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+
+    # A folder the operator names is kept, emptied of an earlier run's values.
+    (tmp_path / "counter_1.db").write_bytes(b"old")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    config["on_starting"](master)
+    assert master.own_metrics_dir is None and os.listdir(tmp_path) == []
+    config["on_exit"](master)
+    assert tmp_path.is_dir()

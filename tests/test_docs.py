@@ -20,11 +20,6 @@ SETTINGS_PAGE = REPO / "docs" / "settings.md"
 # The manual's prose pages; docs/*/ holds benchmark output (data), written by scripts/benchmark/.
 PAGES = [README, REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
 
-# Pages other branches of the same change add; links to them may dangle only until they are
-# merged. The test below fails once one exists, so the exemption cannot outlive the merge.
-WRITTEN_ON_OTHER_BRANCHES = {REPO / "docs" / name for name in
-                             ("stopping.md",)}
-
 SET_UP_COMMANDS = [
     "python3 -m venv .venv && .venv/bin/pip install -r requirements.txt && .venv/bin/pip install --no-deps "
     "-r requirements-nodeps.txt && .venv/bin/gunicorn -c gunicorn.conf.py wsgi:app --workers=2",
@@ -136,16 +131,10 @@ def test_relative_links_lead_to_a_file_and_heading_that_exist(page):
         file_part, _, anchor = target.partition("#")
         destination = (page.parent / file_part).resolve() if file_part else page
         if not destination.exists():
-            if destination not in WRITTEN_ON_OTHER_BRANCHES:
-                broken.append(f"{target}: no such file")
+            broken.append(f"{target}: no such file")
         elif anchor and destination.suffix == ".md" and anchor not in anchors(destination):
             broken.append(f"{target}: no heading with that anchor")
     assert broken == []
-
-
-def test_pages_of_other_branches_are_exempt_only_while_missing():
-    merged = sorted(str(page.relative_to(REPO)) for page in WRITTEN_ON_OTHER_BRANCHES if page.exists())
-    assert merged == [], "now merged: take them out of WRITTEN_ON_OTHER_BRANCHES so their links are checked"
 
 
 def test_link_check_sees_a_broken_link(tmp_path):

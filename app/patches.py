@@ -1,0 +1,132 @@
+"""Changes to the frameworks' own behaviour, each measured on one pinned version.
+
+Each patch overrides a private detail of Flask, Gunicorn or logging that a new release may
+change or make unneeded. `MEASURED_ON` names the version each was measured on, and
+tests/test_patches.py fails when the installed or pinned version differs: then re-measure the patch
+(docs/performance.md says how) and either move the pin here or drop the patch.
+
+- `CachedEnsureSync` (Flask): Flask asks `inspect.iscoroutinefunction` of every view and
+  hook on every request; the answer never changes for a function, so it is asked once.
+- `KeepAliveWithoutDrain` (Gunicorn's gthread worker): after each response gthread drains
+  what the application left unread of the body, bounded by a socket timeout: `settimeout`
+  before and after, each an `ioctl` that releases the GIL and, under load, hands the
+  interpreter to another request thread. The body-limits layer (app/limits.py) reads every
+  body to its end, so a body known to be read to its last byte skips the drain. Anything
+  else (a chunked body, a body left unread, a failed read) takes Gunicorn's own path.
+- `batched_writes` (logging): access lines reach each plain StreamHandler's stream in a
+  few large writes instead of one write and flush per line (app/logs.py's access writer).
+
+Imports nothing of TensorFlow: Gunicorn's master loads the worker class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import select
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from flask import Flask
+from gunicorn.http.body import LengthReader
+
+MEASURED_ON = {"flask": "3.1.3", "gunicorn": "27.0.1", "python": "3.11"}
+
+
+class CachedEnsureSync(Flask):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sync: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+    def ensure_sync(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        sync = self._sync.get(func)
+        if sync is None:
+            sync = self._sync[func] = super().ensure_sync(func)
+        return sync
+
+
+class KeepAliveWithoutDrain:
+    """Mixed in before gunicorn.workers.gthread.ThreadWorker."""
+
+    def _keepalive_after(self, conn: Any, keepalive: bool) -> bool:
+        if keepalive and body_fully_read(conn.parser):
+            # What the drain would find and return: nothing left, so the connection is reusable.
+            return True
+        return super()._keepalive_after(conn, keepalive)  # type: ignore[misc]
+
+
+def body_fully_read(parser: Any) -> bool:
+    """True when the current request's body of known length was read to its end, nothing of it
+    buffered and no read of it failed: Gunicorn's drain would read nothing and answer True."""
+    body = getattr(getattr(parser, "mesg", None), "body", None)
+    reader = getattr(body, "reader", None)
+    return (isinstance(reader, LengthReader) and reader.length == 0
+            and not body.failed and body.buf.tell() == 0)
+
+
+@contextlib.contextmanager
+def batched_writes(logger: logging.Logger) -> Iterator[None]:
+    """Records handled inside reach each plain stream handler's stream in a few large writes.
+
+    A StreamHandler writes and flushes every record: a system call per access line, each one
+    handing the GIL to another thread under load. Each handler's lock is held meanwhile, so
+    lines from other threads wait and stay in order; filters and formatters run as ever.
+    Only handlers of exactly StreamHandler's class: a subclass (a rotating file, pytest's
+    live log) may size, rotate or decorate its stream, and keeps its own way.
+    """
+    swapped: list[tuple[logging.StreamHandler, Any, io.StringIO]] = []
+    try:
+        for handler in dict.fromkeys(_handlers_of(logger)):  # a handler reached twice is swapped once
+            if type(handler) is not logging.StreamHandler or handler.stream is None:
+                continue
+            handler.acquire()
+            buffer = io.StringIO()
+            # Not setStream(): that flushes the old stream, a system call for nothing.
+            swapped.append((handler, handler.stream, buffer))
+            handler.stream = buffer
+        yield
+    finally:
+        for handler, stream, buffer in swapped:
+            try:
+                handler.stream = stream
+                _write_whole_lines(stream, buffer.getvalue())
+            except Exception:
+                handler.handleError(logging.makeLogRecord({"msg": "access lines", "levelno": logging.INFO}))
+            finally:
+                handler.release()
+
+
+def _write_whole_lines(stream: Any, text: str) -> None:
+    """Write `text` in pieces of whole lines, each at most PIPE_BUF bytes where a line allows.
+
+    Every worker writes to the same stderr pipe: a write of up to PIPE_BUF bytes reaches it
+    whole, a longer one may be interleaved with another process's lines when the pipe is full.
+    """
+    piece: list[str] = []
+    size = 0
+    for line in text.splitlines(keepends=True):
+        length = len(line.encode()) if not line.isascii() else len(line)
+        if piece and size + length > select.PIPE_BUF:
+            _write_and_flush(stream, "".join(piece))
+            piece, size = [], 0
+        piece.append(line)
+        size += length
+    if piece:
+        _write_and_flush(stream, "".join(piece))
+
+
+def _write_and_flush(stream: Any, text: str) -> None:
+    stream.write(text)
+    if hasattr(stream, "flush"):
+        stream.flush()
+
+
+def _handlers_of(logger: logging.Logger) -> list[logging.Handler]:
+    """The handlers a record of `logger` reaches, as Logger.callHandlers walks them."""
+    found: list[logging.Handler] = []
+    current: logging.Logger | None = logger
+    while current is not None:
+        found.extend(current.handlers)
+        current = current.parent if current.propagate else None
+    return found
