@@ -85,6 +85,13 @@ else:
             os.remove(os.path.join(_dir, _name))
 
 
+def on_starting(server):
+    # Connections are descriptors: workers inherit the soft limit raised to the hard one.
+    from app.worker import raise_descriptor_limit
+
+    raise_descriptor_limit()
+
+
 def post_fork(server, worker):
     import app
 

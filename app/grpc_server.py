@@ -26,7 +26,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,7 +47,7 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import classify, errors, logs, tensor_proto
+from app import classify, errors, grpc_limits, logs, tensor_proto
 from app.logs import access_log, accept_request_id
 from app.models import DEFAULT_SIGNATURE, LoadedModel, Signature, TensorInfo
 from app.registry import Servable
@@ -433,13 +432,8 @@ class GrpcServer:
         models = ModelsAdapter(app)
         observed = _Observed(app.extensions["metrics"])
         self.health = HealthServicer(models)
-        # As many calls at once as threads: past that, a fast RESOURCE_EXHAUSTED rather than
-        # a wait in the thread pool's queue, where nothing counts or sees it.
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
-            maximum_concurrent_rpcs=threads,
-            options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", max_bytes)],
-        )
+        # Connections, streams, metadata, calls, receive timeout, Health's own threads (app/grpc_limits.py).
+        self._server = grpc_limits.build_server(app.extensions["settings"], threads=threads, max_bytes=max_bytes)
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
             PredictionServicer(models, observed, max_bytes=max_bytes), self._server)
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(models, observed), self._server)
