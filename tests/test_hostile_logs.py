@@ -156,3 +156,34 @@ def test_the_text_formatter_escapes_every_field():
     line = logs.TextFormatter().format(record)
     assert line.isascii() and "\n" not in line and "\r" not in line and "\x1b" not in line
     assert line.endswith(' path="/a\\x0d\\x0ab\\x1b[2K\\x85\\u2028\\ud800 c=d\\"\\\\" status=200')
+
+
+# -- reflected strings ------------------------------------------------------------------------
+
+LONG_NAME = "s" * 60_000
+
+
+def test_a_long_signature_name_is_not_echoed_whole_over_rest(json_server):
+    body = {"signature_name": LONG_NAME, "instances": [[1, 2, 3, 4]]}
+    answer = requests.post(json_server.url + "/v1/models/default:predict", json=body, timeout=30)
+    assert answer.status_code == 400
+    full = (f'Serving signature name: "{LONG_NAME}" not found in signature def (unknown signature_name; '
+            "model 'default' v1 has ['serving_default'])")
+    assert answer.json() == {"error": full[:1000] + f"... ({len(full) - 1000} more characters)"}
+
+
+def test_a_long_signature_name_gives_a_grpc_status_the_client_can_read(text_server):
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "default"
+    request.model_spec.signature_name = "s" * 70_000
+    request.inputs["features"].CopyFrom(tf.make_tensor_proto([[1.0, 2.0, 3.0, 4.0]]))
+    with grpc.insecure_channel(text_server.grpc_target) as channel:
+        with pytest.raises(grpc.RpcError) as raised:
+            prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=30)
+    # Before: the 70 KB status passed the client's metadata limit, and it saw RESOURCE_EXHAUSTED instead.
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    full = f'Serving signature key "{request.model_spec.signature_name}" not found.'
+    assert raised.value.details() == full[:1000] + f"... ({len(full) - 1000} more characters)"
