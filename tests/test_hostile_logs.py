@@ -187,3 +187,21 @@ def test_a_long_signature_name_gives_a_grpc_status_the_client_can_read(text_serv
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     full = f'Serving signature key "{request.model_spec.signature_name}" not found.'
     assert raised.value.details() == full[:1000] + f"... ({len(full) - 1000} more characters)"
+
+
+# -- URLs -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", ["%EF%BC%91", "%D9%A1", "%E0%A5%A7"])  # fullwidth, Arabic-Indic, Devanagari 1
+def test_versions_are_ascii_digits_only(json_server, version):
+    answer = requests.get(f"{json_server.url}/v1/models/default/versions/{version}", timeout=10)
+    assert answer.status_code == 400
+    assert answer.json() == {"error": f"Malformed request: GET /v1/models/default/versions/{version}"}
+    assert requests.get(f"{json_server.url}/v1/models/default/versions/1", timeout=10).status_code == 200
+
+
+def test_a_double_slash_is_not_redirected_by_host(json_server):
+    answer = requests.get(f"{json_server.url}/v1//models/default", timeout=10, allow_redirects=False,
+                          headers={"Host": "attacker.example"})
+    assert answer.status_code == 400
+    assert "Location" not in answer.headers
+    assert answer.json() == {"error": "Malformed request: GET /v1//models/default"}
