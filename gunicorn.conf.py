@@ -76,6 +76,10 @@ def on_starting(server):
                          f"{server.cfg.graceful_timeout} s, or a stopping worker could end before its queued "
                          "requests run")
     server.own_metrics_dir = prepare_metrics_dir(os.environ)
+    # Connections are descriptors: workers inherit the soft limit raised to the hard one.
+    from app.worker import raise_descriptor_limit
+
+    raise_descriptor_limit()
 
 
 def prepare_metrics_dir(environ):

@@ -11,7 +11,7 @@ import os
 
 import orjson
 from flask import Blueprint, Flask, Response, current_app
-from werkzeug.routing import BaseConverter
+from werkzeug.routing import BaseConverter, IntegerConverter
 
 from app import classify, codec, limits, logs, metadata, runtime
 from app.registry import get_registry
@@ -24,6 +24,10 @@ bp = Blueprint("api", __name__)
 class ModelNameConverter(BaseConverter):
     # Stops at ':' so that '/v1/models/<name>:predict' parses; the name never reaches a path.
     regex = MODEL_NAME_PATTERN.pattern.strip("^$")
+
+
+class AsciiIntConverter(IntegerConverter):
+    regex = r"[0-9]+"
 
 
 def _json(body: bytes, status: int = 200, headers: list[tuple[str, str]] | None = None) -> Response:
@@ -147,4 +151,8 @@ def readyz() -> Response:
 
 def init_app(app: Flask) -> None:
     app.url_map.converters["model_name"] = ModelNameConverter
+    # Versions in ASCII digits only ('\\d' and int() also take '１' and Arabic-Indic digits), and
+    # no redirect for '//': Werkzeug's would build its Location from the client's Host header.
+    app.url_map.converters["int"] = AsciiIntConverter
+    app.url_map.merge_slashes = False
     app.register_blueprint(bp)

@@ -23,6 +23,7 @@ import binascii
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -70,9 +71,40 @@ def parse_json(body: bytes) -> Any:
     # orjson keeps to RFC 8259; TF Serving's parser (rapidjson, kParseNanAndInfFlag) also
     # reads NaN, Infinity and -Infinity. Python's json does too, more slowly: only for such bodies.
     try:
-        return json.loads(body.decode(), parse_float=_finite_float)
+        document = json.loads(body.decode(), parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadRequest(f"malformed JSON: {exc}") from None
+    # Python's json, unlike orjson, reads a lone surrogate escape ("\ud800") into a str that no
+    # encoder can write: refused here, before any view, error message or log line meets it.
+    if _SURROGATE_ESCAPE.search(body):
+        check_encodable(document)
+    return document
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_encodable(document: Any, where: str = "the request body") -> None:
+    """400 if any string (key or value) in a parsed JSON document is not valid Unicode text."""
+    pending = [document]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            _check_text(value, where)
+        elif isinstance(value, list):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, where)
+                pending.append(item)
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(f"malformed JSON: {where} holds a lone surrogate (\\u{ord(text[exc.start]):04x}): "
+                           "a string is not valid Unicode") from None
 
 
 def _finite_float(text: str) -> float:

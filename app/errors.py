@@ -33,11 +33,25 @@ from app.logs import current_request_id
 log = logging.getLogger(__name__)
 
 
+# Messages quote what the client sent (a signature name, an input's name, a value): cut
+# here, once for every error, so no client can have its own 60 KB string echoed back, nor
+# push a gRPC status past the 8 to 16 KiB of metadata clients accept (grpc-message is
+# percent-encoded: up to 12 bytes a character).
+MAX_MESSAGE_CHARS = 1000
+
+
+def bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
+
+
 class ServingError(Exception):
     status_code = 500
     reason = "internal"
 
     def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.message = message
         self.headers = headers or {}

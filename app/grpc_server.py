@@ -25,7 +25,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,7 +44,7 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import errors, metadata, tensor_proto
+from app import errors, grpc_limits, metadata, tensor_proto
 from app.errors import SignatureNotFound
 from app.logs import RequestRecord, accept_request_id
 from app.models import LoadedModel, Signature
@@ -291,13 +290,8 @@ class GrpcServer:
         max_bytes = models.max_request_bytes  # REST's body limit: MAX_REQUEST_BYTES, or derived from the models
         observed = _Observed(models.requests)
         self.health = HealthServicer(models)
-        # As many calls at once as threads: past that, a fast RESOURCE_EXHAUSTED rather than
-        # a wait in the thread pool's queue, where nothing counts or sees it.
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
-            maximum_concurrent_rpcs=threads,
-            options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", max_bytes)],
-        )
+        # Connections, streams, metadata, calls, receive timeout, Health's own threads (app/grpc_limits.py).
+        self._server = grpc_limits.build_server(app.extensions["settings"], threads=threads, max_bytes=max_bytes)
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
             PredictionServicer(models, observed, max_bytes=max_bytes), self._server)
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(models, observed), self._server)

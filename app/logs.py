@@ -37,7 +37,8 @@ from app import patches
 access_log = logging.getLogger("app.access")
 
 REQUEST_ID_HEADER = "X-Request-ID"
-_SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# Matched with fullmatch: "$" would also match before a final newline.
+_SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Asked every few seconds by orchestrators and Prometheus: not worth a line each.
 PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 # Where a request's RequestRecord lives in its WSGI environ.
@@ -67,7 +68,12 @@ class JsonFormatter(logging.Formatter):
         entry.update(getattr(record, "fields", {}))
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return orjson.dumps(entry).decode()
+        try:
+            return orjson.dumps(entry).decode()
+        except (TypeError, ValueError):
+            # A lone surrogate or a value orjson cannot write: the record is still one line,
+            # never a "--- Logging error ---" that loses it.
+            return orjson.dumps({key: _json_safe(value) for key, value in entry.items()}).decode()
 
 
 class TextFormatter(logging.Formatter):
@@ -81,8 +87,39 @@ class TextFormatter(logging.Formatter):
         line = super().format(record)
         fields = getattr(record, "fields", None)
         if fields:
-            line += " " + " ".join(f"{key}={value}" for key, value in fields.items() if value is not None)
-        return line
+            line += " " + " ".join(f"{key}={text_value(value)}" for key, value in fields.items() if value is not None)
+        # A lone surrogate anywhere (a message quoting a client's text) would make the stream's
+        # encoder fail and the record be lost.
+        return line if line.isascii() else line.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# What a client could use to start a line of its own or to drive a terminal: C0 and C1 controls
+# (ESC, CR, LF, NEL \x85), DEL, the Unicode line and paragraph separators, and lone surrogates.
+# Backslash and quote are escaped too, so an escape in a value cannot be forged either.
+_TEXT_ESCAPES = {code: f"\\x{code:02x}" for code in [*range(0x20), *range(0x7f, 0xa0)]}
+_TEXT_ESCAPES.update({0x2028: "\\u2028", 0x2029: "\\u2029", ord("\\"): "\\\\", ord('"'): '\\"'})
+_NEEDS_QUOTES = re.compile(r'[\s="\\]|^$')
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def text_value(value: Any) -> str:
+    """A field's value as one token of a text line: escaped, and quoted if it holds a space or '='."""
+    if isinstance(value, (int, float)):
+        return str(value)
+    text = str(value)
+    if text.isascii() and text.isprintable() and " " not in text and "=" not in text and '"' not in text \
+            and "\\" not in text and text:
+        return text
+    escaped = _SURROGATE.sub(lambda found: f"\\u{ord(found.group()):04x}", text.translate(_TEXT_ESCAPES))
+    return f'"{escaped}"' if _NEEDS_QUOTES.search(escaped) else escaped
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, (int, float, bool)) or value is None:
+        return value
+    return _json_safe(repr(value))
 
 
 def _formatter_class(fmt: str) -> type[logging.Formatter]:
@@ -146,7 +183,7 @@ os.register_at_fork(after_in_child=_ids.seed)
 
 def accept_request_id(given: str) -> str:
     """The client's X-Request-ID (or gRPC's x-request-id metadata) if it is a sane token, else a new id."""
-    return given if _SANE_ID.match(given) else f"{_ids.getrandbits(128):032x}"
+    return given if _SANE_ID.fullmatch(given) else f"{_ids.getrandbits(128):032x}"
 
 
 @dataclasses.dataclass

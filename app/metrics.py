@@ -63,6 +63,10 @@ class Metrics:
                                     "When each worker process started serving (Unix time).",
                                     registry=reg, multiprocess_mode="all")
         self.worker_started.set_to_current_time()
+        # Per worker (pid label), live workers only: one worker near its descriptor limit is
+        # what to see, not the sum. Sampled by the worker's loop (app/worker.py).
+        self.connections = Gauge("model_server_connections", "Open client connections of each worker, by protocol.",
+                                 ["protocol"], registry=reg, multiprocess_mode="liveall")
 
     def observer(self, model: str) -> BatchObserver:
         return _ModelObserver(self, model)

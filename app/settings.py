@@ -206,6 +206,29 @@ class Settings:
     grpc_bind: str = _env(
         "GRPC_BIND", validate_optional_text, "0.0.0.0:8500",
         "Address of TensorFlow Serving's gRPC API in every worker; empty: no gRPC.", section="gRPC")
+    grpc_max_connections: int = _env(
+        "GRPC_MAX_CONNECTIONS", validate_non_neg_int, 0,
+        "Open gRPC connections per worker; beyond, new ones are closed at once. 0: a quarter of the "
+        "process's descriptor limit (`ulimit -n`).", section="gRPC")
+    grpc_max_streams_per_connection: int = _env(
+        "GRPC_MAX_STREAMS_PER_CONNECTION", validate_non_neg_int, 0,
+        "Calls at once on one gRPC connection (HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS`). 0: a quarter of "
+        "`THREADS`.", section="gRPC")
+    grpc_max_metadata_bytes: int = _env(
+        "GRPC_MAX_METADATA_BYTES", validate_pos_int, 16 * 1024,
+        "Largest header list of a gRPC call, advertised and enforced; beyond, the call is refused.",
+        section="gRPC")
+    grpc_connection_idle_ms: float = _env(
+        "GRPC_CONNECTION_IDLE_MS", validate_pos_float, 60000.0,
+        "A gRPC connection without a call for this long is closed (GOAWAY).", section="gRPC")
+    grpc_connection_age_ms: float = _env(
+        "GRPC_CONNECTION_AGE_MS", validate_pos_float, 600000.0,
+        "A gRPC connection this old is asked to close (GOAWAY); its calls still running are cancelled "
+        "`REQUEST_TIMEOUT_MS` later.", section="gRPC")
+    grpc_receive_timeout_ms: float = _env(
+        "GRPC_RECEIVE_TIMEOUT_MS", validate_pos_float, 10000.0,
+        "A gRPC call whose request message has not arrived this long after its headers is cancelled "
+        "(Health: at most 1 s).", section="gRPC")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -440,7 +440,8 @@ def test_compose_services_build_the_dockerfile_targets(stages, default_port):
     assert set(services) == {"api", "nginx", "api-gpu", "locust", "prometheus", "grafana"}
     assert services["api"]["build"]["target"] == "cpu"
     assert services["api-gpu"]["build"]["target"] == "gpu"
-    expected_ports = {f"8000:{default_port}", f"8500:{grpc_port()}", f"8080:{nginx_listen_port()}"}
+    # Gunicorn and gRPC on loopback only: nginx's 8080 is the public door (docs/reliability.md).
+    expected_ports = {f"127.0.0.1:8000:{default_port}", f"127.0.0.1:8500:{grpc_port()}", f"8080:{nginx_listen_port()}"}
     assert set(services["api"]["ports"]) == expected_ports
     assert services["locust"]["build"]["target"] == "loadtest"
     # Load goes through nginx, as clients' would.
@@ -491,7 +492,7 @@ def test_compose_gpu_profile_reserves_a_gpu_and_other_ports(default_port):
     assert gpu["profiles"] == ["gpu"]
     assert gpu["deploy"]["resources"]["reservations"]["devices"] == [
         {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-    assert set(gpu["ports"]) == {f"8001:{default_port}", f"8501:{grpc_port()}"}
+    assert set(gpu["ports"]) == {f"127.0.0.1:8001:{default_port}", f"127.0.0.1:8501:{grpc_port()}"}
     assert "profiles" not in services["api"]
 
 

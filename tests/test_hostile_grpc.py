@@ -1,0 +1,317 @@
+"""Hostile clients on the gRPC port of a live Gunicorn worker: raw HTTP/2 (the h2 package), loopback only.
+
+Each attack is bounded in connections and time. After each: the worker's pid is unchanged,
+and REST and the gRPC health Check answer.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+import numpy as np
+import pytest
+import requests
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+from tests.conftest import REPO, SERVER_COMMAND, Server, integer_rows, wait_for
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+EMPTY_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+IDLE_CONNECTIONS = 1000
+LOW_FD_LIMIT = 1024
+SOCKET_TIMEOUT_S = 10
+RECEIVE_TIMEOUT_MS = 2000
+# MAX_QUEUE_ROWS + 2 x MAX_BATCH_SIZE: 24 threads, so 24 call slots and 6 streams per connection.
+SMALL = {"MAX_QUEUE_ROWS": "16", "MAX_BATCH_SIZE": "4"}
+THREADS = 24
+
+
+class LimitedServer(Server):
+    """A Server whose Gunicorn starts under RLIMIT_NOFILE (soft, hard), as `ulimit -n` would set it."""
+
+    def __init__(self, *args, fd_limits: tuple[int, int], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fd_limits = fd_limits
+
+    def start(self, *, workers: int = 1, ready_within_s: float = 180) -> Server:
+        command = [sys.executable, "-m", *SERVER_COMMAND, f"--workers={workers}", *self.args]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(command, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, self.fd_limits))
+        self.wait_ready(workers=workers, within_s=ready_within_s)
+        return self
+
+
+def worker_pid(server: Server) -> int:
+    return requests.get(server.url + "/readyz", timeout=10).json()["pid"]
+
+
+def health(server: Server, *, timeout_s: float = 10) -> int:
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status
+
+
+def predict(server: Server, rows: np.ndarray) -> list[list[float]]:
+    import tensorflow as tf
+
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "default"
+    request.inputs["features"].CopyFrom(tf.make_tensor_proto(rows))
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        answer = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=30)
+    return tf.make_ndarray(answer.outputs["scores"]).tolist()
+
+
+def hold_prefaces(port: int, count: int) -> list[socket.socket]:
+    """`count` connections that send the HTTP/2 preface and an empty SETTINGS, then nothing."""
+    held = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S)
+        sock.sendall(PREFACE + EMPTY_SETTINGS)
+        held.append(sock)
+    return held
+
+
+def open_server_side(sockets: list[socket.socket]) -> int:
+    """How many of `sockets` the server still holds open (not closed by it, as far as reads tell)."""
+    alive = 0
+    for sock in sockets:
+        sock.setblocking(False)
+        try:
+            while sock.recv(65536):
+                pass
+            continue  # b"": the server closed it
+        except BlockingIOError:
+            alive += 1
+        except OSError:
+            continue
+    return alive
+
+
+class RawH2:
+    """One raw HTTP/2 client connection, speaking gRPC's framing by hand."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT_S)
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.conn.initiate_connection()
+        self.sock.sendall(self.conn.data_to_send())
+        self.events: list = []
+        self.settings = {}
+        self.read_until(lambda: self.settings, within_s=10)
+
+    def headers_only(self, path: str, extra: tuple = ()) -> int:
+        stream = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":path", path),
+                                        (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers"),
+                                        *extra])
+        self.sock.sendall(self.conn.data_to_send())
+        return stream
+
+    def read_until(self, done, *, within_s: float):
+        deadline = time.monotonic() + within_s
+        self.sock.settimeout(0.2)
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no answer within {within_s} s; events {self.events}")
+            try:
+                data = self.sock.recv(65536)
+            except socket.timeout:
+                continue
+            if not data:
+                raise ConnectionError(f"closed by the server; events {self.events}")
+            for event in self.conn.receive_data(data):
+                self.events.append(event)
+                if isinstance(event, h2.events.RemoteSettingsChanged):
+                    self.settings.update({code: change.new_value for code, change in event.changed_settings.items()})
+            out = self.conn.data_to_send()
+            if out:
+                self.sock.sendall(out)
+        return done()
+
+    def status(self, stream: int) -> str | None:
+        """grpc-status of `stream` once its trailers (or trailers-only answer) arrived."""
+        for event in self.events:
+            if isinstance(event, (h2.events.TrailersReceived, h2.events.ResponseReceived)) \
+                    and event.stream_id == stream:
+                found = dict(event.headers).get("grpc-status")
+                if found is not None:
+                    return found
+        return None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# -- connections: descriptors, idle connections, the accept loop ---------------------------
+
+def test_idle_prefaces_under_a_low_descriptor_limit_leave_rest_and_grpc_serving(tmp_path, exact_model_path,
+                                                                              exact_model):
+    server = LimitedServer(tmp_path, {"MODEL_PATH": str(exact_model_path)}, fd_limits=(LOW_FD_LIMIT, LOW_FD_LIMIT))
+    server.start()
+    held: list[socket.socket] = []
+    try:
+        pid = worker_pid(server)
+        with grpc.insecure_channel(server.grpc_target) as probe_channel:
+            # The probe's connection exists before the attack, as a kept channel's would.
+            probe = health_pb2_grpc.HealthStub(probe_channel)
+            assert probe.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            port = int(server.grpc_target.rsplit(":", 1)[1])
+            held = hold_prefaces(port, IDLE_CONNECTIONS)
+            # GRPC_MAX_CONNECTIONS derived: 1024 // 4 = 256 a worker, the probe's among them; the rest are closed.
+            wait_for(lambda: open_server_side(held) <= LOW_FD_LIMIT // 4, within_s=30, what="connections capped")
+            rows = integer_rows(3, seed=31)
+            answer = requests.post(server.url + "/predict", json={"instances": rows.tolist()}, timeout=30)
+            assert answer.status_code == 200
+            assert answer.json()["predictions"] == exact_model(rows).numpy().tolist()
+            assert probe.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            assert requests.get(server.url + "/healthz", timeout=10).status_code == 200
+            grpc_count = wait_for(lambda: server.metric("model_server_connections", protocol="grpc") or None,
+                                  within_s=10, what="the gRPC connection gauge")
+            assert grpc_count == LOW_FD_LIMIT // 4
+        assert worker_pid(server) == pid
+    finally:
+        for sock in held:
+            sock.close()
+        server.stop()
+    assert "Too many open files" not in server.log()
+
+
+def test_out_of_descriptors_the_worker_backs_off_and_stays(tmp_path, exact_model_path, exact_model):
+    # A gRPC connection limit above the descriptor limit: the held connections take every descriptor.
+    server = LimitedServer(tmp_path, {"MODEL_PATH": str(exact_model_path), "GRPC_MAX_CONNECTIONS": "5000"},
+                           fd_limits=(LOW_FD_LIMIT, LOW_FD_LIMIT))
+    server.start()
+    held: list[socket.socket] = []
+    try:
+        pid = worker_pid(server)
+        port = int(server.grpc_target.rsplit(":", 1)[1])
+        held = hold_prefaces(port, IDLE_CONNECTIONS + 100)
+        wait_for(lambda: len(os.listdir(f"/proc/{pid}/fd")) >= LOW_FD_LIMIT - 1, within_s=30,
+                 what="the worker out of descriptors")
+        # A REST connection the worker cannot accept now: it waits in the backlog.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as waiting:
+            waiting.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            wait_for(lambda: "accept failed (Too many open files)" in server.log(), within_s=30,
+                     what="the worker backing off")
+            for sock in held:
+                sock.close()
+            held = []
+            # Descriptors come back: the waiting connection is accepted and answered.
+            answer = waiting.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        assert worker_pid(server) == pid
+        rows = integer_rows(2, seed=32)
+        assert predict(server, rows) == exact_model(rows).numpy().tolist()
+    finally:
+        for sock in held:
+            sock.close()
+        server.stop()
+    # One worker for the whole run: none exited and was replaced.
+    assert server.log().count("Booting worker") == 1
+
+
+def test_the_soft_descriptor_limit_is_raised_to_the_hard_one(tmp_path, exact_model_path):
+    server = LimitedServer(tmp_path, {"MODEL_PATH": str(exact_model_path)}, fd_limits=(512, 2048))
+    server.start()
+    try:
+        limits = open(f"/proc/{worker_pid(server)}/limits").read()
+    finally:
+        server.stop()
+    [line] = [line for line in limits.splitlines() if line.startswith("Max open files")]
+    assert line.split()[3:5] == ["2048", "2048"]
+
+
+# -- streams: headers without a message, Health's own capacity -------------------------------
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory, exact_model_path):
+    server = Server(tmp_path_factory.mktemp("hostile-grpc"), {
+        "MODEL_PATH": str(exact_model_path), "GRPC_RECEIVE_TIMEOUT_MS": str(RECEIVE_TIMEOUT_MS), **SMALL})
+    yield server.start()
+    server.stop()
+
+
+PREDICT = "/tensorflow.serving.PredictionService/Predict"
+HEALTH = "/grpc.health.v1.Health/Check"
+
+
+def test_limits_are_advertised_in_settings(small_server):
+    client = RawH2(small_server.grpc_target)
+    try:
+        assert client.settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] == THREADS // 4
+        assert client.settings[h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE] == 16 * 1024
+    finally:
+        client.close()
+
+
+def test_headers_only_streams_cannot_lock_out_health_and_are_cancelled(small_server, exact_model):
+    pid = worker_pid(small_server)
+    per_connection = THREADS // 4
+    # Every call slot held by a stream that never sends its message.
+    clients = [RawH2(small_server.grpc_target) for _ in range(THREADS // per_connection + 1)]
+    try:
+        streams = [(client, client.headers_only(PREDICT)) for client in clients for _ in range(per_connection)]
+        started = time.monotonic()
+        # The probe answers at once: Health has its own threads, outside the call limit.
+        assert health(small_server, timeout_s=5) == health_pb2.HealthCheckResponse.SERVING
+        assert time.monotonic() - started < RECEIVE_TIMEOUT_MS / 1000
+        # The streams past the THREADS call slots were refused at once; the held ones are
+        # cancelled once GRPC_RECEIVE_TIMEOUT_MS has passed.
+        for client, stream in streams:
+            client.read_until(lambda: client.status(stream), within_s=RECEIVE_TIMEOUT_MS / 1000 + 10)
+        statuses = sorted(client.status(stream) for client, stream in streams)
+        assert statuses == sorted([str(grpc.StatusCode.CANCELLED.value[0])] * THREADS
+                                  + [str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])] * per_connection)
+        # The slots are free again; the attackers' connections stay open.
+        rows = integer_rows(3, seed=33)
+        assert predict(small_server, rows) == exact_model(rows).numpy().tolist()
+    finally:
+        for client in clients:
+            client.close()
+    assert worker_pid(small_server) == pid
+
+
+def test_headers_only_health_calls_hold_a_thread_for_at_most_a_second(small_server):
+    client = RawH2(small_server.grpc_target)
+    try:
+        stalled = [client.headers_only(HEALTH) for _ in range(THREADS // 4)]
+        assert health(small_server, timeout_s=5) == health_pb2.HealthCheckResponse.SERVING
+        for stream in stalled:
+            client.read_until(lambda: client.status(stream), within_s=5)
+            assert client.status(stream) == str(grpc.StatusCode.CANCELLED.value[0])
+    finally:
+        client.close()
+
+
+def test_metadata_over_the_advertised_size_is_refused(small_server):
+    client = RawH2(small_server.grpc_target)
+    try:
+        big = client.headers_only(HEALTH, (("x-big", "a" * 64 * 1024),))
+        client.read_until(lambda: client.status(big), within_s=10)
+        assert client.status(big) == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+    finally:
+        client.close()
+    assert health(small_server) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_message_that_does_not_parse_is_invalid_argument(small_server):
+    with grpc.insecure_channel(small_server.grpc_target) as channel:
+        raw = channel.unary_unary(PREDICT, request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as raised:
+            raw(b"\xff\xff\xff\xff not a PredictRequest", timeout=10)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details() == "the request message does not parse"
+    assert "Exception deserializing" not in small_server.log()
