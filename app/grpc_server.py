@@ -82,7 +82,7 @@ def status_code(exc: errors.ServingError) -> grpc.StatusCode:
 def details(exc: errors.ServingError) -> str:
     if isinstance(exc, SignatureNotFound):
         # TF Serving's gRPC words (model_servers/predict_util.cc); REST's are the error's own.
-        return f'Serving signature key "{exc.key}" not found.'
+        return errors.bounded(f'Serving signature key "{exc.key}" not found.')
     return exc.message
 
 
