@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import types
 
 import grpc
 import numpy as np
@@ -402,3 +403,31 @@ def test_a_version_whose_warmup_fails_is_not_served_and_the_last_one_stays(serve
     assert "No signature was found with the name: no_such_signature" in ended.status.error_message
     answer = stub.Regress(regress_request("versions", "regress_x_to_y", [2.0]), timeout=TIMEOUT_S)
     assert answer.model_spec.version.value == 1 and [r.value for r in answer.result.regressions] == [3.0]
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"plain text, not a TFRecord file", "Please verify your warmup data is in TFRecord format."),
+    (None, "Failed to parse warmup record 0"),
+])
+def test_a_warmup_file_that_does_not_read_fails_the_load(tmp_path, content, message):
+    import tensorflow as tf
+    from prometheus_client import CollectorRegistry
+
+    from app import warmup
+    from app.metrics import Metrics
+    from app.models import ModelLoadError
+    from app.settings import Settings
+
+    (tmp_path / "assets.extra").mkdir()
+    path = tmp_path / "assets.extra" / "tf_serving_warmup_requests"
+    if content is None:
+        with tf.io.TFRecordWriter(str(path)) as writer:
+            writer.write(b"\xff\xff not a PredictionLog")
+    else:
+        path.write_bytes(content)
+    servable = types.SimpleNamespace(model=types.SimpleNamespace(name="m", version=1, source=str(tmp_path)))
+
+    with pytest.raises(ModelLoadError) as raised:
+        warmup.replay(servable, Settings(max_request_bytes=1 << 20), Metrics(CollectorRegistry()))
+
+    assert message in str(raised.value)
