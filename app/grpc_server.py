@@ -246,7 +246,7 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
             _set_model_spec(entry.model_spec, servable.model, result.signature.name)
             if result.classes is not None:
                 _fill_classes(entry.classification_result, result.classes)
-            else:
+            elif result.regressions is not None:
                 entry.regression_result.regressions.extend(
                     regression_pb2.Regression(value=value) for value in result.regressions.tolist())
         return response

@@ -14,6 +14,8 @@ ssl_config_pb2, so the message is declared here, with config/ssl_config.proto's 
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
 
@@ -37,7 +39,7 @@ def _ssl_config_class() -> type:
 SSLConfig = _ssl_config_class()
 
 
-def read_ssl_config(path: str) -> object:
+def read_ssl_config(path: str) -> Any:
     """The SSLConfig in the text file at `path`; ValueError naming the file and the fault."""
     where = f"GRPC_SSL_CONFIG_FILE={path!r}"
     try:
