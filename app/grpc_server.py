@@ -5,7 +5,7 @@ Every worker starts a `grpc.server` on GRPC_BIND once its app and models are loa
 master never imports grpc). All workers bind the same port with SO_REUSEPORT, so the
 kernel spreads connections over them as it does for Gunicorn's shared socket.
 
-Services: PredictionService (Predict, Classify, Regress, GetModelMetadata), ModelService
+Services: PredictionService (Predict, Classify, Regress, MultiInference, GetModelMetadata), ModelService
 (GetModelStatus) and grpc.health.v1.Health, which answers SERVING exactly when /readyz
 answers 200. `model_spec` takes a name, a version or a version_label, and a signature. This
 module only translates protos: a call goes through the request layer REST uses
@@ -37,6 +37,7 @@ from tensorflow_serving.apis import (
     classification_pb2,
     get_model_metadata_pb2,
     get_model_status_pb2,
+    inference_pb2,
     model_service_pb2_grpc,
     predict_pb2,
     prediction_service_pb2_grpc,
@@ -44,12 +45,23 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import errors, grpc_limits, metadata, tensor_proto
+from app import errors, grpc_limits, metadata, tensor_proto, tls
 from app.errors import SignatureNotFound
 from app.logs import RequestRecord, accept_request_id
 from app.models import LoadedModel, Signature
 from app.registry import Servable
-from app.serving import Answer, ModelSpec, RequestLayer, Requests, braced, check_rows, get_layer
+from app.serving import (
+    Answer,
+    Classes,
+    ModelSpec,
+    RequestLayer,
+    Requests,
+    Task,
+    braced,
+    check_rows,
+    get_layer,
+    multi_inference_spec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -168,11 +180,11 @@ def decode_inputs(request: Any, model: Signature, *, max_rows: int, max_bytes: i
 
 class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
     def __init__(self, layer: RequestLayer, observed: _Observed, *, max_bytes: int) -> None:
-        # MultiInference stays the base class's UNIMPLEMENTED.
         self.Predict = observed("/tensorflow.serving.PredictionService/Predict", self._predict)
         self.Classify = observed("/tensorflow.serving.PredictionService/Classify", self._classify)
         self.Regress = observed("/tensorflow.serving.PredictionService/Regress", self._regress)
         self.GetModelMetadata = observed("/tensorflow.serving.PredictionService/GetModelMetadata", self._metadata)
+        self.MultiInference = observed("/tensorflow.serving.PredictionService/MultiInference", self._multi_inference)
         self._layer = layer
         self._max_bytes = max_bytes
 
@@ -207,17 +219,32 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
 
     def _classify(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
         response = classification_pb2.ClassificationResponse()
-        classes = self._examples(request, record, context, self._layer.classify, response)
-        for labels, scores in zip(classes.labels, classes.scores.tolist()):
-            classifications = response.result.classifications.add()
-            for label, score in zip(labels, scores):
-                classifications.classes.add(label=label, score=score)
+        _fill_classes(response.result, self._examples(request, record, context, self._layer.classify, response))
         return response
 
     def _regress(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
         response = regression_pb2.RegressionResponse()
         for value in self._examples(request, record, context, self._layer.regress, response).tolist():
             response.result.regressions.add().value = value
+        return response
+
+    def _multi_inference(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        tasks = [Task(task.model_spec.name, task.model_spec.signature_name, task.method_name)
+                 for task in request.tasks]
+        spec = multi_inference_spec(model_spec(request.tasks[0].model_spec) if tasks else ModelSpec())
+        servable = self._layer.model(spec, record)
+        examples = serialized_examples(request.input, max_rows=self._layer.row_limit(servable))
+        servable, results = self._layer.multi_inference(servable, tasks, examples, record=record, pinned=spec.pinned,
+                                                        client_timeout_s=context.time_remaining())
+        response = inference_pb2.MultiInferenceResponse()
+        for result in results:
+            entry = response.results.add()
+            _set_model_spec(entry.model_spec, servable.model, result.signature.name)
+            if result.classes is not None:
+                _fill_classes(entry.classification_result, result.classes)
+            elif result.regressions is not None:
+                entry.regression_result.regressions.extend(
+                    regression_pb2.Regression(value=value) for value in result.regressions.tolist())
         return response
 
     def _metadata(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
@@ -236,6 +263,13 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
             signatures.signature_def[key].CopyFrom(metadata.signature_def(signature))
         response.metadata["signature_def"].Pack(signatures)
         return response
+
+
+def _fill_classes(target: Any, classes: Classes) -> None:
+    for labels, scores in zip(classes.labels, classes.scores.tolist()):
+        classifications = target.classifications.add()
+        for label, score in zip(labels, scores):
+            classifications.classes.add(label=label, score=score)
 
 
 _ERROR_CODES = status_pb2.StatusProto.DESCRIPTOR.fields_by_name["error_code"].enum_type.values_by_name
@@ -297,7 +331,7 @@ class GrpcServer:
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(models, observed), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         try:
-            self.port = self._server.add_insecure_port(bind)
+            self.port = tls.add_port(self._server, bind, app.extensions["settings"].grpc_ssl_config_file)
         except RuntimeError as exc:
             raise RuntimeError(f"GRPC_BIND={bind!r}: cannot listen there: {exc}") from None
         self.bind = bind

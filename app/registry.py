@@ -27,7 +27,7 @@ from typing import Any
 
 from flask import Flask
 
-from app import batcher_broken, models, runtime
+from app import batcher_broken, models, runtime, warmup
 from app.batching import Batcher, BatchResult, Tensors, bucket_sizes
 from app.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
 from app.metrics import Metrics
@@ -137,7 +137,14 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
         )
     log.info("model '%s' v%d from %s loaded in %.2f s (signatures: %s)", config.name, model.version, model.source,
              model.load_s, ", ".join(sorted(model.signatures)))
-    return Servable(model, batchers)
+    servable = Servable(model, batchers)
+    if settings.enable_model_warmup:
+        try:
+            warmup.replay(servable, settings, metrics)
+        except BaseException:
+            servable.close(drain=False)
+            raise
+    return servable
 
 
 def wanted_versions(config: ModelConfig, available: list[int]) -> list[int]:

@@ -23,6 +23,7 @@ metrics.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -30,16 +31,27 @@ from flask import Flask
 
 from app import logs
 from app.batching import BatchResult
-from app.errors import BadRequest, DeadlineExceeded, InvalidInput, PayloadTooLarge
+from app.errors import BadRequest, DeadlineExceeded, InvalidInput, MethodNotAllowed, PayloadTooLarge
 from app.limits import max_request_bytes
 from app.logs import RequestRecord
 from app.metrics import Metrics, RequestCounts
-from app.models import CLASSIFY_METHOD, DEFAULT_SIGNATURE, REGRESS_METHOD, STRING, Signature, TensorInfo
+from app.models import (
+    CLASSIFY_METHOD,
+    DEFAULT_SIGNATURE,
+    REGRESS_METHOD,
+    STRING,
+    LoadedModel,
+    Signature,
+    TensorInfo,
+)
 from app.registry import ModelRegistry, Servable
 from app.settings import Settings
 
 CLASSIFY, REGRESS = "classify", "regress"
+# The signature keys TF Serving's classify and regress read (tensorflow/cc/saved_model/signature_constants.h).
+EXAMPLES_INPUT = "inputs"
 _EXAMPLE_METHODS = {CLASSIFY: (CLASSIFY_METHOD, "classification"), REGRESS: (REGRESS_METHOD, "regression")}
+_TASK_METHODS = {CLASSIFY_METHOD: CLASSIFY, REGRESS_METHOD: REGRESS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +85,24 @@ class Classes:
 
     labels: list[list[str]]
     scores: np.ndarray  # float32, rows x classes
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One task of a MultiInference: a model and signature, and TF Serving's method name to run it by."""
+
+    model_name: str
+    signature_name: str
+    method_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskResult:
+    """One task's answer: `classes` for a classify task, `regressions` for a regress task."""
+
+    signature: Signature
+    classes: Classes | None = None
+    regressions: np.ndarray | None = None
 
 
 def check_rows(rows: int, limit: int, *, unit: str = "rows") -> int:
@@ -110,8 +140,11 @@ class RequestLayer:
     """Resolution, limits, deadline and shaping over one app's registry and settings."""
 
     def __init__(self, registry: ModelRegistry, *, timeout_s: float, max_request_bytes: int,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, check_method_name: bool = False) -> None:
         self.registry = registry
+        # TF Serving's --enable_signature_method_name_check, off by default as there: a TF2
+        # SavedModel's signatures all say tensorflow/serving/predict.
+        self.check_method_name = check_method_name
         self.timeout_s = timeout_s
         # gRPC's message limit and the HTTP body limit: one value, from settings and the models.
         self.max_request_bytes = max_request_bytes
@@ -137,25 +170,8 @@ class RequestLayer:
         return servable.signature(name)
 
     def example_signature(self, servable: Servable, name: str, method: str) -> tuple[Signature, str]:
-        """Classify's or regress's signature, after TF Serving's checks, and the name of its one input.
-
-        Without a name: serving_default, or the model's main signature where it has no serving_default.
-        """
-        model = servable.model
-        if not name and DEFAULT_SIGNATURE not in model.signatures:
-            name = model.default_signature
-        key = name or DEFAULT_SIGNATURE
-        signature = model.signatures.get(key)
-        if signature is None:
-            # TF Serving's words (servables/tensorflow/classifier.cc, regressor.cc).
-            raise BadRequest(f"No signature was found with the name: {key}")
-        method_name, kind = _EXAMPLE_METHODS[method]
-        if signature.method_name != method_name:
-            raise BadRequest(f"Expected {kind} signature method_name to be {method_name}. "
-                             f"Was: {signature.method_name}")
-        if len(signature.inputs) != 1 or signature.inputs[0].dtype != STRING:
-            raise BadRequest(f"Expected one input Tensor of serialized tf.Examples in signature '{signature.name}'")
-        return signature, signature.inputs[0].name
+        """Classify's or regress's signature, after TF Serving's checks, and the name of its one input."""
+        return example_signature(servable.model, name, method, check_method_name=self.check_method_name)
 
     @staticmethod
     def select_outputs(signature: Signature, names: list[str] | None = None) -> list[TensorInfo]:
@@ -217,6 +233,104 @@ class RequestLayer:
         return self.predict(servable, signature, {input_name: examples}, record=record, pinned=pinned,
                             client_timeout_s=client_timeout_s)
 
+    def multi_inference(self, servable: Servable, tasks: list[Task], examples: np.ndarray, *,
+                        record: RequestRecord, pinned: bool,
+                        client_timeout_s: float | None = None) -> tuple[Servable, list[TaskResult]]:
+        """Every task over the same examples, in the tasks' order, once all of them passed TF Serving's checks.
+
+        TF Serving feeds the examples once and fetches every task's outputs from one session run;
+        here each task's signature runs on its own batcher, within the one deadline. Later tasks
+        go to the version that answered the first, so every result names one version.
+        """
+        plan = multi_inference_plan(servable.model, tasks, check_method_name=self.check_method_name)
+        deadline = time.monotonic() + self.deadline_s(client_timeout_s)
+        results = []
+        for method, signature in plan:
+            answer = self.predict(servable, signature, {EXAMPLES_INPUT: examples}, record=record, pinned=pinned,
+                                  client_timeout_s=deadline - time.monotonic())
+            servable = answer.servable
+            if method == CLASSIFY:
+                results.append(TaskResult(answer.signature, classes=classes(answer.outputs, len(examples))))
+            else:
+                results.append(TaskResult(answer.signature, regressions=regressions(answer.outputs, len(examples))))
+        return servable, results
+
+
+def multi_inference_spec(first: ModelSpec) -> ModelSpec:
+    """The model a MultiInference runs on: its first task's, which must name one
+    (model_servers/multi_inference_helper.cc, server_core.cc); no task: no name."""
+    if not first.name:
+        raise BadRequest("ModelSpec has no name specified.")
+    return first
+
+
+def multi_inference_plan(model: LoadedModel, tasks: list[Task], *,
+                         check_method_name: bool = False) -> list[tuple[str, Signature]]:
+    """Each task's kind (CLASSIFY or REGRESS) and signature, in order, after TF Serving's checks
+    (servables/tensorflow/multi_inference.cc): one model for all, no signature twice, a known
+    method name, and the signature's fit for its method. Nothing runs unless every task passes."""
+    plan: list[tuple[str, Signature]] = []
+    seen: set[str] = set()
+    for task in tasks:
+        if not task.model_name:
+            raise BadRequest("Found ModelSpec with an empty model name.")
+        if task.model_name != tasks[0].model_name:
+            raise BadRequest("All ModelSpecs in a MultiInferenceRequest must access the same model name.")
+        key = task.signature_name or DEFAULT_SIGNATURE
+        if key in seen:
+            raise BadRequest(f"Duplicate evaluation of signature: {key}")
+        seen.add(key)
+        if key not in model.signatures:
+            raise BadRequest(f"Requested signature not found in model graph: {key}")
+        method = _TASK_METHODS.get(task.method_name)
+        if method is None:
+            # UNIMPLEMENTED over gRPC, as TF Serving answers it.
+            raise MethodNotAllowed(f"Unsupported signature method_name: {task.method_name}")
+        signature, _ = example_signature(model, key, method, check_method_name=check_method_name)
+        plan.append((method, signature))
+    return plan
+
+
+def example_signature(model: LoadedModel, name: str, method: str, *,
+                      check_method_name: bool = False) -> tuple[Signature, str]:
+    """Classify's or regress's signature and the name of its one input, with TF Serving's checks
+    (servables/tensorflow/classifier.cc, regressor.cc: PreProcessClassification, PreProcessRegression).
+
+    The method name is checked only when asked (--enable_signature_method_name_check); otherwise any
+    signature fits whose one input is 'inputs' and whose outputs are 'classes' and/or 'scores'
+    (classify) or 'outputs' (regress). Without a name: serving_default, or the model's main signature
+    where it has no serving_default.
+    """
+    if not name and DEFAULT_SIGNATURE not in model.signatures:
+        name = model.default_signature
+    key = name or DEFAULT_SIGNATURE
+    signature = model.signatures.get(key)
+    if signature is None:
+        raise BadRequest(f"No signature was found with the name: {key}")
+    method_name, kind = _EXAMPLE_METHODS[method]
+    if check_method_name and signature.method_name != method_name:
+        raise BadRequest(f"Expected {kind} signature method_name to be {method_name}. "
+                         f"Was: {signature.method_name}")
+    if len(signature.inputs) != 1:
+        raise BadRequest("Expected one input Tensor.")
+    outputs = {spec.name for spec in signature.outputs}
+    if method == CLASSIFY and len(outputs) not in (1, 2):
+        raise BadRequest(f"Expected one or two output Tensors, found {len(outputs)}")
+    if method == REGRESS and len(outputs) != 1:
+        raise BadRequest("Expected one output Tensor.")
+    if signature.inputs[0].name != EXAMPLES_INPUT:
+        raise BadRequest(f"No {kind} inputs found in SignatureDef '{signature.name}': its input is "
+                         f"'{signature.inputs[0].name}', not '{EXAMPLES_INPUT}'")
+    if method == CLASSIFY and not outputs & {"classes", "scores"}:
+        raise BadRequest('Expected classification signature outputs to contain at least one of "classes" or '
+                         f'"scores". Signature \'{signature.name}\' has {braced(outputs)}')
+    if method == REGRESS and outputs != {"outputs"}:
+        raise BadRequest(f"No regression outputs found in SignatureDef '{signature.name}': its output is "
+                         f"{braced(outputs)}, not 'outputs'")
+    if signature.inputs[0].dtype != STRING:
+        raise BadRequest(f"Expected one input Tensor of serialized tf.Examples in signature '{signature.name}'")
+    return signature, EXAMPLES_INPUT
+
 
 def _answer(servable: Servable, signature: Signature, result: BatchResult) -> Answer:
     # The version that answered may be newer than the one resolved (a retired one sends on).
@@ -255,7 +369,8 @@ def braced(names: Any) -> str:
 
 def init_app(app: Flask, settings: Settings, registry: ModelRegistry) -> RequestLayer:
     layer = RequestLayer(registry, timeout_s=settings.request_timeout_ms / 1000.0,
-                         max_request_bytes=max_request_bytes(settings, registry), metrics=app.extensions["metrics"])
+                         max_request_bytes=max_request_bytes(settings, registry), metrics=app.extensions["metrics"],
+                         check_method_name=settings.enable_signature_method_name_check)
     app.extensions["serving"] = layer
     return layer
 

@@ -229,6 +229,22 @@ class Settings:
         "GRPC_RECEIVE_TIMEOUT_MS", validate_pos_float, 10000.0,
         "A gRPC call whose request message has not arrived this long after its headers is cancelled "
         "(Health: at most 1 s).", section="gRPC")
+    grpc_ssl_config_file: str | None = _env(
+        "GRPC_SSL_CONFIG_FILE", validate_optional_path, None,
+        "TF Serving's `--ssl_config_file`: an SSLConfig in protobuf text format (`server_key`, `server_cert`, "
+        "`custom_ca`, `client_verify`); gRPC then takes TLS only ([TLS](tls.md)). Unset: plaintext gRPC.",
+        section="gRPC")
+    enable_signature_method_name_check: bool = _env(
+        "ENABLE_SIGNATURE_METHOD_NAME_CHECK", validate_bool, False,
+        "TF Serving's `--enable_signature_method_name_check`: Classify, Regress and MultiInference take only "
+        "signatures whose method name says so. Off, as in TF Serving: any signature whose input and outputs "
+        "fit, as TF2 SavedModels need ([API](api.md#classify-regress-and-multiinference)).",
+        section="TensorFlow Serving")
+    enable_model_warmup: bool = _env(
+        "ENABLE_MODEL_WARMUP", validate_bool, True,
+        "TF Serving's `--enable_model_warmup`: replay a version's `assets.extra/tf_serving_warmup_requests` "
+        "before it is served; a record that fails stops the version loading ([warm-up](tls.md#warm-up)).",
+        section="TensorFlow Serving")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -443,13 +443,24 @@ def test_calls_are_counted_and_logged_like_http_requests(served, stub):
     assert access_line(served, request_id)["status"] == "NOT_FOUND"
 
 
-def test_multi_inference_is_unimplemented(stub):
+def test_multi_inference_runs_classify_and_regress_over_one_input(stub):
+    """tensorflow_model_server_test.py's testMultiInference, on this TF1 model; the TF2 form and
+    the refusals are in test_tfs_inference.py."""
     from tensorflow_serving.apis import inference_pb2
 
-    with pytest.raises(grpc.RpcError) as raised:
-        stub.MultiInference(inference_pb2.MultiInferenceRequest(), timeout=30)
+    request = inference_pb2.MultiInferenceRequest(input=examples_input([[1, 2], [-4, 1]]))
+    for signature, method in (("regress", "tensorflow/serving/regress"), ("classify", "tensorflow/serving/classify")):
+        task = request.tasks.add(method_name=method)
+        task.model_spec.name, task.model_spec.signature_name = "examples", signature
 
-    assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    response = stub.MultiInference(request, timeout=30)
+
+    assert [entry.value for entry in response.results[0].regression_result.regressions] == [4.0, -7.0]
+    assert [[(entry.label, entry.score) for entry in row.classes]
+            for row in response.results[1].classification_result.classifications] == [
+        [("neg", -3.0), ("pos", 3.0)], [("neg", 3.0), ("pos", -3.0)]]
+    assert [(result.model_spec.name, result.model_spec.signature_name, result.model_spec.version.value)
+            for result in response.results] == [("examples", "regress", 1), ("examples", "classify", 1)]
 
 
 # -- TensorProto <-> numpy, against TensorFlow's own decoding -----------------------------------
@@ -868,7 +879,7 @@ def test_regress_answers_one_value_per_example(stub):
 
 
 @pytest.mark.parametrize("method, signature, examples, expected", [
-    ("Regress", "classify", [[1, 2]], "Expected regression signature method_name to be tensorflow/serving/regress"),
+    ("Regress", "classify", [[1, 2]], "Expected one output Tensor."),
     ("Classify", "nope", [[1, 2]], "No signature was found with the name: nope"),
     ("Classify", "classify", [], "Input is empty."),
     ("Regress", "regress", [[1, 2]] * (EXACT_ROW_LIMIT + 1), "MAX_REQUEST_ROWS"),

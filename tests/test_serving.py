@@ -18,7 +18,15 @@ from prometheus_client import CollectorRegistry
 
 from app import logs, serving
 from app.batching import Batcher
-from app.errors import BadRequest, DeadlineExceeded, InvalidInput, NotFound, PayloadTooLarge, SignatureNotFound
+from app.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    InvalidInput,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    SignatureNotFound,
+)
 from app.metrics import Metrics
 from app.models import (
     CLASSIFY_METHOD,
@@ -39,7 +47,10 @@ MAX_REQUEST_ROWS = 4
 X = TensorInfo("x", (2,), np.dtype("float32"), "DT_FLOAT")
 Y = TensorInfo("y", (), np.dtype("float32"), "DT_FLOAT")
 Z = TensorInfo("z", (2,), np.dtype("float32"), "DT_FLOAT")
-EXAMPLES = TensorInfo("examples", (), STRING, "DT_STRING")
+EXAMPLES = TensorInfo("inputs", (), STRING, "DT_STRING")
+CLASSES = TensorInfo("classes", (2,), np.dtype(object), "DT_STRING")
+SCORES = TensorInfo("scores", (2,), np.dtype("float32"), "DT_FLOAT")
+OUTPUTS = TensorInfo("outputs", (), np.dtype("float32"), "DT_FLOAT")
 
 
 def _sum_and_double(batch):
@@ -47,7 +58,7 @@ def _sum_and_double(batch):
 
 
 def _examples_model(batch):
-    rows = len(batch["examples"])
+    rows = len(batch["inputs"])
     return {"classes": np.array([[b"a", b"b"]] * rows, dtype=object),
             "scores": np.tile(np.array([0.25, 0.75], np.float32), (rows, 1)),
             "outputs": np.arange(rows, dtype=np.float64) + 0.5}
@@ -56,8 +67,10 @@ def _examples_model(batch):
 def _servable(version: int, *, with_default: bool = True) -> Servable:
     """Version v of model 'm': serving_default (x -> y, z) and the tf.Example signatures."""
     signatures = {
-        "classify": Signature("classify", CLASSIFY_METHOD, [EXAMPLES], [], _examples_model),
-        "regress": Signature("regress", REGRESS_METHOD, [EXAMPLES], [], _examples_model),
+        "classify": Signature("classify", CLASSIFY_METHOD, [EXAMPLES], [CLASSES, SCORES], _examples_model),
+        "regress": Signature("regress", REGRESS_METHOD, [EXAMPLES], [OUTPUTS], _examples_model),
+        # A TF2 export's: its method name is predict's, its input and output fit classify.
+        "tf2_scores": Signature("tf2_scores", PREDICT_METHOD, [EXAMPLES], [SCORES], _examples_model),
         "takes_floats": Signature("takes_floats", CLASSIFY_METHOD, [X], [Y], _sum_and_double),
     }
     main = "classify"
@@ -157,8 +170,9 @@ def test_an_unknown_predict_signature_carries_its_key(layer, registry):
 
 
 @pytest.mark.parametrize("name, method, expected", [
-    ("classify", serving.CLASSIFY, ("classify", "examples")),
-    ("regress", serving.REGRESS, ("regress", "examples")),
+    ("classify", serving.CLASSIFY, ("classify", "inputs")),
+    ("regress", serving.REGRESS, ("regress", "inputs")),
+    ("tf2_scores", serving.CLASSIFY, ("tf2_scores", "inputs")),
 ])
 def test_an_example_signature_and_its_one_input(layer, registry, name, method, expected):
     signature, input_name = layer.example_signature(registry.get("m"), name, method)
@@ -176,18 +190,41 @@ def test_without_serving_default_an_unnamed_example_signature_is_the_models_main
 
 @pytest.mark.parametrize("name, method, message", [
     ("nope", serving.CLASSIFY, "No signature was found with the name: nope"),
-    ("", serving.CLASSIFY, ("Expected classification signature method_name to be tensorflow/serving/classify. "
-                            "Was: tensorflow/serving/predict")),
-    ("classify", serving.REGRESS, ("Expected regression signature method_name to be tensorflow/serving/regress. "
-                                   "Was: tensorflow/serving/classify")),
-    ("takes_floats", serving.CLASSIFY, ("Expected one input Tensor of serialized tf.Examples in signature "
-                                        "'takes_floats'")),
+    ("", serving.CLASSIFY, "No classification inputs found in SignatureDef 'serving_default': its input is 'x', "
+                           "not 'inputs'"),
+    ("classify", serving.REGRESS, "Expected one output Tensor."),
+    ("regress", serving.CLASSIFY, 'Expected classification signature outputs to contain at least one of "classes" '
+                                  'or "scores". Signature \'regress\' has {outputs}'),
+    ("tf2_scores", serving.REGRESS, "No regression outputs found in SignatureDef 'tf2_scores': its output is "
+                                    "{scores}, not 'outputs'"),
+    ("takes_floats", serving.REGRESS, "No regression inputs found in SignatureDef 'takes_floats': its input is 'x', "
+                                      "not 'inputs'"),
 ])
-def test_a_wrong_example_signature_is_refused_in_tf_servings_words(layer, registry, name, method, message):
+def test_a_signature_that_does_not_fit_is_refused_in_tf_servings_words(layer, registry, name, method, message):
+    """TF Serving's default (no method-name check): the signature's inputs and outputs decide."""
     with pytest.raises(BadRequest) as raised:
         layer.example_signature(registry.get("m"), name, method)
 
     assert raised.value.message == message
+
+
+@pytest.mark.parametrize("name, method, message", [
+    ("", serving.CLASSIFY, ("Expected classification signature method_name to be tensorflow/serving/classify. "
+                            "Was: tensorflow/serving/predict")),
+    ("tf2_scores", serving.CLASSIFY, ("Expected classification signature method_name to be "
+                                      "tensorflow/serving/classify. Was: tensorflow/serving/predict")),
+    ("classify", serving.REGRESS, ("Expected regression signature method_name to be tensorflow/serving/regress. "
+                                   "Was: tensorflow/serving/classify")),
+])
+def test_with_the_method_name_check_a_signature_must_say_its_method(registry, metrics, name, method, message):
+    checking = RequestLayer(registry, timeout_s=TIMEOUT_S, max_request_bytes=1 << 20, metrics=metrics,
+                            check_method_name=True)
+
+    with pytest.raises(BadRequest) as raised:
+        checking.example_signature(registry.get("m"), name, method)
+
+    assert raised.value.message == message
+    assert checking.example_signature(registry.get("m"), "classify", serving.CLASSIFY)[0].name == "classify"
 
 
 def test_outputs_asked_for_come_in_the_order_asked(layer, registry):
@@ -338,3 +375,47 @@ def test_one_record_feeds_the_access_line_and_the_request_metrics(metrics, caplo
     assert line.pop("latency_ms") >= 0
     assert line == {"method": "GRPC", "path": labels["route"], "status": "NOT_FOUND", "rows": 2, "batch_rows": 8,
                     "batch_requests": 3, "model": "m", "request_id": "rid-1"}
+
+
+# -- MultiInference ---------------------------------------------------------------------------------
+
+
+def test_multi_inference_answers_every_task_in_order_from_one_version(layer, registry):
+    tasks = [serving.Task("m", "regress", REGRESS_METHOD), serving.Task("m", "classify", CLASSIFY_METHOD)]
+    record = _record()
+
+    servable, results = layer.multi_inference(registry.get("m"), tasks, np.array([b"e1", b"e2"], dtype=object),
+                                              record=record, pinned=False)
+
+    assert servable.model.version == 2 and record.rows == 2
+    assert [result.signature.name for result in results] == ["regress", "classify"]
+    np.testing.assert_array_equal(results[0].regressions, [0.5, 1.5])
+    assert results[0].classes is None and results[1].regressions is None
+    assert results[1].classes.labels == [["a", "b"]] * 2
+
+
+@pytest.mark.parametrize("tasks, error, message", [
+    ([("m", "regress", REGRESS_METHOD), ("m", "regress", REGRESS_METHOD)], BadRequest,
+     "Duplicate evaluation of signature: regress"),
+    ([("m", "regress", REGRESS_METHOD), ("other", "classify", CLASSIFY_METHOD)], BadRequest,
+     "All ModelSpecs in a MultiInferenceRequest must access the same model name."),
+    ([("m", "regress", REGRESS_METHOD), ("m", "classify", PREDICT_METHOD)], MethodNotAllowed,
+     "Unsupported signature method_name: tensorflow/serving/predict"),
+    ([("m", "regress", REGRESS_METHOD), ("m", "train", CLASSIFY_METHOD)], BadRequest,
+     "Requested signature not found in model graph: train"),
+])
+def test_multi_inference_runs_no_task_unless_every_task_passes(layer, registry, tasks, error, message):
+    servable = registry.get("m")
+
+    with pytest.raises(error) as raised:
+        layer.multi_inference(servable, [serving.Task(*task) for task in tasks],
+                              np.array([b"e1"], dtype=object), record=_record(), pinned=False)
+
+    assert raised.value.message == message
+    assert servable.batchers["regress"].batches_run == 0
+
+
+def test_a_multi_inference_runs_on_its_first_tasks_model_which_must_be_named():
+    assert serving.multi_inference_spec(ModelSpec("m", 3)) == ModelSpec("m", 3)
+    with pytest.raises(BadRequest, match="ModelSpec has no name specified."):
+        serving.multi_inference_spec(ModelSpec())

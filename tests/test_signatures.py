@@ -118,15 +118,14 @@ def test_classify_answers_label_score_pairs_with_context_merged(server):
 
 
 @pytest.mark.parametrize("path,body,message", [
-    # servables/tensorflow/classifier.cc and regressor.cc: the method name is checked.
+    # servables/tensorflow/classifier.cc and regressor.cc, without the method-name check (TF
+    # Serving's default): the signature's input must be 'inputs', its outputs classify's or regress's.
     ("/v1/models/half_plus_three:classify", {"examples": [{"x": 1.0}]},
-     "Expected classification signature method_name to be tensorflow/serving/classify. "
-     "Was: tensorflow/serving/predict"),
+     "No classification inputs found in SignatureDef 'serving_default'"),
     ("/v1/models/half_plus_three:regress", {"signature_name": "classify_x_to_y", "examples": [{"x": 1.0}]},
-     "Expected regression signature method_name to be tensorflow/serving/regress. "
-     "Was: tensorflow/serving/classify"),
+     "Expected one output Tensor."),
     ("/v1/models/multi:regress", {"examples": [{"x": 1.0}]},
-     "Expected regression signature method_name to be tensorflow/serving/regress. Was: tensorflow/serving/predict"),
+     "No regression inputs found in SignatureDef 'serving_default'"),
     ("/v1/models/half_plus_three:regress", {"signature_name": "nope", "examples": [{"x": 1.0}]},
      "No signature was found with the name: nope"),
     # util/json_tensor.cc, FillClassifyRegressRequestFromJson.

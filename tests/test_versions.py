@@ -362,11 +362,11 @@ def test_a_version_not_served_is_refused_never_answered_by_another(server):
 
 
 def test_classify_on_a_predict_only_model_answers_tf_servings_error(server):
-    """servables/tensorflow/classifier.cc checks the signature's method name."""
+    """servables/tensorflow/classifier.cc: without the method-name check (TF Serving's default),
+    a signature whose input is not 'inputs' is refused."""
     answer = post(server, "/v1/models/two/labels/stable:classify", {"examples": [{"x": 1.0}]})
     assert (answer.status_code, answer.json()["error"]) == (
-        400, "Expected classification signature method_name to be tensorflow/serving/classify. "
-             "Was: tensorflow/serving/predict")
+        400, "No classification inputs found in SignatureDef 'serving_default': its input is 'x', not 'inputs'")
 
 
 def test_new_version_is_loaded_and_the_dropped_one_drained_under_load(server, model_root):
