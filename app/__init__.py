@@ -30,7 +30,7 @@ class _Flask(Flask):
 
 
 def create_app(settings: Settings | None = None) -> Flask:
-    from app import api, errors, limits, logs, metrics, openapi, registry, runtime, serving
+    from app import api, errors, limits, logs, metrics, openapi, registry, runtime, serving, v2_rest
 
     settings = settings or Settings.from_env()
     logs.configure_logging(settings.log_level, settings.log_format)
@@ -46,6 +46,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     limits.init_app(app, settings, models)
     serving.init_app(app, settings, models)
     api.init_app(app)
+    v2_rest.init_app(app)
     openapi.init_app(app)
     errors.init_app(app)
     return app
