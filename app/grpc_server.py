@@ -47,7 +47,7 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import errors, tensor_proto
+from app import errors, tensor_proto, v2_grpc
 from app.errors import SignatureNotFound
 from app.logs import RequestRecord, accept_request_id
 from app.models import LoadedModel, Signature
@@ -319,6 +319,7 @@ class GrpcServer:
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
             PredictionServicer(models, observed, max_bytes=max_bytes), self._server)
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(models, observed), self._server)
+        v2_grpc.add_to_server(self._server, models, observed)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         try:
             self.port = self._server.add_insecure_port(bind)

@@ -32,22 +32,11 @@ from flask import Blueprint, Flask, Response, current_app, request
 
 from app import limits, logs, v2_tensors
 from app.errors import BadRequest, Unavailable
-from app.serving import ModelSpec, RequestLayer, get_layer
+from app.serving import RequestLayer, get_layer
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-SERVER_NAME = "tensorflow-model-server"
-# The project ships no release numbers; this names the API generation a client may expect.
-SERVER_VERSION = "1"
-EXTENSIONS = ["binary_tensor_data"]
 
 bp = Blueprint("v2", __name__, url_prefix="/v2")
-
-
-def model_spec(name: str, version: str | None) -> ModelSpec:
-    """A v2 version string: digits are a version number, anything else a version label."""
-    if version is None:
-        return ModelSpec(name)
-    return ModelSpec(name, int(version)) if version.isdigit() else ModelSpec(name, label=version)
 
 
 def _json(value: Any, status: int = 200) -> Response:
@@ -56,7 +45,8 @@ def _json(value: Any, status: int = 200) -> Response:
 
 @bp.get("")
 def server_metadata() -> Response:
-    return _json({"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS})
+    return _json({"name": v2_tensors.SERVER_NAME, "version": v2_tensors.SERVER_VERSION,
+                  "extensions": v2_tensors.EXTENSIONS})
 
 
 @bp.get("/health/live")
@@ -75,7 +65,7 @@ def ready() -> Response:
 @bp.get("/models/<model_name:name>/versions/<version>")
 def model_metadata(name: str, version: str | None = None) -> Response:
     layer = get_layer(current_app)
-    servable = layer.model(model_spec(name, version))
+    servable = layer.model(v2_tensors.model_spec(name, version))
     signature = layer.predict_signature(servable, request.args.get("signature_name", ""))
     return _json(v2_tensors.model_metadata(servable.model, signature, layer.versions(servable)))
 
@@ -84,7 +74,7 @@ def model_metadata(name: str, version: str | None = None) -> Response:
 @bp.get("/models/<model_name:name>/versions/<version>/ready")
 def model_ready(name: str, version: str | None = None) -> Response:
     layer = get_layer(current_app)
-    servable = layer.model(model_spec(name, version))
+    servable = layer.model(v2_tensors.model_spec(name, version))
     if not layer.servable_ready(servable):
         raise Unavailable(f"model '{servable.model.name}' v{servable.model.version} cannot serve")
     return _json({"name": servable.model.name, "ready": True})
@@ -94,7 +84,7 @@ def model_ready(name: str, version: str | None = None) -> Response:
 @bp.post("/models/<model_name:name>/versions/<version>/infer")
 def infer(name: str, version: str | None = None) -> Response:
     layer, record = get_layer(current_app), logs.record()
-    spec = model_spec(name, version)
+    spec = v2_tensors.model_spec(name, version)
     servable = layer.model(spec, record)
     body, tensors = _split(limits.body(), request.headers.get(HEADER_LENGTH))
     parameters = _parameters(body, "the request")

@@ -25,8 +25,12 @@ import numpy as np
 
 from app.errors import InvalidInput
 from app.models import STRING, LoadedModel, Signature, TensorInfo
-from app.serving import braced, check_rows
+from app.serving import ModelSpec, braced, check_rows
 
+SERVER_NAME = "tensorflow-model-server"
+# The project ships no release numbers; this names the API generation a client may expect.
+SERVER_VERSION = "1"
+EXTENSIONS = ["binary_tensor_data"]
 BYTES = "BYTES"
 DATATYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
@@ -41,6 +45,14 @@ _NAMES = {dtype: name for name, dtype in DATATYPES.items()}
 # The JSON values each kind of datatype takes (V: bfloat16).
 _JSON_TYPES = {"b": (bool,), "i": (int,), "u": (int,), "f": (int, float), "V": (int, float)}
 _LENGTH = struct.Struct("<I")
+
+
+def model_spec(name: str, version: str | None) -> ModelSpec:
+    """A v2 version string: digits are a version number, anything else a version label."""
+    if not version:
+        return ModelSpec(name)
+    number = version.isascii() and version.isdigit()
+    return ModelSpec(name, int(version)) if number else ModelSpec(name, label=version)
 
 
 def datatype(spec: TensorInfo) -> str:
@@ -64,13 +76,15 @@ def model_metadata(model: LoadedModel, signature: Signature, versions: Sequence[
 
 @dataclasses.dataclass
 class Tensor:
-    """One input as its wire format gave it: values in `data` (a JSON array) or `raw` (bytes)."""
+    """One input as its wire format gave it: values in `data` (a JSON array), `raw` (bytes) or
+    `values` (a typed list, as gRPC's InferTensorContents holds them)."""
 
     name: str
     datatype: str
     shape: tuple[int, ...]
     data: Any = None
     raw: bytes | memoryview | None = None
+    values: Sequence[Any] | None = None
 
 
 def decode_inputs(tensors: list[Tensor], signature: Signature, *, max_rows: int) -> dict[str, np.ndarray]:
@@ -103,11 +117,27 @@ def _count(shape: Sequence[int]) -> int:
 
 def _array(tensor: Tensor, spec: TensorInfo) -> np.ndarray:
     count = _count(tensor.shape)
+    where = f"input '{tensor.name}'"
     if tensor.raw is not None:
-        flat = from_bytes(tensor.raw, spec.dtype, count, f"input '{tensor.name}'")
+        flat = from_bytes(tensor.raw, spec.dtype, count, where)
+    elif tensor.values is not None:
+        flat = _from_values(tensor.values, spec.dtype, count, where)
     else:
-        flat = _from_json(tensor.data, spec.dtype, count, f"input '{tensor.name}'")
+        flat = _from_json(tensor.data, spec.dtype, count, where)
     return flat.reshape(tensor.shape)
+
+
+def _from_values(values: Sequence[Any], dtype: np.dtype, count: int, where: str) -> np.ndarray:
+    if len(values) != count:
+        raise InvalidInput(f"{where}: its contents hold {len(values)} values; its shape holds {count}")
+    if dtype == STRING:
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+        return array
+    try:
+        return np.array(values, dtype=dtype)
+    except OverflowError:
+        raise InvalidInput(f"{where}: a value is outside the range of {_NAMES[dtype]}") from None
 
 
 def from_bytes(raw: bytes | memoryview, dtype: np.dtype, count: int, where: str) -> np.ndarray:

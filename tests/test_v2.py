@@ -1,11 +1,12 @@
-"""The Open Inference Protocol (KServe v2) over HTTP, driven by Triton's own unmodified client.
+"""The Open Inference Protocol (KServe v2) over HTTP and gRPC, driven by Triton's own unmodified clients.
 
 A live `gunicorn -c gunicorn.conf.py wsgi:app` serves: `exact` (integer weights, so answers
 compare with ==), `held` (the same model behind a long batch window, so requests of both
 APIs are seen to share one predict call), `tss` (three inputs, three outputs, strings),
 `dtypes` (one input of every v2 datatype, each echoed back), `multi` (two signatures) and
 `versioned` (versions 1 and 2, labels stable and canary). tritonclient.http sends binary
-tensor data by default; each prediction test runs binary and JSON.
+tensor data by default; each HTTP prediction test runs binary and JSON. tritonclient.grpc
+sends raw_input_contents; typed `contents` are sent with the generated stub.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from __future__ import annotations
 import json
 import threading
 
+import grpc
 import numpy as np
 import pytest
 import requests
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Server, build_exact_model, integer_rows
@@ -346,3 +350,130 @@ def test_unknown_v2_route_and_method(served):
     answer = requests.get(served.url + "/v2/models/exact/infer", timeout=30)
     assert answer.status_code == 405
     assert "error" in answer.json()
+
+
+# -- gRPC -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grpc_client(served):
+    client = grpcclient.InferenceServerClient(url=served.grpc_target)
+    yield client
+    client.close()
+
+
+def grpc_infer(client, model: str, arrays: dict[str, np.ndarray], *, outputs: list[str] | None = None, **kwargs):
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), _datatype(array))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    requested = [grpcclient.InferRequestedOutput(name) for name in outputs or []]
+    return client.infer(model, inputs, outputs=requested or None, client_timeout=60, **kwargs)
+
+
+def test_grpc_health_and_metadata(grpc_client):
+    assert grpc_client.is_server_live()
+    assert grpc_client.is_server_ready()
+    assert grpc_client.is_model_ready("exact")
+    assert grpc_client.is_model_ready("versioned", "stable")
+    assert not grpc_client.is_model_ready("versioned", "3")
+    assert not grpc_client.is_model_ready("nothing")
+    assert list(grpc_client.get_server_metadata().extensions) == ["binary_tensor_data"]
+    metadata = grpc_client.get_model_metadata("tss", as_json=True)
+    assert metadata["inputs"][0] == {"name": "sensor", "datatype": "FP32", "shape": ["-1", "2", "2"]}
+    assert metadata["outputs"][2] == {"name": "tag_length", "datatype": "INT32", "shape": ["-1"]}
+    assert grpc_client.get_model_metadata("versioned").versions == ["1", "2"]
+
+
+def test_grpc_infer_answers_the_models_own_output_row_for_row(grpc_client, exact_model):
+    rows = integer_rows(13, seed=4)
+
+    result = grpc_infer(grpc_client, "exact", {"features": rows})
+
+    np.testing.assert_array_equal(result.as_numpy("scores"), exact_model(rows).numpy())
+    response = result.get_response()
+    assert (response.model_name, response.model_version) == ("exact", "1")
+
+
+def test_grpc_several_inputs_a_subset_of_the_outputs_and_every_datatype(grpc_client):
+    arrays = {"tag": np.array([b"foo", "héllo".encode(), b""], dtype=np.object_),
+              "signal": np.arange(15, dtype=np.float32).reshape(3, 5),
+              "sensor": np.arange(12, dtype=np.float32).reshape(3, 2, 2)}
+    result = grpc_infer(grpc_client, "tss", arrays, outputs=["tag_length", "sensor_max"])
+    assert [output.name for output in result.get_response().outputs] == ["tag_length", "sensor_max"]
+    np.testing.assert_array_equal(result.as_numpy("tag_length"), [3, 6, 0])
+    np.testing.assert_array_equal(result.as_numpy("sensor_max"), [3.0, 7.0, 11.0])
+
+    echoed = grpc_infer(grpc_client, "dtypes", {f"in_{name.lower()}": dtype_values(name, 2) for name in DTYPES})
+    for name in DTYPES:
+        answer = echoed.as_numpy(f"out_{name.lower()}")
+        assert answer.dtype == np.dtype(DTYPES[name]), name
+        np.testing.assert_array_equal(answer, dtype_values(name, 2), err_msg=name)
+
+
+def test_grpc_versions_labels_and_signature_parameter(grpc_client):
+    rows = integer_rows(3, seed=6)
+    for version, seed in (("2", 8), ("stable", 7)):
+        result = grpc_infer(grpc_client, "versioned", {"features": rows}, model_version=version)
+        np.testing.assert_array_equal(result.as_numpy("output_0"), build_exact_model(seed=seed)(rows).numpy())
+    z = np.array([[1, 2]], dtype=np.float32)
+    result = grpc_infer(grpc_client, "multi", {"z": z}, parameters={"signature_name": "triple"})
+    np.testing.assert_array_equal(result.as_numpy("w"), 3 * z)
+
+
+def test_grpc_typed_contents_are_read_too(served, exact_model):
+    rows = integer_rows(2, seed=9)
+    request = service_pb2.ModelInferRequest(model_name="exact")
+    tensor = request.inputs.add(name="features", datatype="FP32", shape=[2, 4])
+    tensor.contents.fp32_contents.extend(rows.ravel().tolist())
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        response = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+    output = response.outputs[0]
+    assert (output.name, output.datatype, list(output.shape)) == ("scores", "FP32", [2, 3])
+    np.testing.assert_array_equal(np.frombuffer(response.raw_output_contents[0], "<f4").reshape(2, 3),
+                                  exact_model(rows).numpy())
+
+
+def _raw_request(model: str = "exact", *, datatype: str = "FP32", shape=(1, 4), raw: list[bytes] | None = None,
+                 **parameters) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name=model)
+    request.inputs.add(name="features", datatype=datatype, shape=list(shape))
+    request.raw_input_contents.extend(FOUR_FLOATS_LIST if raw is None else raw)
+    for key, value in parameters.items():
+        request.parameters[key].string_param = value
+    return request
+
+
+FOUR_FLOATS_LIST = [np.arange(4, dtype=np.float32).tobytes()]
+BAD_GRPC = {
+    "unknown model": (_raw_request("nothing"), grpc.StatusCode.NOT_FOUND, "Servable not found"),
+    "wrong datatype": (_raw_request(datatype="FP64"), grpc.StatusCode.INVALID_ARGUMENT,
+                       "input 'features' takes datatype FP32; the request sent FP64"),
+    "wrong shape": (_raw_request(shape=(1, 3)), grpc.StatusCode.INVALID_ARGUMENT,
+                    "input 'features' takes shape [-1, 4]; the request sent [1, 3]"),
+    "raw bytes short of the shape": (_raw_request(shape=(2, 4)), grpc.StatusCode.INVALID_ARGUMENT,
+                                     "its data holds 16 bytes; its shape and datatype need 32"),
+    "raw tensors not one per input": (_raw_request(raw=FOUR_FLOATS_LIST * 2), grpc.StatusCode.INVALID_ARGUMENT,
+                                      "raw_input_contents holds 2 tensors; the request has 1 inputs"),
+    "too many rows": (_raw_request(shape=(MAX_ROWS + 1, 4)), grpc.StatusCode.INVALID_ARGUMENT,
+                      f"at most {MAX_ROWS} rows"),
+    "unknown signature": (_raw_request(signature_name="nope"), grpc.StatusCode.FAILED_PRECONDITION,
+                          'Serving signature key "nope" not found.'),
+}
+
+
+@pytest.mark.parametrize("case", BAD_GRPC.values(), ids=BAD_GRPC.keys())
+def test_grpc_bad_requests_have_clear_codes(served, case):
+    request, code, message = case
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        with pytest.raises(grpc.RpcError) as raised:
+            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+    assert raised.value.code() == code
+    assert message in raised.value.details()
+
+
+def test_grpc_client_raises_the_servers_error(grpc_client):
+    with pytest.raises(InferenceServerException, match="takes datatype FP32; the request sent FP64") as raised:
+        grpc_infer(grpc_client, "exact", {"features": np.zeros((1, 4), np.float64)})
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
