@@ -292,6 +292,12 @@ BAD_REQUESTS = {
                                 "input 'features': 'data' holds 4 values; its shape holds 8"),
     "strings for floats": ("/v2/models/exact/infer", json.dumps(features(data=["a", "b", "c", "d"])).encode(),
                            None, 400, "input 'features': FP32 data must be numbers"),
+    "value out of range": ("/v2/models/dtypes/infer", json.dumps({"inputs": [
+        {"name": f"in_{name.lower()}", "datatype": name, "shape": [1, 2],
+         "data": {"INT8": [300, 1], "BYTES": ["a", "b"]}.get(name, dtype_values(name, 1).ravel().tolist())}
+        for name in DTYPES]}).encode(), None, 400, "input 'in_int8': a value is outside the range of INT8"),
+    "an input twice": ("/v2/models/exact/infer", json.dumps({"inputs": features()["inputs"] * 2}).encode(), None, 400,
+                       "takes the inputs {features}, each once; the request gave ['features', 'features']"),
     "unknown input": ("/v2/models/exact/infer", json.dumps(features(name="x")).encode(), None, 400,
                       "the model's signature 'serving_default' takes the inputs {features}"),
     "unknown output": ("/v2/models/exact/infer", json.dumps({**features(), "outputs": [{"name": "nope"}]}).encode(),
@@ -343,6 +349,22 @@ def test_tritonclient_raises_the_servers_error(client):
         client.infer("exact", [tensor])
     with pytest.raises(InferenceServerException, match="Servable not found"):
         client.get_model_metadata("nothing")
+
+
+def test_model_ready_and_metadata_answer_status_codes_and_signatures(served):
+    assert requests.get(served.url + "/v2/models/versioned/versions/2/ready", timeout=30).json() == {
+        "name": "versioned", "ready": True}
+    assert requests.get(served.url + "/v2/models/versioned/versions/3/ready", timeout=30).status_code == 404
+    assert requests.get(served.url + "/v2/models/nothing/ready", timeout=30).status_code == 404
+    triple = requests.get(served.url + "/v2/models/multi?signature_name=triple", timeout=30).json()
+    assert triple["inputs"] == [{"name": "z", "datatype": "FP32", "shape": [-1, 2]}]
+
+
+def test_the_timeout_parameter_caps_the_deadline(served):
+    """`held` waits HELD_WINDOW_MS for a batch to fill: a 0.3 s timeout ends the request first."""
+    body = {**features(), "parameters": {"timeout": 300_000}}
+    answer = post(served, "/v2/models/held/infer", json.dumps(body).encode())
+    assert answer.status_code == 504, answer.text
 
 
 def test_unknown_v2_route_and_method(served):
