@@ -329,6 +329,16 @@ BAD_REQUESTS = {
         {"name": "signal", "datatype": "FP32", "shape": [1, 5], "data": [0, 0, 0, 0, 0]},
         {"name": "sensor", "datatype": "FP32", "shape": [1, 2, 2], "data": [0, 0, 0, 0]}]},
         b"\x09\x00\x00\x00ab"), 400, "BYTES element 0 says 9 bytes; 2 are left"),
+    "BYTES past its elements": ("/v2/models/tss/infer", *framed({"inputs": [
+        {"name": "tag", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": 7}},
+        {"name": "signal", "datatype": "FP32", "shape": [1, 5], "data": [0, 0, 0, 0, 0]},
+        {"name": "sensor", "datatype": "FP32", "shape": [1, 2, 2], "data": [0, 0, 0, 0]}]},
+        b"\x01\x00\x00\x00abc"), 400, "its data holds 2 bytes past its 1 BYTES elements"),
+    "BOOL byte not 0 or 1": ("/v2/models/dtypes/infer", *framed({"inputs": [
+        {"name": f"in_{name.lower()}", "datatype": name, "shape": [1, 2],
+         **({"parameters": {"binary_data_size": 2}} if name == "BOOL" else
+            {"data": ["a", "b"] if name == "BYTES" else dtype_values(name, 1).ravel().tolist()})}
+        for name in DTYPES]}, b"\x01\x02"), 400, "input 'in_bool': a BOOL element is a byte of 0 or 1"),
 }
 
 
