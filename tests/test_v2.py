@@ -505,6 +505,13 @@ def test_grpc_bad_requests_have_clear_codes(served, case):
     assert message in raised.value.details()
 
 
+def test_grpc_timeout_parameter_caps_the_deadline(grpc_client):
+    """As over HTTP: `held` would wait HELD_WINDOW_MS; tritonclient's timeout= (microseconds) ends the call."""
+    with pytest.raises(InferenceServerException) as raised:
+        grpc_infer(grpc_client, "held", {"features": integer_rows(1)}, timeout=300_000)
+    assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+
+
 def test_grpc_client_raises_the_servers_error(grpc_client):
     with pytest.raises(InferenceServerException, match="takes datatype FP32; the request sent FP64") as raised:
         grpc_infer(grpc_client, "exact", {"features": np.zeros((1, 4), np.float64)})
