@@ -32,7 +32,7 @@ from flask import Blueprint, Flask, Response, current_app, request
 
 from app import limits, logs, v2_tensors
 from app.errors import BadRequest, Unavailable
-from app.serving import RequestLayer, get_layer
+from app.serving import Answer, get_layer
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -94,8 +94,8 @@ def infer(name: str, version: str | None = None) -> Response:
     inputs = v2_tensors.decode_inputs(_inputs(body, tensors), signature, max_rows=layer.row_limit(servable))
     answer = layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
                            client_timeout_s=_timeout_s(parameters))
-    binary = dict(wanted)
     every_binary = parameters.get("binary_data_output") is True
+    binary = {output_name: every_binary if choice is None else choice for output_name, choice in wanted}
     header: dict[str, Any] = {"model_name": answer.servable.model.name,
                               "model_version": str(answer.servable.model.version)}
     if "id" in body:
@@ -111,10 +111,10 @@ def infer(name: str, version: str | None = None) -> Response:
         else:
             entry["data"] = v2_tensors.to_json(array, output.name)
         header["outputs"].append(entry)
-    return _answer(layer, answer, orjson.dumps(header), chunks)
+    return _answer(answer, orjson.dumps(header), chunks)
 
 
-def _answer(layer: RequestLayer, answer: Any, header: bytes, chunks: list[bytes]) -> Response:
+def _answer(answer: Answer, header: bytes, chunks: list[bytes]) -> Response:
     headers = [("X-Batch-Size", str(answer.batch_rows)), ("X-Batch-Requests", str(answer.batch_requests))]
     if not chunks:
         return Response(header, content_type="application/json", headers=headers)

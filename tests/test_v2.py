@@ -194,6 +194,29 @@ def test_every_datatype_goes_in_and_comes_back_unchanged(client, binary):
         np.testing.assert_array_equal(answer, expected, err_msg=name)
 
 
+@pytest.mark.parametrize("every, own, binary", [
+    (None, None, False), (True, None, True), (True, False, False), (None, True, True), (False, True, True),
+])
+def test_an_outputs_own_binary_data_wins_over_the_requests(served, exact_model, every, own, binary):
+    rows = integer_rows(2, seed=12)
+    body = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [2, 4], "data": rows.ravel().tolist()}],
+            "outputs": [{"name": "scores", **({} if own is None else {"parameters": {"binary_data": own}})}],
+            **({} if every is None else {"parameters": {"binary_data_output": every}})}
+
+    answer = post(served, "/v2/models/exact/infer", json.dumps(body).encode())
+
+    assert answer.status_code == 200, answer.text
+    length = int(answer.headers.get("Inference-Header-Content-Length", len(answer.content)))
+    (output,) = json.loads(answer.content[:length])["outputs"]
+    if binary:
+        assert output["parameters"] == {"binary_data_size": 24} and "data" not in output
+        values = np.frombuffer(answer.content[length:], "<f4")
+    else:
+        assert "parameters" not in output and length == len(answer.content)
+        values = np.array(output["data"], np.float32)
+    np.testing.assert_array_equal(values.reshape(2, 3), exact_model(rows).numpy())
+
+
 def test_version_in_the_url_and_labels_pin_the_version(client):
     rows = integer_rows(4, seed=5)
     for version, seed in (("1", 7), ("2", 8), ("stable", 7), ("canary", 8)):
