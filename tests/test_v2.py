@@ -185,12 +185,12 @@ def test_every_datatype_goes_in_and_comes_back_unchanged(client, binary):
 
     result = infer(client, "dtypes", arrays, binary=binary, outputs=[f"out_{name.lower()}" for name in DTYPES])
 
-    for name in DTYPES:
+    for name, dtype in DTYPES.items():
         answer, expected = result.as_numpy(f"out_{name.lower()}"), dtype_values(name, 3)
         if name == "BYTES" and not binary:
             # JSON carries BYTES as text, and tritonclient gives the text back as str.
             expected = np.vectorize(bytes.decode, otypes=[object])(expected)
-        assert answer.dtype == np.dtype(DTYPES[name]), name
+        assert answer.dtype == np.dtype(dtype), name
         np.testing.assert_array_equal(answer, expected, err_msg=name)
 
 
@@ -461,9 +461,9 @@ def test_grpc_several_inputs_a_subset_of_the_outputs_and_every_datatype(grpc_cli
     np.testing.assert_array_equal(result.as_numpy("sensor_max"), [3.0, 7.0, 11.0])
 
     echoed = grpc_infer(grpc_client, "dtypes", {f"in_{name.lower()}": dtype_values(name, 2) for name in DTYPES})
-    for name in DTYPES:
+    for name, dtype in DTYPES.items():
         answer = echoed.as_numpy(f"out_{name.lower()}")
-        assert answer.dtype == np.dtype(DTYPES[name]), name
+        assert answer.dtype == np.dtype(dtype), name
         np.testing.assert_array_equal(answer, dtype_values(name, 2), err_msg=name)
 
 
@@ -521,9 +521,8 @@ BAD_GRPC = {
 @pytest.mark.parametrize("case", BAD_GRPC.values(), ids=BAD_GRPC.keys())
 def test_grpc_bad_requests_have_clear_codes(served, case):
     request, code, message = case
-    with grpc.insecure_channel(served.grpc_target) as channel:
-        with pytest.raises(grpc.RpcError) as raised:
-            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+    with grpc.insecure_channel(served.grpc_target) as channel, pytest.raises(grpc.RpcError) as raised:
+        service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
     assert raised.value.code() == code
     assert message in raised.value.details()
 
