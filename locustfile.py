@@ -3,16 +3,18 @@
     locust -f locustfile.py --host http://localhost:8000            # dashboard on :8089
     locust -f locustfile.py --host URL --headless -u 20 -r 5 -t 60s --csv out/run
     LOCUST_PROTOCOL=grpc locust -f locustfile.py --host grpc://localhost:8500
+    LOCUST_PROTOCOL=v2 locust -f locustfile.py --host http://localhost:8000
 
 Over HTTP a user POSTs instances to /predict; over gRPC it calls TensorFlow Serving's
 PredictionService/Predict with the stubs of `tensorflow-serving-api`, the inputs as
-tensor_content. The input names, per-row shapes and dtypes come from the model's metadata
-(GET /v1/models/<model>/metadata, or GetModelMetadata), fetched once per host, so the same
+tensor_content. With v2 it POSTs to the Open Inference Protocol's /v2/models/<model>/infer
+as tritonclient does: numbers as binary tensor data, strings as JSON. The input names, per-row shapes and dtypes come from the model's metadata
+(GET /v1/models/<model>/metadata, GetModelMetadata, or GET /v2/models/<model>), fetched once per host, so the same
 file loads any served model. A call fails on a status other than 200 (OK) and on a number
 of output rows other than the rows sent.
 
 Environment knobs:
-    LOCUST_PROTOCOL         http (default) or grpc; with grpc, --host is the gRPC address
+    LOCUST_PROTOCOL         http (default), grpc or v2; with grpc, --host is the gRPC address
     LOCUST_MODEL            model whose metadata shapes the input (default "default")
     LOCUST_PATH             predict route (default /predict)
     LOCUST_ROWS             rows per request (default 1)
@@ -62,8 +64,8 @@ WAIT_MAX = _env_number("LOCUST_WAIT_MAX", 3.0)
 if WAIT_MAX < WAIT_MIN:
     raise ValueError(f"LOCUST_WAIT_MAX={WAIT_MAX} is below LOCUST_WAIT_MIN={WAIT_MIN}")
 PROTOCOL = os.environ.get("LOCUST_PROTOCOL", "http").strip().lower() or "http"
-if PROTOCOL not in ("http", "grpc"):
-    raise ValueError(f"LOCUST_PROTOCOL={PROTOCOL!r}: expected 'http' or 'grpc'")
+if PROTOCOL not in ("http", "grpc", "v2"):
+    raise ValueError(f"LOCUST_PROTOCOL={PROTOCOL!r}: expected 'http', 'grpc' or 'v2'")
 if PROTOCOL == "grpc":
     # After Locust's gevent monkey-patching, before any channel: grpc then yields to gevent.
     import grpc.experimental.gevent
@@ -211,6 +213,83 @@ class PredictUser(FastHttpUser):
                 return
             if len(predictions) != ROWS:
                 response.failure(f"{len(predictions)} predictions for {ROWS} rows")
+                return
+            batch_tally.add(response.headers)
+
+
+# The Open Inference Protocol's datatypes, as TensorFlow's DataType names random_value takes.
+V2_DATATYPES = {
+    "FP32": "DT_FLOAT", "FP64": "DT_DOUBLE", "FP16": "DT_HALF", "INT8": "DT_INT8", "INT16": "DT_INT16",
+    "INT32": "DT_INT32", "INT64": "DT_INT64", "UINT8": "DT_UINT8", "UINT16": "DT_UINT16", "UINT32": "DT_UINT32",
+    "UINT64": "DT_UINT64", "BOOL": "DT_BOOL", "BYTES": "DT_STRING",
+}
+V2_HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+def v2_input_specs(metadata: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{input name: (per-row shape, v2 datatype)} from v2 model metadata; -1 past the rows is 1."""
+    return {tensor["name"]: (tuple(1 if size < 0 else size for size in tensor["shape"][1:]), tensor["datatype"])
+            for tensor in metadata["inputs"]}
+
+
+def v2_request(specs: dict[str, tuple[tuple[int, ...], str]], rows: int, rng: np.random.Generator) -> tuple[bytes, int]:
+    """A v2 infer body (JSON header, then binary data) and its header's length, as tritonclient builds one."""
+    tensors, chunks = [], []
+    for name, (shape, datatype) in specs.items():
+        if datatype not in V2_DATATYPES:
+            raise ValueError(f"no random input for datatype {datatype}")
+        tensor = {"name": name, "datatype": datatype, "shape": [rows, *shape]}
+        values = [random_value(shape, V2_DATATYPES[datatype], rng, as_array=datatype != "BYTES") for _ in range(rows)]
+        if datatype == "BYTES":
+            tensor["data"] = values
+        else:
+            chunks.append(np.ascontiguousarray(values).tobytes())
+            tensor["parameters"] = {"binary_data_size": len(chunks[-1])}
+        tensors.append(tensor)
+    header = orjson.dumps({"inputs": tensors, "parameters": {"binary_data_output": True}})
+    return header + b"".join(chunks), len(header)
+
+
+def v2_specs_for(host: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    with _specs_lock:
+        key = f"v2 {host}"
+        if key not in _specs_by_host:
+            url = f"{host.rstrip('/')}/v2/models/{MODEL}"
+            answer = requests.get(url, timeout=30)
+            if answer.status_code != 200:
+                raise RuntimeError(f"GET {url} answered {answer.status_code}: {answer.text[:200]}")
+            _specs_by_host[key] = v2_input_specs(answer.json())
+        return _specs_by_host[key]
+
+
+class V2InferUser(FastHttpUser):
+    """The Open Inference Protocol over HTTP, with binary tensor data (LOCUST_PROTOCOL=v2)."""
+
+    abstract = PROTOCOL != "v2"
+    wait_time = between(WAIT_MIN, WAIT_MAX)
+
+    def on_start(self) -> None:
+        self.specs = v2_specs_for(self.host)
+        self.rng = np.random.default_rng()
+        self.path = f"/v2/models/{MODEL}/infer"
+
+    @task
+    def infer(self) -> None:
+        body, header_length = v2_request(self.specs, ROWS, self.rng)
+        headers = {"Content-Type": "application/octet-stream", V2_HEADER_LENGTH: str(header_length)}
+        with self.client.post(self.path, data=body, headers=headers, name=self.path,
+                              catch_response=True) as response:
+            if response.status_code != 200:
+                response.failure(f"status {response.status_code}: {(response.text or '')[:200]}")
+                return
+            try:
+                length = int(response.headers.get(V2_HEADER_LENGTH) or len(response.content))
+                answered = [output["shape"][0] for output in orjson.loads(response.content[:length])["outputs"]]
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                response.failure(f"no outputs in the answer: {type(exc).__name__}: {exc}")
+                return
+            if not answered or any(rows != ROWS for rows in answered):
+                response.failure(f"outputs of {answered} rows for {ROWS} rows")
                 return
             batch_tally.add(response.headers)
 

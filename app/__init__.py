@@ -16,7 +16,7 @@ replace_worker: Callable[[], None] | None = None
 
 
 def create_app(settings: Settings | None = None) -> Flask:
-    from app import api, errors, limits, logs, metrics, openapi, patches, registry, runtime, serving
+    from app import api, errors, limits, logs, metrics, openapi, patches, registry, runtime, serving, v2_rest
 
     settings = settings or Settings.from_env()
     logs.configure_logging(settings.log_level, settings.log_format)
@@ -32,6 +32,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     limits.init_app(app, settings, models)
     serving.init_app(app, settings, models)
     api.init_app(app)
+    v2_rest.init_app(app)
     openapi.init_app(app)
     errors.init_app(app)
     return app

@@ -45,7 +45,7 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import errors, grpc_limits, metadata, tensor_proto, tls
+from app import errors, grpc_limits, metadata, tensor_proto, tls, v2_grpc
 from app.errors import SignatureNotFound
 from app.logs import RequestRecord, accept_request_id
 from app.models import LoadedModel, Signature
@@ -329,6 +329,7 @@ class GrpcServer:
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
             PredictionServicer(models, observed, max_bytes=max_bytes), self._server)
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(models, observed), self._server)
+        v2_grpc.add_to_server(self._server, models, observed)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         try:
             self.port = tls.add_port(self._server, bind, app.extensions["settings"].grpc_ssl_config_file)

@@ -14,8 +14,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from flask import Flask, Request, Response, current_app
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import multiprocess
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 from werkzeug.routing import Rule
 
 from app.batching import BatchObserver

@@ -165,6 +165,15 @@ class RequestLayer:
     def ready(self) -> bool:
         return self.registry.ready
 
+    def versions(self, servable: Servable) -> list[int]:
+        """The versions of the servable's model that a request may name."""
+        return self.registry.versions(servable.model.name)
+
+    @staticmethod
+    def servable_ready(servable: Servable) -> bool:
+        """A version is ready while every one of its batch threads is alive."""
+        return all(batcher.alive for batcher in servable.batchers.values())
+
     def predict_signature(self, servable: Servable, name: str) -> Signature:
         """The signature a predict names; '' is serving_default, as in TF Serving."""
         return servable.signature(name)

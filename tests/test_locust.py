@@ -139,10 +139,11 @@ def test_locust_sends_the_rows_asked_for(start_server, exact_model_path, tmp_pat
 @pytest.mark.parametrize("protocol, route, ok", [
     ("http", "/predict", "200"),
     ("grpc", "/tensorflow.serving.PredictionService/Predict", "OK"),
+    ("v2", "/v2/models/<model_name:name>/infer", "200"),
 ])
 def test_locust_rows_match_what_the_server_received(start_server, exact_model_path, tmp_path, protocol, route, ok):
     server = start_server({"MODEL_PATH": str(exact_model_path), "MODEL_POLL_SECONDS": "0"})
-    host = server.url if protocol == "http" else f"grpc://{server.grpc_target}"
+    host = f"grpc://{server.grpc_target}" if protocol == "grpc" else server.url
     env = locust_env(LOCUST_PROTOCOL=protocol, LOCUST_ROWS="3", LOCUST_WAIT_MIN="0.01", LOCUST_WAIT_MAX="0.05")
 
     # The JSON file is written once, at exit, with every call counted (the CSV is rewritten

@@ -1,0 +1,123 @@
+"""The Open Inference Protocol (KServe v2) over gRPC: `inference.GRPCInferenceService`, on the
+gRPC port TF Serving's services use (kserve/open-inference-protocol, inference_grpc.md).
+
+ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer; the other
+methods of Triton's service (statistics, repository, shared memory, streaming) stay the base
+class's UNIMPLEMENTED. The messages are tritonclient's generated ones (tritonclient.grpc's
+service_pb2, package `inference`), the ones its client sends. KServe's own copy of the same
+protos declares the same `inference` package under another file name, so one process can load
+one of the two, never both (kserve issue 3099): this server loads tritonclient's.
+
+ModelInfer reads each input from `raw_input_contents` (in the order of `inputs`, BYTES
+elements length-prefixed, as tritonclient always sends) or from its typed `contents`, and
+answers every output in `raw_output_contents`. A version of digits names a version, any other
+a version label; the parameter `signature_name` picks the signature; the call's deadline, and
+the parameter `timeout` (microseconds) if given, cap the server's own.
+
+Only translation lives here: app/serving.py resolves, limits, times and records each call,
+app/v2_tensors.py checks each tensor, and app/grpc_server.py's wrapper maps errors to codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from app import v2_tensors
+from app.errors import BadRequest, NotFound
+from app.logs import RequestRecord
+from app.serving import RequestLayer
+
+SERVICE = "/inference.GRPCInferenceService"
+# InferTensorContents: the typed field each datatype's values travel in (FP16 and BF16 have
+# none: raw_input_contents only).
+CONTENTS = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
+}
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, layer: RequestLayer, observed: Callable[[str, Callable], Callable]) -> None:
+        self._layer = layer
+        # Live and ready are probes: like grpc.health.v1, neither counted nor logged.
+        self.ModelReady = observed(f"{SERVICE}/ModelReady", self._model_ready)
+        self.ServerMetadata = observed(f"{SERVICE}/ServerMetadata", self._server_metadata)
+        self.ModelMetadata = observed(f"{SERVICE}/ModelMetadata", self._model_metadata)
+        self.ModelInfer = observed(f"{SERVICE}/ModelInfer", self._infer)
+
+    def ServerLive(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return service_pb2.ServerLiveResponse(live=True)
+
+    def ServerReady(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return service_pb2.ServerReadyResponse(ready=self._layer.ready)
+
+    def _model_ready(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        try:
+            servable = self._layer.model(v2_tensors.model_spec(request.name, request.version), record)
+        except NotFound:
+            return service_pb2.ModelReadyResponse(ready=False)
+        return service_pb2.ModelReadyResponse(ready=self._layer.servable_ready(servable))
+
+    def _server_metadata(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        return service_pb2.ServerMetadataResponse(name=v2_tensors.SERVER_NAME, version=v2_tensors.SERVER_VERSION,
+                                              extensions=v2_tensors.EXTENSIONS)
+
+    def _model_metadata(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        servable = self._layer.model(v2_tensors.model_spec(request.name, request.version), record)
+        metadata = v2_tensors.model_metadata(servable.model, self._layer.predict_signature(servable, ""),
+                                             self._layer.versions(servable))
+        return service_pb2.ModelMetadataResponse(
+            name=metadata["name"], versions=metadata["versions"], platform=metadata["platform"],
+            inputs=[service_pb2.ModelMetadataResponse.TensorMetadata(**tensor) for tensor in metadata["inputs"]],
+            outputs=[service_pb2.ModelMetadataResponse.TensorMetadata(**tensor) for tensor in metadata["outputs"]])
+
+    def _infer(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        spec = v2_tensors.model_spec(request.model_name, request.model_version)
+        servable = self._layer.model(spec, record)
+        parameters = request.parameters
+        signature_name = parameters["signature_name"].string_param if "signature_name" in parameters else ""
+        signature = self._layer.predict_signature(servable, signature_name)
+        outputs = self._layer.select_outputs(signature, [output.name for output in request.outputs])
+        inputs = v2_tensors.decode_inputs(_tensors(request), signature, max_rows=self._layer.row_limit(servable))
+        answer = self._layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
+                                     client_timeout_s=_timeout_s(parameters, context.time_remaining()))
+        response = service_pb2.ModelInferResponse(model_name=answer.servable.model.name,
+                                                  model_version=str(answer.servable.model.version), id=request.id)
+        for output in outputs:
+            array = v2_tensors.output_array(answer.outputs[output.name], output)
+            response.outputs.add(name=output.name, datatype=v2_tensors.datatype(output), shape=array.shape)
+            response.raw_output_contents.append(v2_tensors.to_bytes(array))
+        return response
+
+
+def _timeout_s(parameters: Any, remaining_s: float | None) -> float | None:
+    if "timeout" not in parameters:
+        return remaining_s
+    timeout_s = parameters["timeout"].int64_param / 1e6
+    return timeout_s if remaining_s is None else min(timeout_s, remaining_s)
+
+
+def _tensors(request: Any) -> list[v2_tensors.Tensor]:
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise BadRequest(f"raw_input_contents holds {len(raw)} tensors; the request has {len(request.inputs)} "
+                         "inputs (one each, in order)")
+    tensors = []
+    for index, tensor in enumerate(request.inputs):
+        shape = tuple(tensor.shape)
+        if raw:
+            tensors.append(v2_tensors.Tensor(tensor.name, tensor.datatype, shape, raw=raw[index]))
+            continue
+        field = CONTENTS.get(tensor.datatype)
+        values = getattr(tensor.contents, field) if field else []
+        tensors.append(v2_tensors.Tensor(tensor.name, tensor.datatype, shape, values=values))
+    return tensors
+
+
+def add_to_server(server: grpc.Server, layer: RequestLayer, observed: Callable[[str, Callable], Callable]) -> None:
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(layer, observed), server)

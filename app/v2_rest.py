@@ -1,0 +1,216 @@
+"""The Open Inference Protocol (KServe v2) over HTTP, with Triton's binary tensor data extension.
+
+Routes (kserve/open-inference-protocol, specification/protocol/inference_rest.md):
+
+    GET  /v2                                     server metadata
+    GET  /v2/health/live, /v2/health/ready
+    GET  /v2/models/{m}[/versions/{v}]           model metadata
+    GET  /v2/models/{m}[/versions/{v}]/ready
+    POST /v2/models/{m}[/versions/{v}]/infer
+
+A version of digits names a version, any other a version label ("stable"). The signature is
+the request parameter `signature_name` (serving_default without it); the request parameter
+`timeout` (microseconds, as tritonclient sends it) caps the server's deadline.
+
+Binary tensor data: with an `Inference-Header-Content-Length: N` header, the body's first N
+bytes are the JSON request and the rest the inputs whose parameters carry `binary_data_size`,
+in the order listed. An output asked for with `binary_data: true` (or every output, with the
+request parameter `binary_data_output: true`, which tritonclient sends when it names none)
+comes back the same way, after a JSON header whose length the answer's
+Inference-Header-Content-Length gives.
+
+This module only translates: app/serving.py resolves, limits, times and records the request,
+and app/v2_tensors.py checks each tensor against the signature.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from flask import Blueprint, Flask, Response, current_app, request
+
+from app import limits, logs, v2_tensors
+from app.errors import BadRequest, Unavailable
+from app.serving import Answer, get_layer
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+bp = Blueprint("v2", __name__, url_prefix="/v2")
+
+
+def _json(value: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(value), status=status, content_type="application/json")
+
+
+@bp.get("")
+def server_metadata() -> Response:
+    return _json({"name": v2_tensors.SERVER_NAME, "version": v2_tensors.SERVER_VERSION,
+                  "extensions": v2_tensors.EXTENSIONS})
+
+
+@bp.get("/health/live")
+def live() -> Response:
+    return _json({"live": True})
+
+
+@bp.get("/health/ready")
+def ready() -> Response:
+    if not get_layer(current_app).ready:
+        raise Unavailable("not every model is ready")
+    return _json({"ready": True})
+
+
+@bp.get("/models/<model_name:name>")
+@bp.get("/models/<model_name:name>/versions/<version>")
+def model_metadata(name: str, version: str | None = None) -> Response:
+    layer = get_layer(current_app)
+    servable = layer.model(v2_tensors.model_spec(name, version))
+    signature = layer.predict_signature(servable, request.args.get("signature_name", ""))
+    return _json(v2_tensors.model_metadata(servable.model, signature, layer.versions(servable)))
+
+
+@bp.get("/models/<model_name:name>/ready")
+@bp.get("/models/<model_name:name>/versions/<version>/ready")
+def model_ready(name: str, version: str | None = None) -> Response:
+    layer = get_layer(current_app)
+    servable = layer.model(v2_tensors.model_spec(name, version))
+    if not layer.servable_ready(servable):
+        raise Unavailable(f"model '{servable.model.name}' v{servable.model.version} cannot serve")
+    return _json({"name": servable.model.name, "ready": True})
+
+
+@bp.post("/models/<model_name:name>/infer")
+@bp.post("/models/<model_name:name>/versions/<version>/infer")
+def infer(name: str, version: str | None = None) -> Response:
+    layer, record = get_layer(current_app), logs.record()
+    spec = v2_tensors.model_spec(name, version)
+    servable = layer.model(spec, record)
+    body, tensors = _split(limits.body(), request.headers.get(HEADER_LENGTH))
+    parameters = _parameters(body, "the request")
+    signature = layer.predict_signature(servable, _text(parameters.get("signature_name", ""), "signature_name"))
+    wanted = _requested_outputs(body)
+    outputs = layer.select_outputs(signature, [output_name for output_name, _ in wanted])
+    inputs = v2_tensors.decode_inputs(_inputs(body, tensors), signature, max_rows=layer.row_limit(servable))
+    answer = layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
+                           client_timeout_s=_timeout_s(parameters))
+    every_binary = parameters.get("binary_data_output") is True
+    binary = {output_name: every_binary if choice is None else choice for output_name, choice in wanted}
+    header: dict[str, Any] = {"model_name": answer.servable.model.name,
+                              "model_version": str(answer.servable.model.version)}
+    if "id" in body:
+        header["id"] = body["id"]
+    header["outputs"], chunks = [], []
+    for output in outputs:
+        array = v2_tensors.output_array(answer.outputs[output.name], output)
+        entry: dict[str, Any] = {"name": output.name, "datatype": v2_tensors.datatype(output),
+                                 "shape": list(array.shape)}
+        if binary.get(output.name, every_binary):
+            chunks.append(v2_tensors.to_bytes(array))
+            entry["parameters"] = {"binary_data_size": len(chunks[-1])}
+        else:
+            entry["data"] = v2_tensors.to_json(array, output.name)
+        header["outputs"].append(entry)
+    return _answer(answer, orjson.dumps(header), chunks)
+
+
+def _answer(answer: Answer, header: bytes, chunks: list[bytes]) -> Response:
+    headers = [("X-Batch-Size", str(answer.batch_rows)), ("X-Batch-Requests", str(answer.batch_requests))]
+    if not chunks:
+        return Response(header, content_type="application/json", headers=headers)
+    headers.append((HEADER_LENGTH, str(len(header))))
+    return Response(b"".join([header, *chunks]), content_type="application/octet-stream", headers=headers)
+
+
+def _split(data: bytes, header_length: str | None) -> tuple[dict[str, Any], memoryview]:
+    """The JSON request and the binary data after it (none without Inference-Header-Content-Length)."""
+    if header_length is None:
+        length = len(data)
+    else:
+        if not header_length.strip().isdigit() or int(header_length) > len(data):
+            raise BadRequest(f"{HEADER_LENGTH} must be a number of bytes within the body's {len(data)}; "
+                             f"got {header_length!r}")
+        length = int(header_length)
+    try:
+        body = orjson.loads(memoryview(data)[:length])
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request must be a JSON object with 'inputs'")
+    return body, memoryview(data)[length:]
+
+
+def _parameters(value: dict[str, Any], where: str) -> dict[str, Any]:
+    parameters = value.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise BadRequest(f"{where}: 'parameters' must be a JSON object")
+    return parameters
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise BadRequest(f"'{where}' must be a string")
+    return value
+
+
+def _timeout_s(parameters: dict[str, Any]) -> float | None:
+    timeout = parameters.get("timeout")
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
+        raise BadRequest("the parameter 'timeout' is microseconds, a whole number")
+    return timeout / 1e6
+
+
+def _requested_outputs(body: dict[str, Any]) -> list[tuple[str, bool | None]]:
+    """Each output asked for, with its binary_data parameter (None: the request's default)."""
+    outputs = body.get("outputs", [])
+    if not isinstance(outputs, list):
+        raise BadRequest("'outputs' must be a JSON array")
+    wanted = []
+    for index, output in enumerate(outputs):
+        where = f"outputs[{index}]"
+        if not isinstance(output, dict):
+            raise BadRequest(f"{where} must be a JSON object with a 'name'")
+        parameters = _parameters(output, where)
+        if parameters.get("classification"):
+            raise BadRequest(f"{where}: the classification extension is not supported")
+        binary = parameters.get("binary_data")
+        wanted.append((_text(output.get("name"), f"{where}.name"), binary if isinstance(binary, bool) else None))
+    return wanted
+
+
+def _inputs(body: dict[str, Any], data: memoryview) -> list[v2_tensors.Tensor]:
+    """The inputs, each with its JSON data or its slice of the binary data, in the order listed."""
+    inputs = body.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise BadRequest("'inputs' must be a JSON array of at least one tensor")
+    tensors, offset = [], 0
+    for index, value in enumerate(inputs):
+        where = f"inputs[{index}]"
+        if not isinstance(value, dict):
+            raise BadRequest(f"{where} must be a JSON object")
+        name, datatype = _text(value.get("name"), f"{where}.name"), _text(value.get("datatype"), f"{where}.datatype")
+        shape = value.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(size, int) and not isinstance(size, bool)
+                                                  for size in shape):
+            raise BadRequest(f"{where}.shape must be a JSON array of whole numbers")
+        size = _parameters(value, where).get("binary_data_size")
+        if size is None:
+            if "data" not in value:
+                raise BadRequest(f"{where}: input '{name}' has neither 'data' nor a binary_data_size parameter")
+            tensors.append(v2_tensors.Tensor(name, datatype, tuple(shape), data=value["data"]))
+            continue
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(data):
+            raise BadRequest(f"{where}: binary_data_size {size!r} does not fit the {len(data) - offset} bytes "
+                             "of binary data left in the body")
+        tensors.append(v2_tensors.Tensor(name, datatype, tuple(shape), raw=data[offset: offset + size]))
+        offset += size
+    if offset != len(data):
+        raise BadRequest(f"the body holds {len(data) - offset} bytes of binary data that no input's "
+                         "binary_data_size claims")
+    return tensors
+
+
+def init_app(app: Flask) -> None:
+    app.register_blueprint(bp)
