@@ -10,6 +10,7 @@
 #   requirements-gpu.lock       the server, tensorflow[and-cuda]          (Dockerfile gpu)
 #   requirements-dev.lock       the server (CPU) and the test tools       (.ci/run)
 #   requirements-loadtest.lock  Locust and what locustfile.py imports    (Dockerfile loadtest)
+#   requirements-kserve.lock    the KServe SDK's v2 client, its own venv  (.ci/run)
 # requirements-nodeps.txt is not locked: tensorflow-serving-api declares the full `tensorflow`
 # as a dependency, which would shadow tensorflow-cpu, so it is installed with --no-deps after
 # a lock; what it imports (grpcio, protobuf) is in the locks.
@@ -26,6 +27,7 @@ compile() {
 compile requirements.txt -o requirements-cpu.lock
 compile requirements-dev.txt -o requirements-dev.lock
 compile requirements-loadtest.txt -o requirements-loadtest.lock
+compile requirements-kserve.txt -o requirements-kserve.lock
 # The GPU server: requirements.txt with tensorflow[and-cuda] of the same version in place of
 # its CPU TensorFlow.
 tf_version=$(sed -n 's/^tensorflow-cpu==\([0-9.]*\).*/\1/p' requirements.txt)

@@ -1,7 +1,7 @@
 """The KServe SDK's v2 REST client (InferenceRESTClient, protocol v2) against a live server.
 
 The SDK pins protobuf and psutil older than TensorFlow and the dev tools take, so it lives in
-a venv of its own: .venv-kserve, from requirements-kserve.txt, made here if it is missing
+a venv of its own: .venv-kserve, from requirements-kserve.lock, made here if it is missing
 (.ci/run makes it beforehand). Its client runs there as a subprocess (tests/kserve_v2_client.py).
 """
 
@@ -26,7 +26,7 @@ def kserve_python() -> str:
     if not KSERVE_PYTHON.exists():
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(KSERVE_VENV)], check=True)
         subprocess.run([sys.executable, "-m", "pip", "--python", str(KSERVE_PYTHON), "install", "-q",
-                        "-r", str(REPO / "requirements-kserve.txt")], check=True, timeout=900)
+                        "-r", str(REPO / "requirements-kserve.lock")], check=True, timeout=900)
     return str(KSERVE_PYTHON)
 
 
