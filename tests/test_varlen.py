@@ -305,7 +305,8 @@ def test_live_server_batches_mixed_lengths_and_answers_each_as_if_alone(start_se
 
     server = start_server({"MODEL_PATH": str(text_model_path), "PAD_VARIABLE_LENGTH": "true",
                            "LENGTH_BUCKETS": "8,16,32", "MAX_BATCH_SIZE": "16", "BATCH_TIMEOUT_MS": "1000"})
-    assert requests.get(server.url + "/readyz", timeout=30).ok
+    ready = requests.get(server.url + "/readyz", timeout=30).json()
+    assert ready["models"]["default"]["padded_signatures"] == ["serving_default"]
     model = keras.models.load_model(text_model_path, compile=False)
     lengths = [int(n) for n in np.random.default_rng(3).integers(1, 41, 24)]
 
