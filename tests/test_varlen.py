@@ -18,9 +18,9 @@ import requests
 from app.batching import Batcher, BatchObserver
 from app.batching.rows import Padding, batch_key, join_padded
 from app.settings import ModelConfig, Settings, SettingsError, model_configs
+from scripts.text_model import build_text_model, token_rows
 
 WAIT_S = 10  # upper bound for events that should come at once; never reached when passing
-VOCAB = 50
 
 
 class MaskingFake:
@@ -73,7 +73,7 @@ def test_rows_of_different_lengths_share_one_call_and_get_their_own_answers():
     lengths = [3, 7, 2, 5]
     futures = [batcher.submit(ids(n)) for n in lengths]
     release.set()
-    for n, future in zip(lengths, futures):
+    for n, future in zip(lengths, futures, strict=True):
         result = future.result(WAIT_S)
         assert result.batch_requests == 4
         want = alone(ids(n))
@@ -104,7 +104,7 @@ def test_length_buckets_group_similar_lengths_oldest_group_first():
     lengths = [6, 2, 30, 3, 8, 4]
     futures = [batcher.submit(ids(n)) for n in lengths]
     release.set()
-    for n, future in zip(lengths, futures):
+    for n, future in zip(lengths, futures, strict=True):
         np.testing.assert_array_equal(future.result(WAIT_S).outputs["tokens"], alone(ids(n))["tokens"])
     batcher.close()
     # The held request (length 1) was padded to its bucket, 4. Then bucket 8 (its oldest came
@@ -199,25 +199,6 @@ def test_settings_parse_padding_and_length_buckets(tmp_path):
 
 # -- TensorFlow: a masking text classifier built from seeds ----------------------------
 
-
-def build_text_model(*, mask: bool = True, seed: int = 11):
-    """Embedding(mask_zero) -> masked average pooling -> Dense scores, and per-token scores."""
-    import keras
-
-    tokens = keras.Input((None,), dtype="int32", name="tokens")
-    embedded = keras.layers.Embedding(VOCAB, 8, mask_zero=mask, name="embed",
-                                      embeddings_initializer=keras.initializers.RandomUniform(seed=seed))(tokens)
-    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(embedded)
-    scores = keras.layers.Dense(3, name="scores", kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 1))
-    per_token = keras.layers.Dense(2, name="token_scores",
-                                   kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 2))
-    return keras.Model(tokens, {"scores": scores(pooled), "token_scores": per_token(embedded)}, name="text")
-
-
-def token_rows(length: int, seed: int, rows: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).integers(1, VOCAB, (rows, length)).astype("int32")
-
-
 @pytest.fixture(scope="module")
 def text_model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "text.keras"
@@ -278,7 +259,7 @@ def test_warm_up_covers_every_batch_and_length_bucket_so_nothing_is_new_under_lo
         results = list(pool.map(lambda n: batcher.predict({"tokens": token_rows(int(n), int(n))}, timeout_s=60),
                                 lengths))
     batcher.close()
-    assert all(result.outputs["token_scores"].shape == (1, n, 2) for result, n in zip(results, lengths))
+    assert all(result.outputs["token_scores"].shape == (1, n, 2) for result, n in zip(results, lengths, strict=True))
     assert set(seen) <= warmed, sorted(set(seen) - warmed)
     assert model.tracing_count() == traces == 1
 
@@ -294,7 +275,7 @@ def test_padded_to_the_longest_with_real_tensorflow_equals_each_request_alone():
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda r: batcher.predict({"tokens": r}, timeout_s=60), rows))
     batcher.close()
-    for row, result in zip(rows, results):
+    for row, result in zip(rows, results, strict=True):
         want = keras_model(row, training=False)
         np.testing.assert_allclose(result.outputs["scores"], want["scores"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(result.outputs["token_scores"], want["token_scores"], rtol=1e-5, atol=1e-6)

@@ -136,7 +136,7 @@ def join_padded(parts: Sequence[tuple[Tensors, int, int]], padding: Padding) -> 
     joined = {}
     for name in parts[0][0]:
         pieces = []
-        for (inputs, start, stop), lengths in zip(parts, own):
+        for (inputs, start, stop), lengths in zip(parts, own, strict=True):
             arr = inputs[name][start:stop]
             widths = [(0, 0)] * arr.ndim
             for (input_name, axis), length in lengths.items():
@@ -151,7 +151,7 @@ def join_padded(parts: Sequence[tuple[Tensors, int, int]], padding: Padding) -> 
 
 def _pad_value(dtype: np.dtype, value: float) -> Any:
     # String tensors travel as object arrays of bytes: they pad with the empty string.
-    if dtype == object:
+    if dtype.kind == "O":
         return b""
     return np.array(value).astype(dtype)
 
