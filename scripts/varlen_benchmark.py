@@ -113,7 +113,9 @@ def main() -> None:
             results[mode] = run_mode(model_path, env, clients=args.clients, seconds=args.seconds,
                                      log_dir=Path(scratch))
             print(mode, results[mode], flush=True)
-    rows = [f"| {mode} | {r['rps']:.1f} | {r['p50']:.0f} | {r['p99']:.0f} | {r['per_call']:.1f} | {r['waste']:.2f} "
+    rows = [f"| {mode} | {r['rps']:.1f} | {r['p50']:.0f} | {r['p99']:.0f} | {r['per_call']:.1f} | "
+            f"{r['waste']:.2f} | {r['requests']} | {r['errors']} |" if mode != "padding off" else
+            f"| {mode} | {r['rps']:.1f} | {r['p50']:.0f} | {r['p99']:.0f} | {r['per_call']:.1f} | – "
             f"| {r['requests']} | {r['errors']} |" for mode, r in results.items()]
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs seen, Python {platform.python_version()}"
     page = "\n".join([
@@ -127,7 +129,8 @@ def main() -> None:
         "output. One Gunicorn worker, `MAX_BATCH_SIZE=32`, `BATCH_TIMEOUT_MS=0`. Closed-loop clients send "
         f"one row each, its length log-normal (median 40) clipped to {MIN_LENGTH}-{MAX_LENGTH} tokens.",
         "Waste is padded ÷ real input elements, from the server's "
-        "`model_server_length_padding_*_elements_total` counters.",
+        "`model_server_length_padding_*_elements_total` counters. The clients run on the same CPUs as "
+        "the server, and the machine may be shared: compare the rows of one run with each other.",
         "",
         "| mode | requests/s | p50 ms | p99 ms | requests per call | waste | requests | errors |",
         "|---|---|---|---|---|---|---|---|",
