@@ -30,7 +30,9 @@ CHECK_ATOL = 1e-5
 
 def signature_padding(signature: Signature, config: ModelConfig) -> Padding | None:
     """The padding of a signature, or None where it is off or nothing in the signature varies."""
-    if not config.pad_variable_length:
+    # A signature served one request a call (no batch dimension) has nothing to pad, and the
+    # check must not run it: it may keep state (TF Serving's counter model).
+    if not config.pad_variable_length or not getattr(signature, "batchable", True):
         return None
     inputs = {spec.name: axes for spec in signature.inputs
               if (axes := tuple(axis for axis, dim in enumerate(spec.shape) if dim is None))}
