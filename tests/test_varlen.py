@@ -288,6 +288,7 @@ def test_live_server_batches_mixed_lengths_and_answers_each_as_if_alone(start_se
                            "LENGTH_BUCKETS": "8,16,32", "MAX_BATCH_SIZE": "16", "BATCH_TIMEOUT_MS": "1000"})
     ready = requests.get(server.url + "/readyz", timeout=30).json()
     assert ready["models"]["default"]["padded_signatures"] == ["serving_default"]
+    assert "warmed for batch sizes [1, 2, 4, 8, 16] and lengths [8, 16, 32]" in server.log()
     model = keras.models.load_model(text_model_path, compile=False)
     lengths = [int(n) for n in np.random.default_rng(3).integers(1, 41, 24)]
 
