@@ -29,6 +29,7 @@ from app.batching import BatchObserver
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+WASTE_BUCKETS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 
 
 def multiprocess_dir() -> str | None:
@@ -54,6 +55,16 @@ class Metrics:
                                         ["model"], buckets=SIZE_BUCKETS, registry=reg)
         self.padding_rows = Counter("model_server_padding_rows", "Rows added to reach a bucket size.",
                                     ["model"], registry=reg)
+        # Variable-length padding: waste = padded ÷ real input elements, per call and in all.
+        self.length_real_elements = Counter("model_server_length_padding_real_elements",
+                                            "Input elements of real rows sent to padded calls.", ["model"],
+                                            registry=reg)
+        self.length_padded_elements = Counter("model_server_length_padding_padded_elements",
+                                              "Input elements added to pad variable lengths.", ["model"],
+                                              registry=reg)
+        self.length_waste = Histogram("model_server_length_padding_waste_ratio",
+                                      "Padded ÷ real input elements of one call with variable-length padding.",
+                                      ["model"], buckets=WASTE_BUCKETS, registry=reg)
         self.predict_seconds = Histogram("model_server_predict_duration_seconds", "Time of one predict call.",
                                          ["model"], buckets=LATENCY_BUCKETS, registry=reg)
         self.queue_rows = Gauge("model_server_queue_rows", "Rows waiting for a predict call.",
@@ -94,6 +105,9 @@ class _ModelObserver(BatchObserver):
         self._batch_requests = metrics.batch_requests.labels(model)
         self._padding = metrics.padding_rows.labels(model)
         self._predict = metrics.predict_seconds.labels(model)
+        self._length_real = metrics.length_real_elements.labels(model)
+        self._length_padded = metrics.length_padded_elements.labels(model)
+        self._length_waste = metrics.length_waste.labels(model)
         self._rejections = metrics.rejections
         self._model = model
         self._reported_rows = 0
@@ -117,6 +131,11 @@ class _ModelObserver(BatchObserver):
         self._batch_requests.observe(requests)
         self._padding.inc(padded_rows)
         self._predict.observe(predict_s)
+
+    def length_padding(self, *, real_elements: int, padded_elements: int) -> None:
+        self._length_real.inc(real_elements)
+        self._length_padded.inc(padded_elements)
+        self._length_waste.observe(padded_elements / real_elements if real_elements else 0.0)
 
     def rejected(self, reason: str) -> None:
         self._rejections.labels(self._model, reason).inc()

@@ -117,6 +117,9 @@ class LoadedModel:
     load_s: float = 0.0
     warmup_s: float = 0.0
     keras_model: Any = None
+    # How many times the predict path was traced (a Keras model's tf.function), for the tests
+    # that show warm-up leaves nothing to trace under load; None where it is not known.
+    tracing_count: Callable[[], int] | None = None
     signatures: dict[str, Signature] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -291,7 +294,7 @@ def _from_keras(keras_model: Any, *, name: str, version: int, source: str, metho
             return {key: value.numpy() for key, value in result.items()}
 
     return LoadedModel(name=name, version=version, source=source, inputs=inputs, outputs=outputs,
-                       predict=predict, keras_model=keras_model)
+                       predict=predict, keras_model=keras_model, tracing_count=serve.experimental_get_tracing_count)
 
 
 def _from_saved_model(path: str, *, name: str, version: int) -> LoadedModel:
@@ -419,17 +422,20 @@ def _session_predicts(path: str, definitions: Mapping[str, Any]) -> dict[str, Pr
     return {key: predict_for(definition) for key, definition in definitions.items()}
 
 
-def example_batch(model: LoadedModel | Signature, rows: int) -> dict[str, np.ndarray]:
-    """A batch of the right shapes and dtypes, for warm-up: dynamic dimensions get size 1."""
+def example_batch(model: LoadedModel | Signature, rows: int, length: int = 1) -> dict[str, np.ndarray]:
+    """A batch of the right shapes and dtypes, for warm-up: dynamic dimensions get size `length`."""
     batch = {}
     for spec in model.inputs:
-        shape = (rows, *(1 if dim is None else dim for dim in spec.shape))
+        shape = (rows, *(length if dim is None else dim for dim in spec.shape))
         batch[spec.name] = np.full(shape, b"", dtype=object) if spec.dtype == STRING else np.zeros(shape, spec.dtype)
     return batch
 
 
-def warm_up(model: LoadedModel, buckets: Sequence[int]) -> float:
+def warm_up(model: LoadedModel, buckets: Sequence[int], lengths: Sequence[int] = ()) -> float:
     """Run every bucket size of every signature once so no request pays for a first call of its shape.
+
+    With variable-length padding, every (bucket size, length bucket) pair too: `lengths` are
+    the sizes the dynamic dimensions are padded to, besides 1.
 
     A signature that cannot run on placeholder values (serialized tf.Examples that must hold
     a feature, say) is left cold: its first request pays for the trace, and a broken
@@ -442,12 +448,14 @@ def warm_up(model: LoadedModel, buckets: Sequence[int]) -> float:
             continue
         try:
             for rows in buckets:
-                signature.predict(example_batch(signature, rows))
+                for length in dict.fromkeys((1, *lengths)):
+                    signature.predict(example_batch(signature, rows, length))
         except Exception as exc:
             if signature.predict is model.predict:
                 raise
             log.warning("model '%s' v%d: signature '%s' not warmed (%s: %s)", model.name, model.version,
                         signature.name, type(exc).__name__, str(exc).splitlines()[0][:200])
     model.warmup_s = time.perf_counter() - started
-    log.info("model '%s' warmed for batch sizes %s in %.2f s", model.name, list(buckets), model.warmup_s)
+    log.info("model '%s' warmed for batch sizes %s%s in %.2f s", model.name, list(buckets),
+             f" and lengths {list(lengths)}" if lengths else "", model.warmup_s)
     return model.warmup_s

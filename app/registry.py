@@ -27,7 +27,7 @@ from typing import Any
 
 from flask import Flask
 
-from app import batcher_broken, models, runtime, warmup
+from app import batcher_broken, models, padding, runtime, warmup
 from app.batching import Batcher, BatchResult, Tensors, bucket_sizes
 from app.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
 from app.metrics import Metrics
@@ -84,6 +84,7 @@ class Servable:
             "batch_timeout_ms": self.batcher.batch_timeout_s * 1000,
             "fill_under_load": self.batcher.fill_under_load,
             "signatures": sorted(self.batchers),
+            "padded_signatures": sorted(key for key, batcher in self.batchers.items() if batcher.padding),
             "load_seconds": round(self.model.load_s, 3),
             "warmup_seconds": round(self.model.warmup_s, 3),
         }
@@ -117,7 +118,8 @@ class Servable:
 def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, version: int | None = None) -> Servable:
     model = models.load_model(config.path, name=config.name, method=settings.predict_method, version=version)
     buckets = bucket_sizes(config.max_batch_size)
-    models.warm_up(model, buckets)
+    models.warm_up(model, buckets, padding.warm_lengths(config))
+    paddings = padding.model_paddings(model, config)
     metrics.load_seconds.labels(config.name).set(model.load_s)
     metrics.warmup_seconds.labels(config.name).set(model.warmup_s)
     batchers = {}
@@ -132,6 +134,7 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
             batching=settings.batching,
             fill_under_load=settings.batch_fill_under_load,
             buckets=buckets,
+            padding=paddings[key],
             observer=metrics.observer(config.name),
             on_broken=batcher_broken,
         )

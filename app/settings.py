@@ -40,6 +40,13 @@ def validate_non_neg_float(value: str) -> float:
     return number
 
 
+def validate_finite_float(value: str) -> float:
+    number = float(value)
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError
+    return number
+
+
 def validate_pos_float(value: str) -> float:
     number = float(value)
     if not 0 < number < float("inf"):
@@ -90,11 +97,24 @@ def validate_log_level(value: str) -> str:
     return upper
 
 
+def validate_length_buckets(value: str) -> tuple[int, ...]:
+    # "16,32,64" from the environment; [16, 32, 64] from a JSON model config (as its text).
+    text = value.strip().strip("[]()").strip()
+    if not text:
+        return ()
+    lengths = tuple(int(part) for part in text.split(","))
+    if any(length < 1 for length in lengths) or list(lengths) != sorted(set(lengths)):
+        raise ValueError
+    return lengths
+
+
 _ALLOWED = {
+    validate_length_buckets: "increasing whole numbers of 1 or more, comma-separated (`16,32,64`), or empty",
     validate_pos_int: "a whole number of 1 or more",
     validate_non_neg_int: "a whole number of 0 or more",
     validate_non_neg_float: "a number of 0 or more",
     validate_pos_float: "a number above 0",
+    validate_finite_float: "a number",
     validate_bool: "true or false (1/0, yes/no, on/off)",
     validate_model_name: "letters, digits, '_', '.' or '-', starting with a letter or digit, at most 64",
     validate_optional_path: "a path",
@@ -149,6 +169,21 @@ class Settings:
         "With `BATCH_TIMEOUT_MS=0`: when the model falls behind, a batch that is not full may wait for more rows, "
         "at most as long as the last predict call took ([the fill rule](batching.md)). false: always dispatch "
         "as soon as the model is free.", section="Batching")
+    pad_variable_length: bool = _env(
+        "PAD_VARIABLE_LENGTH", validate_bool, False,
+        "true: requests whose rows differ only in dimensions the signature declares `None` share a predict "
+        "call, padded with `PAD_VALUE`, and each request's outputs are cut back to its own length. Only for "
+        "models that mask padding; a start-up check leaves it off where padding changes the answers "
+        "([variable-length inputs](batching.md#variable-length-inputs)).", section="Batching")
+    pad_value: float = _env(
+        "PAD_VALUE", validate_finite_float, 0.0,
+        "The value variable-length inputs are padded with (string inputs: the empty string); 0 suits Keras "
+        "`mask_zero` embeddings.", section="Batching")
+    length_buckets: tuple[int, ...] = _env(
+        "LENGTH_BUCKETS", validate_length_buckets, (),
+        "With `PAD_VARIABLE_LENGTH`: lengths are padded to the next of these (past the largest: not padded), "
+        "only requests of one bucket share a call, and each bucket is warmed at start. Empty: padded to the "
+        "batch's longest, any lengths share a call.", section="Batching")
     request_timeout_ms: float = _env(
         "REQUEST_TIMEOUT_MS", validate_pos_float, 30000.0,
         "Deadline of a request (a gRPC client's own deadline may shorten it); past it, 504, and a request "
@@ -270,6 +305,9 @@ class ModelConfig:
     # TF Serving's model_version_policy: ("latest", N newest), ("all", ()), ("specific", versions).
     version_policy: tuple[str, int | tuple[int, ...]] = ("latest", 1)
     version_labels: tuple[tuple[str, int], ...] = ()
+    pad_variable_length: bool = False
+    pad_value: float = 0.0
+    length_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # 0 derives the limit: a request may span a few batches, never more than the queue holds.
@@ -283,6 +321,9 @@ _MODEL_KEYS: dict[str, Callable[[str], Any]] = {
     "batch_timeout_ms": validate_non_neg_float,
     "max_queue_rows": validate_pos_int,
     "max_request_rows": validate_non_neg_int,
+    "pad_variable_length": validate_bool,
+    "pad_value": validate_finite_float,
+    "length_buckets": validate_length_buckets,
 }
 
 
@@ -427,6 +468,8 @@ SERVER_KNOBS = (
 def _default_text(value: Any) -> str:
     if value is None:
         return "unset"
+    if value == ():
+        return "empty"
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     if isinstance(value, float) and value.is_integer():

@@ -22,7 +22,7 @@ from app.batching.execution import Executor, PredictFn
 from app.batching.fill import FillPolicy
 from app.batching.observer import BatchObserver, GuardedObserver
 from app.batching.row_queue import RowQueue
-from app.batching.rows import Tensors, bucket_sizes, request_rows
+from app.batching.rows import Padding, Tensors, bucket_sizes, request_rows
 from app.batching.work import Batch, BatchResult, Pending, drop_if_abandoned, settle, start
 from app.errors import BatcherBroken, DeadlineExceeded, PredictFailed, ShuttingDown
 
@@ -45,6 +45,7 @@ class Batcher:
         buckets: tuple[int, ...] | None = None,
         bisect_failures: bool = True,
         fill_under_load: bool = True,
+        padding: Padding | None = None,
         observer: BatchObserver | None = None,
         on_broken: Callable[[Batcher], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -59,6 +60,8 @@ class Batcher:
         self.buckets = buckets if buckets is not None else bucket_sizes(max_batch_size)
         if self.buckets[-1] < max_batch_size:
             raise ValueError("the largest bucket must hold max_batch_size rows")
+        # Variable-length padding: None keeps requests of different per-row shapes apart.
+        self.padding = padding
         self.observer = observer or BatchObserver()
         self._hooks = GuardedObserver(self.observer, name)
         self._on_broken = on_broken
@@ -67,7 +70,7 @@ class Batcher:
         self.fill_policy = FillPolicy(max_batch_size=max_batch_size, batch_timeout_s=batch_timeout_ms / 1000.0,
                                       fill_under_load=fill_under_load)
         self.executor = Executor(predict_fn, name=name, buckets=self.buckets, bisect_failures=bisect_failures,
-                                 observer=self._hooks, clock=clock, waiting=self.queue.waiting)
+                                 padding=padding, observer=self._hooks, clock=clock, waiting=self.queue.waiting)
         self._drain = True
         self.batches_run = 0
         self._thread = threading.Thread(target=self._run, name=f"batcher-{name}", daemon=True)
@@ -84,7 +87,8 @@ class Batcher:
         """
         rows = request_rows(inputs, max_rows=self.max_request_rows, name=self.name)
         now = self._clock()
-        pending = Pending(inputs, rows, now, None if timeout_s is None else now + timeout_s, client_gone)
+        pending = Pending(inputs, rows, now, None if timeout_s is None else now + timeout_s, client_gone,
+                          self.padding)
         # A request abandoned (cancelled, failed, answered) stops counting against the queue at once,
         # not when the batch thread reaches it.
         pending.future.add_done_callback(lambda _future: self.queue.uncount(pending))

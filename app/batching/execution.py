@@ -16,7 +16,7 @@ import numpy as np
 
 from app.batching.fill import CallStats
 from app.batching.observer import BatchObserver
-from app.batching.rows import check_outputs, join_rows, pad_rows
+from app.batching.rows import LengthCut, Padding, check_outputs, join_padded, join_rows, pad_rows, padding_waste
 from app.batching.work import Slice, drop_if_abandoned, settle
 from app.errors import PredictFailed, ServingError
 
@@ -35,8 +35,10 @@ class Executor:
     """Runs batches through one predict function; only the batch thread calls it."""
 
     def __init__(self, predict_fn: PredictFn, *, name: str, buckets: Sequence[int], bisect_failures: bool,
-                 observer: BatchObserver, clock: Callable[[], float], waiting: Callable[[], int]) -> None:
+                 observer: BatchObserver, clock: Callable[[], float], waiting: Callable[[], int],
+                 padding: Padding | None = None) -> None:
         self.name = name
+        self.padding = padding
         self.buckets = tuple(buckets)
         self.bisect_failures = bisect_failures
         self._predict_fn = predict_fn
@@ -63,7 +65,7 @@ class Executor:
                     continue
             calls_left -= 1
             try:
-                outputs, rows, padded, predict_s = self._predict(part)
+                outputs, rows, padded, predict_s, cut = self._predict(part)
                 stats = CallStats(requests=len(part), predict_s=predict_s, ended_at=self._clock(),
                                   waiting=self._waiting())
             except Exception as exc:
@@ -75,7 +77,7 @@ class Executor:
                     self.fail(part, error)
                 continue
             self._observer.batch_done(rows=rows, requests=len(part), padded_rows=padded - rows, predict_s=predict_s)
-            _slice_back(part, outputs, rows)
+            _slice_back(part, outputs, rows, cut)
         return stats
 
     def fail(self, part: list[Slice], error: ServingError) -> None:
@@ -83,20 +85,29 @@ class Executor:
         for piece in part:
             settle(piece.pending.future, exception=error)
 
-    def _predict(self, part: list[Slice]) -> tuple[dict[str, np.ndarray], int, int, float]:
-        inputs = join_rows([(piece.pending.inputs, piece.start, piece.stop) for piece in part])
+    def _predict(self, part: list[Slice]) -> tuple[dict[str, np.ndarray], int, int, float, LengthCut | None]:
+        parts = [(piece.pending.inputs, piece.start, piece.stop) for piece in part]
+        cut = None
+        if self.padding is None:
+            inputs = join_rows(parts)
+        else:
+            inputs, cut = join_padded(parts, self.padding)
+            real, waste = padding_waste(parts, inputs)
+            self._observer.length_padding(real_elements=real, padded_elements=waste)
         rows = sum(piece.rows for piece in part)
         padded = next(size for size in self.buckets if size >= rows)
         if padded > rows:
             inputs = pad_rows(inputs, padded)
         started = self._clock()
         outputs = check_outputs(self._predict_fn(inputs), padded)
-        return outputs, rows, padded, self._clock() - started
+        return outputs, rows, padded, self._clock() - started, cut
 
 
-def _slice_back(part: list[Slice], outputs: dict[str, np.ndarray], rows: int) -> None:
+def _slice_back(part: list[Slice], outputs: dict[str, np.ndarray], rows: int, cut: LengthCut | None) -> None:
     offset = 0
-    for piece in part:
+    for index, piece in enumerate(part):
         own = {name: out[offset : offset + piece.rows] for name, out in outputs.items()}
+        if cut is not None:
+            own = cut.cut(index, own)
         piece.pending.deliver(own, rows, len(part), done=piece.last)
         offset += piece.rows

@@ -26,6 +26,9 @@ class BatchObserver:
     def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
         pass
 
+    def length_padding(self, *, real_elements: int, padded_elements: int) -> None:
+        """Once per call with variable-length padding: input elements sent, and those added to pad them."""
+
     def rejected(self, reason: str) -> None:
         pass
 
@@ -60,6 +63,12 @@ class GuardedObserver(BatchObserver):
             self._observer.batch_done(rows=rows, requests=requests, padded_rows=padded_rows, predict_s=predict_s)
         except Exception:
             self._log_once("observer hook batch_done")
+
+    def length_padding(self, *, real_elements: int, padded_elements: int) -> None:
+        try:
+            self._observer.length_padding(real_elements=real_elements, padded_elements=padded_elements)
+        except Exception:
+            self._log_once("observer hook length_padding")
 
     def rejected(self, reason: str) -> None:
         try:

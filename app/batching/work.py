@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from app.batching.observer import BatchObserver, GuardedObserver
-from app.batching.rows import Tensors, batch_key
+from app.batching.rows import Padding, Tensors, batch_key
 from app.errors import DeadlineExceeded, PredictFailed
 
 
@@ -30,11 +30,11 @@ class Pending:
                  "started", "counted")
 
     def __init__(self, inputs: Tensors, rows: int, enqueued_at: float, deadline: float | None,
-                 client_gone: Callable[[], bool] | None = None) -> None:
+                 client_gone: Callable[[], bool] | None = None, padding: Padding | None = None) -> None:
         self.inputs = inputs
         self.future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
         self.rows = rows
-        self.key: Hashable = batch_key(inputs)
+        self.key: Hashable = batch_key(inputs, padding)
         self.enqueued_at = enqueued_at
         self.deadline = deadline
         # Asked just before the request's first rows run: true when nobody will read the answer.
