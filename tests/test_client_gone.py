@@ -11,18 +11,27 @@ from __future__ import annotations
 import http.client
 import json
 import select
+import shutil
 import socket
 import ssl
 import struct
 
 import grpc
 import numpy as np
+import psutil
 import pytest
+import requests
+from prometheus_client import CollectorRegistry
 from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc, prediction_service_pb2_grpc
 
-from app.serving import socket_client_gone
+from app.errors import ClientGone
+from app.metrics import Metrics
+from app.registry import ModelRegistry
+from app.serving import RequestLayer, socket_client_gone
+from scripts.slow_clients import Nginx
 from tests.conftest import Server, integer_rows, wait_for
 from tests.test_grpc import predict_request, scores
+from tests.test_serving import _record, _servable
 
 BATCH_ROWS = 8
 MODEL = "default"
@@ -59,6 +68,20 @@ class Counts:
     def since(self) -> dict[str, float]:
         now = self.read()
         return {key: now[key] - self.start[key] for key in now}
+
+
+@pytest.fixture(scope="module")
+def nginx(tmp_path_factory, server):
+    assert shutil.which("nginx"), "the nginx binary is needed (.ci/run installs Debian's package)"
+    front = Nginx(tmp_path_factory.mktemp("nginx"), upstream_port=server.port).start()
+    yield front
+    front.stop()
+
+
+def connections_to(port: int) -> dict[int, str]:
+    """The state of each TCP connection to the local `port`, by the port of its other end."""
+    return {conn.raddr.port: conn.status for conn in psutil.net_connections("tcp4")
+            if conn.laddr and conn.laddr.port == port and conn.raddr}
 
 
 def queued(server: Server, rows: int) -> None:
@@ -102,7 +125,10 @@ def test_http_client_that_closed_its_connection_is_left_out_of_its_batch(server,
     leaving.request("POST", "/predict", body=json.dumps({"instances": integer_rows(2, seed=4).tolist()}),
                     headers={"Content-Type": "application/json"})
     queued(server, 2)
+    leaving_port = leaving.sock.getsockname()[1]
     leaving.close()  # without reading the answer
+    wait_for(lambda: connections_to(server.port).get(leaving_port) == psutil.CONN_CLOSE_WAIT,
+             what="Gunicorn's end of the connection half closed")
     filler = integer_rows(BATCH_ROWS - 2, seed=5)
 
     answer = server.predict(filler)
@@ -115,6 +141,51 @@ def test_http_client_that_closed_its_connection_is_left_out_of_its_batch(server,
     wait_for(lambda: answered(server, "499", "/predict") == left_before + 1, what="the request counted")
     assert server.metric("model_server_queue_rows", model=MODEL) == 0
     assert "Traceback" not in server.log()
+
+
+# -- the request layer: one predicate, for predict, classify and regress ------------------------
+
+
+CALLS = {
+    "predict": lambda on, servable, **kw: on.predict(
+        servable, servable.model.signatures["serving_default"], {"x": np.ones((1, 2), np.float32)}, **kw),
+    "classify": lambda on, servable, **kw: on.classify(servable, "classify", np.array([b"e"], object), **kw),
+    "regress": lambda on, servable, **kw: on.regress(servable, "regress", np.array([b"e"], object), **kw),
+}
+SIGNATURES = {"predict": "serving_default", "classify": "classify", "regress": "regress"}
+
+
+@pytest.fixture
+def layer_and_registry():
+    """The request layer over tests/test_serving.py's model 'm': plain Python signatures, no TensorFlow."""
+    registry = ModelRegistry("m")
+    registry.add(_servable(1))
+    layer = RequestLayer(registry, timeout_s=30, max_request_bytes=1 << 20, metrics=Metrics(CollectorRegistry()))
+    yield layer, registry
+    registry.close(drain=False)
+
+
+@pytest.mark.parametrize("method", CALLS)
+def test_the_layer_drops_a_request_whose_client_has_gone(layer_and_registry, method):
+    layer, registry = layer_and_registry
+    servable = registry.get("m")
+    asked = []
+
+    with pytest.raises(ClientGone, match="the client left before its request ran"):
+        CALLS[method](layer, servable, record=_record(), pinned=False, client_gone=lambda: asked.append(1) or True)
+
+    assert asked == [1]
+    assert servable.batchers[SIGNATURES[method]].batches_run == 0
+
+
+@pytest.mark.parametrize("method", CALLS)
+def test_the_layer_serves_a_request_whose_client_waits(layer_and_registry, method):
+    layer, registry = layer_and_registry
+    asked = []
+
+    CALLS[method](layer, registry.get("m"), record=_record(), pinned=False, client_gone=lambda: bool(asked.append(1)))
+
+    assert asked == [1]
 
 
 # -- the peek that tells whether an HTTP client has gone ---------------------------------------
@@ -163,3 +234,24 @@ def test_no_socket_or_a_tls_socket_gets_no_predicate():
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # how Gunicorn wraps a connection when it serves TLS
     with socket.socket() as raw, context.wrap_socket(raw, server_side=True, do_handshake_on_connect=False) as tls:
         assert socket_client_gone(tls) is None
+
+
+def test_behind_nginx_a_request_whose_client_left_never_runs(server, nginx, exact_model):
+    # nginx (deploy/nginx/nginx.conf) closes its connection to Gunicorn when its own client
+    # leaves (proxy_ignore_client_abort is off), so Gunicorn's peek sees the end of that one.
+    counts = Counts(server)
+    leaving = http.client.HTTPConnection("127.0.0.1", nginx.port, timeout=120)
+    leaving.request("POST", "/predict", body=json.dumps({"instances": integer_rows(2, seed=6).tolist()}),
+                    headers={"Content-Type": "application/json"})
+    queued(server, 2)
+    upstream = {port for port, state in connections_to(server.port).items() if state == psutil.CONN_ESTABLISHED}
+    leaving.close()
+    wait_for(lambda: any(connections_to(server.port).get(port) == psutil.CONN_CLOSE_WAIT for port in upstream),
+             what="nginx closing its connection to Gunicorn")
+    filler = integer_rows(BATCH_ROWS - 2, seed=7)
+
+    answer = requests.post(nginx.url + "/predict", json={"instances": filler.tolist()}, timeout=120)
+
+    assert answer.status_code == 200, answer.text
+    np.testing.assert_array_equal(np.asarray(answer.json()["predictions"], np.float32), exact_model(filler).numpy())
+    assert counts.since() == {"rows_run": len(filler), "predict_calls": 1, "client_gone": 1}
