@@ -10,12 +10,12 @@ import gc
 import os
 
 import orjson
-from flask import Blueprint, Flask, Response, current_app
+from flask import Blueprint, Flask, Response, current_app, request
 from werkzeug.routing import BaseConverter, IntegerConverter
 
 from app import classify, codec, limits, logs, metadata, runtime
 from app.registry import get_registry
-from app.serving import CLASSIFY, REGRESS, Answer, ModelSpec, get_layer
+from app.serving import CLASSIFY, REGRESS, Answer, ClientGonePredicate, ModelSpec, get_layer, socket_client_gone
 from app.settings import MODEL_NAME_PATTERN
 
 bp = Blueprint("api", __name__)
@@ -42,7 +42,7 @@ def _predict(spec: ModelSpec) -> Response:
     parsed = codec.parse_request(limits.body(), max_rows=layer.row_limit(servable))
     signature = layer.predict_signature(servable, parsed.signature_name)
     inputs = codec.decode_inputs(parsed, signature)
-    answer = layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned)
+    answer = layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned, client_gone=_client_gone())
     return _answer(answer, codec.encode_response(answer.outputs, answer.signature, parsed))
 
 
@@ -51,10 +51,17 @@ def _classify_or_regress(spec: ModelSpec, method: str) -> Response:
     servable = layer.model(spec, record)
     signature_name, examples = classify.parse(limits.body(), method, max_rows=layer.row_limit(servable))
     if method == CLASSIFY:
-        answer, classes = layer.classify(servable, signature_name, examples, record=record, pinned=spec.pinned)
+        answer, classes = layer.classify(servable, signature_name, examples, record=record, pinned=spec.pinned,
+                                         client_gone=_client_gone())
         return _answer(answer, classify.encode_classes(classes))
-    answer, values = layer.regress(servable, signature_name, examples, record=record, pinned=spec.pinned)
+    answer, values = layer.regress(servable, signature_name, examples, record=record, pinned=spec.pinned,
+                                   client_gone=_client_gone())
     return _answer(answer, classify.encode_regressions(values))
+
+
+def _client_gone() -> ClientGonePredicate | None:
+    # Gunicorn hands the WSGI app the client's connection; Flask's test client has none.
+    return socket_client_gone(request.environ.get("gunicorn.socket"))
 
 
 def _answer(answer: Answer, body: bytes) -> Response:

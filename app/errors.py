@@ -12,7 +12,8 @@
     │   ├── QueueFull (503)
     │   ├── ShuttingDown (503)
     │   └── BatcherBroken (503)
-    └── DeadlineExceeded (504)
+    ├── DeadlineExceeded (504)
+    └── ClientGone (499)                the client left before its rows ran; gRPC answers CANCELLED
 
 The batching engine raises these too, so a request thread re-raises whatever its future
 holds and the one handler at the bottom answers it, as it answers Werkzeug's 404, 405 and
@@ -143,6 +144,13 @@ class BatcherBroken(Unavailable):
 class DeadlineExceeded(ServingError):
     status_code = 504
     reason = "deadline"
+
+
+class ClientGone(ServingError):
+    # Nobody reads this answer; 499 is the status nginx logs for a client that closed the
+    # connection first, so access logs and request metrics tell these apart from errors.
+    status_code = 499
+    reason = "client_gone"
 
 
 def _answer(status: int, message: str, headers: dict[str, str] | None = None) -> Response:

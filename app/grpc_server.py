@@ -84,6 +84,7 @@ STATUS_CODES: dict[type[errors.ServingError], grpc.StatusCode] = {
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.ClientGone: grpc.StatusCode.CANCELLED,
 }
 
 
@@ -96,6 +97,13 @@ def details(exc: errors.ServingError) -> str:
         # TF Serving's gRPC words (model_servers/predict_util.cc); REST's are the error's own.
         return errors.bounded(f'Serving signature key "{exc.key}" not found.')
     return exc.message
+
+
+def client_gone(context: grpc.ServicerContext) -> Callable[[], bool]:
+    """The request layer's client_gone for a call: gRPC marks a call inactive once its client
+    cancelled it, its deadline passed or its connection dropped. Reading that mark takes the
+    call's lock and nothing else, and only a request that reaches its batch asks."""
+    return lambda: not context.is_active()
 
 
 def model_spec(proto: Any) -> ModelSpec:
@@ -200,7 +208,7 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         outputs = self._layer.select_outputs(signature, list(request.output_filter))
         inputs = decode_inputs(request, signature, max_rows=self._layer.row_limit(servable), max_bytes=self._max_bytes)
         answer = self._layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
-                                     client_timeout_s=context.time_remaining())
+                                     client_timeout_s=context.time_remaining(), client_gone=client_gone(context))
         response = predict_pb2.PredictResponse()
         _set_model_spec(response.model_spec, answer.servable.model, signature.name)
         for output in outputs:
@@ -213,7 +221,8 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         servable, spec = self._servable(request, record)
         examples = serialized_examples(request.input, max_rows=self._layer.row_limit(servable))
         answer, result = method(servable, request.model_spec.signature_name, examples, record=record,
-                                pinned=spec.pinned, client_timeout_s=context.time_remaining())
+                                pinned=spec.pinned, client_timeout_s=context.time_remaining(),
+                                client_gone=client_gone(context))
         _set_model_spec(response.model_spec, answer.servable.model, answer.signature.name)
         return result
 
@@ -235,7 +244,8 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         servable = self._layer.model(spec, record)
         examples = serialized_examples(request.input, max_rows=self._layer.row_limit(servable))
         servable, results = self._layer.multi_inference(servable, tasks, examples, record=record, pinned=spec.pinned,
-                                                        client_timeout_s=context.time_remaining())
+                                                        client_timeout_s=context.time_remaining(),
+                                                        client_gone=client_gone(context))
         response = inference_pb2.MultiInferenceResponse()
         for result in results:
             entry = response.results.add()

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from flask import Flask
@@ -222,8 +223,9 @@ class ModelRegistry:
             return servable
 
     def predict(self, servable: Servable, inputs: Tensors, *, timeout_s: float, signature_name: str | None = None,
-                pinned: bool = False) -> tuple[Servable, BatchResult]:
-        """Predict with one signature of the servable (serving_default by default).
+                pinned: bool = False, client_gone: Callable[[], bool] | None = None) -> tuple[Servable, BatchResult]:
+        """Predict with one signature of the servable (serving_default by default); `client_gone`
+        goes to the batcher (CancelledError when it answered True before the rows ran).
 
         If the servable was retired after `get()` chose it, a pinned request (a version or
         a label) is refused as TF Serving refuses a version it does not serve; an unpinned
@@ -243,7 +245,8 @@ class ModelRegistry:
                                   f"'{replacement.name}' takes other inputs, while this request waited; retry")
         try:
             batcher = servable.batchers[signature.name]
-            return servable, batcher.predict(inputs, timeout_s=max(0.0, deadline - time.monotonic()))
+            return servable, batcher.predict(inputs, timeout_s=max(0.0, deadline - time.monotonic()),
+                                             client_gone=client_gone)
         finally:
             servable.leave()
 

@@ -9,7 +9,7 @@ any protocol to come) reads its wire format into plain values and calls this lay
     outputs = layer.select_outputs(signature, requested_names)
     rows = check_rows(count, layer.row_limit(servable))          # early, before arrays are built
     answer = layer.predict(servable, signature, inputs, record=record,
-                           client_timeout_s=..., pinned=spec.pinned)
+                           client_timeout_s=..., pinned=spec.pinned, client_gone=...)
     layer.requests.finish(record)
 
 and writes `answer` (or the ServingError raised on the way) back in its wire format. What
@@ -18,12 +18,22 @@ request names, with TensorFlow Serving's words for each refusal; the row and byt
 the deadline (REQUEST_TIMEOUT_MS, capped by the client's own); the shape of classify and
 regress answers; and the request record that feeds both the access log and the request
 metrics.
+
+`client_gone` is the one way a front door says whether its client still waits: a cheap
+predicate, asked once just before the request's first rows run. When it answers True the
+rows never run and the layer raises ClientGone (HTTP 499, gRPC CANCELLED), counted as the
+rejection reason `client_gone`. `socket_client_gone` makes one for an HTTP connection;
+gRPC's is its call context's `is_active`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import select
+import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,7 +41,7 @@ from flask import Flask
 
 from app import logs
 from app.batching import BatchResult
-from app.errors import BadRequest, DeadlineExceeded, InvalidInput, MethodNotAllowed, PayloadTooLarge
+from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidInput, MethodNotAllowed, PayloadTooLarge
 from app.limits import max_request_bytes
 from app.logs import RequestRecord
 from app.metrics import Metrics, RequestCounts
@@ -52,6 +62,31 @@ CLASSIFY, REGRESS = "classify", "regress"
 EXAMPLES_INPUT = "inputs"
 _EXAMPLE_METHODS = {CLASSIFY: (CLASSIFY_METHOD, "classification"), REGRESS: (REGRESS_METHOD, "regression")}
 _TASK_METHODS = {CLASSIFY_METHOD: CLASSIFY, REGRESS_METHOD: REGRESS}
+
+
+# True once nobody will read the answer. Asked on the batch thread: it must be quick and never block.
+ClientGonePredicate = Callable[[], bool]
+
+
+# Linux's "the peer closed its end" poll event; where it is missing, leaving is not seen.
+_PEER_CLOSED = getattr(select, "POLLRDHUP", None)
+
+
+def socket_client_gone(sock: socket.socket | None) -> ClientGonePredicate | None:
+    """Whether the HTTP client on `sock` has closed its connection (None where that cannot be seen).
+
+    One poll(2) that does not wait and reads nothing: the client closing its end (POLLRDHUP), a
+    reset or an error (POLLHUP, POLLERR) mean it has gone; bytes to read (a pipelined next
+    request, TLS records) or nothing yet mean it still waits. A non-blocking MSG_PEEK recv tells
+    the same, but raises BlockingIOError for every client that waits, which costs several times
+    more. A client that only shuts down its sending side and still reads is taken for gone
+    (HTTP clients do not do that).
+    """
+    if sock is None or _PEER_CLOSED is None:
+        return None
+    poller = select.poll()
+    poller.register(sock, _PEER_CLOSED)
+    return lambda: bool(poller.poll(0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,36 +250,48 @@ class RequestLayer:
     # -- the prediction -------------------------------------------------------------------
 
     def predict(self, servable: Servable, signature: Signature, inputs: dict[str, np.ndarray], *,
-                record: RequestRecord, pinned: bool, client_timeout_s: float | None = None) -> Answer:
-        """Queue the rows on the signature's batcher and wait for them, within the deadline."""
+                record: RequestRecord, pinned: bool, client_timeout_s: float | None = None,
+                client_gone: ClientGonePredicate | None = None) -> Answer:
+        """Queue the rows on the signature's batcher and wait for them, within the deadline;
+        ClientGone if `client_gone` answered True before they ran."""
         record.rows = next(iter(inputs.values())).shape[0]
         timeout_s = self.deadline_s(client_timeout_s)
-        servable, result = self.registry.predict(servable, inputs, timeout_s=timeout_s,
-                                                 signature_name=signature.name, pinned=pinned)
+        try:
+            servable, result = self.registry.predict(servable, inputs, timeout_s=timeout_s,
+                                                     signature_name=signature.name, pinned=pinned,
+                                                     client_gone=client_gone)
+        except concurrent.futures.CancelledError:
+            # The engine cancels a request's future only when client_gone said so (and counted it).
+            raise ClientGone("the client left before its request ran") from None
         record.batch_rows, record.batch_requests = result.batch_rows, result.batch_requests
         return _answer(servable, signature, result)
 
     def classify(self, servable: Servable, signature_name: str, examples: np.ndarray, *, record: RequestRecord,
-                 pinned: bool, client_timeout_s: float | None = None) -> tuple[Answer, Classes]:
+                 pinned: bool, client_timeout_s: float | None = None,
+                 client_gone: ClientGonePredicate | None = None) -> tuple[Answer, Classes]:
         """Classify serialized tf.Examples (one per row) with TF Serving's checks of the answer."""
-        answer = self._examples(servable, signature_name, CLASSIFY, examples, record, pinned, client_timeout_s)
+        answer = self._examples(servable, signature_name, CLASSIFY, examples, record, pinned, client_timeout_s,
+                                client_gone)
         return answer, classes(answer.outputs, len(examples))
 
     def regress(self, servable: Servable, signature_name: str, examples: np.ndarray, *, record: RequestRecord,
-                pinned: bool, client_timeout_s: float | None = None) -> tuple[Answer, np.ndarray]:
+                pinned: bool, client_timeout_s: float | None = None,
+                client_gone: ClientGonePredicate | None = None) -> tuple[Answer, np.ndarray]:
         """Regress serialized tf.Examples: one float32 value per example."""
-        answer = self._examples(servable, signature_name, REGRESS, examples, record, pinned, client_timeout_s)
+        answer = self._examples(servable, signature_name, REGRESS, examples, record, pinned, client_timeout_s,
+                                client_gone)
         return answer, regressions(answer.outputs, len(examples))
 
     def _examples(self, servable: Servable, signature_name: str, method: str, examples: np.ndarray,
-                  record: RequestRecord, pinned: bool, client_timeout_s: float | None) -> Answer:
+                  record: RequestRecord, pinned: bool, client_timeout_s: float | None,
+                  client_gone: ClientGonePredicate | None) -> Answer:
         signature, input_name = self.example_signature(servable, signature_name, method)
         return self.predict(servable, signature, {input_name: examples}, record=record, pinned=pinned,
-                            client_timeout_s=client_timeout_s)
+                            client_timeout_s=client_timeout_s, client_gone=client_gone)
 
     def multi_inference(self, servable: Servable, tasks: list[Task], examples: np.ndarray, *,
-                        record: RequestRecord, pinned: bool,
-                        client_timeout_s: float | None = None) -> tuple[Servable, list[TaskResult]]:
+                        record: RequestRecord, pinned: bool, client_timeout_s: float | None = None,
+                        client_gone: ClientGonePredicate | None = None) -> tuple[Servable, list[TaskResult]]:
         """Every task over the same examples, in the tasks' order, once all of them passed TF Serving's checks.
 
         TF Serving feeds the examples once and fetches every task's outputs from one session run;
@@ -256,7 +303,7 @@ class RequestLayer:
         results = []
         for method, signature in plan:
             answer = self.predict(servable, signature, {EXAMPLES_INPUT: examples}, record=record, pinned=pinned,
-                                  client_timeout_s=deadline - time.monotonic())
+                                  client_timeout_s=deadline - time.monotonic(), client_gone=client_gone)
             servable = answer.servable
             if method == CLASSIFY:
                 results.append(TaskResult(answer.signature, classes=classes(answer.outputs, len(examples))))

@@ -32,7 +32,7 @@ from flask import Blueprint, Flask, Response, current_app, request
 
 from app import limits, logs, v2_tensors
 from app.errors import BadRequest, Unavailable
-from app.serving import Answer, get_layer
+from app.serving import Answer, get_layer, socket_client_gone
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -93,7 +93,8 @@ def infer(name: str, version: str | None = None) -> Response:
     outputs = layer.select_outputs(signature, [output_name for output_name, _ in wanted])
     inputs = v2_tensors.decode_inputs(_inputs(body, tensors), signature, max_rows=layer.row_limit(servable))
     answer = layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
-                           client_timeout_s=_timeout_s(parameters))
+                           client_timeout_s=_timeout_s(parameters),
+                           client_gone=socket_client_gone(request.environ.get("gunicorn.socket")))
     every_binary = parameters.get("binary_data_output") is True
     binary = {output_name: every_binary if choice is None else choice for output_name, choice in wanted}
     header: dict[str, Any] = {"model_name": answer.servable.model.name,
