@@ -105,8 +105,8 @@ def _bytes(item: Any, name: str, where: str) -> bytes:
 
 
 def encode_classes(classes: Classes) -> bytes:
-    results = [[[label, score] for label, score in zip(labels, scores)]
-               for labels, scores in zip(classes.labels, classes.scores)]
+    results = [[[label, score] for label, score in zip(labels, scores, strict=True)]
+               for labels, scores in zip(classes.labels, classes.scores, strict=True)]
     return orjson.dumps({"results": results}, option=orjson.OPT_SERIALIZE_NUMPY)
 
 

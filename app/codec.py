@@ -211,7 +211,7 @@ class _Decoder:
         if spec.dtype == STRING:
             array = _to_string_array(value, spec, where)
         else:
-            values = len(value) * math.prod(first)  # type: ignore[arg-type]  # no '...': checked above
+            values = len(value) * math.prod(dim for dim in first if isinstance(dim, int))  # no '...': checked above
             array = _to_number_array(value, spec, where, self.booleans, values)
         if _check_shape(array.shape, spec, where):
             # TF Serving never holds a batch to the signature's shape (util/json_tensor.cc):
@@ -457,7 +457,7 @@ def _non_finite_json(array: np.ndarray, finite: np.ndarray) -> bytes:
     pieces = orjson.dumps(np.ascontiguousarray(array), option=orjson.OPT_SERIALIZE_NUMPY).split(b"null")
     tokens = [_token(value) for value in array[~finite].tolist()]
     out = [pieces[0]]
-    for token, piece in zip(tokens, pieces[1:]):
+    for token, piece in zip(tokens, pieces[1:], strict=True):
         out += [token, piece]
     return b"".join(out)
 

@@ -148,7 +148,8 @@ def serialized_examples(model_input: Any, *, max_rows: int) -> np.ndarray:
     if kind == "example_list":
         examples, context = model_input.example_list.examples, None
     elif kind == "example_list_with_context":
-        examples, context = model_input.example_list_with_context.examples, model_input.example_list_with_context.context
+        with_context = model_input.example_list_with_context
+        examples, context = with_context.examples, with_context.context
     else:
         examples, context = [], None
     if not examples:
@@ -276,9 +277,9 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
 
 
 def _fill_classes(target: Any, classes: Classes) -> None:
-    for labels, scores in zip(classes.labels, classes.scores.tolist()):
+    for labels, scores in zip(classes.labels, classes.scores.tolist(), strict=True):
         classifications = target.classifications.add()
-        for label, score in zip(labels, scores):
+        for label, score in zip(labels, scores, strict=True):
             classifications.classes.add(label=label, score=score)
 
 

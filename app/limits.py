@@ -24,6 +24,7 @@ client_max_body_size) refuses those before they are sent.
 from __future__ import annotations
 
 import io
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -69,9 +70,7 @@ def derived_max_request_bytes(model: LoadedModel | Signature, max_rows: int) -> 
     for spec in model.inputs:
         if spec.dtype == STRING or any(dim is None for dim in spec.shape):
             return UNBOUNDED_INPUT_BYTES
-        elements = 1
-        for dim in spec.shape:
-            elements *= dim
+        elements = math.prod(dim for dim in spec.shape if dim is not None)
         per_row += elements * NUMBER_WIDTH + len(spec.name) + NAME_OVERHEAD
     return max_rows * per_row + BODY_OVERHEAD
 

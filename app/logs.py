@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -50,7 +50,7 @@ _HANDLER_MARK = "model_server"
 
 def utc_timestamp(created: float) -> str:
     """ISO 8601 in UTC with its zone, to the millisecond: 2026-11-23T12:00:00.123+00:00."""
-    return datetime.fromtimestamp(created, tz=timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.fromtimestamp(created, tz=UTC).isoformat(timespec="milliseconds")
 
 
 class JsonFormatter(logging.Formatter):
@@ -297,9 +297,9 @@ class AccessWriter:
         entry = self._logger.makeRecord(self._logger.name, logging.INFO, "", 0, "access", (), None,
                                         extra={"fields": fields})
         # The time the request ended, not the time this thread got to it.
+        entry.relativeCreated += (created - entry.created) * 1000
         entry.created = created
         entry.msecs = int((created - int(created)) * 1000) + 0.0
-        entry.relativeCreated = (created - logging._startTime) * 1000
         self._logger.handle(entry)
 
 

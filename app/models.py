@@ -81,7 +81,7 @@ class TensorInfo:
         if self.dims is None:
             return True
         return len(shape) == len(self.shape) and all(
-            want is None or want == got for want, got in zip(self.shape, shape)
+            want is None or want == got for want, got in zip(self.shape, shape, strict=True)
         )
 
 
@@ -268,8 +268,9 @@ def _from_keras(keras_model: Any, *, name: str, version: int, source: str, metho
         if isinstance(result, Mapping):
             return dict(result)
         if isinstance(result, (list, tuple)):
-            names = declared_outputs if len(declared_outputs) == len(result) else [f"output_{i}" for i in range(len(result))]
-            return dict(zip(names, result))
+            names = (declared_outputs if len(declared_outputs) == len(result)
+                     else [f"output_{i}" for i in range(len(result))])
+            return dict(zip(names, result, strict=True))
         return {declared_outputs[0] if len(declared_outputs) == 1 else "output_0": result}
 
     signature = [tf.TensorSpec((None, *spec.shape), tf.as_dtype(spec.dtype if spec.dtype != STRING else tf.string),
@@ -277,7 +278,7 @@ def _from_keras(keras_model: Any, *, name: str, version: int, source: str, metho
 
     @tf.function(input_signature=[signature])
     def serve(tensors: list[Any]) -> dict[str, Any]:
-        return name_outputs(call({spec.name: tensor for spec, tensor in zip(inputs, tensors)}))
+        return name_outputs(call({spec.name: tensor for spec, tensor in zip(inputs, tensors, strict=True)}))
 
     concrete = serve.get_concrete_function()
     outputs = [_info(key, tensor.shape, tensor.dtype) for key, tensor in concrete.structured_outputs.items()]
@@ -415,7 +416,7 @@ def _session_predicts(path: str, definitions: Mapping[str, Any]) -> dict[str, Pr
 
         def predict(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             values = run(*(batch[key] for key in input_names))
-            return {key: np.asarray(value) for key, value in zip(output_names, values)}
+            return {key: np.asarray(value) for key, value in zip(output_names, values, strict=True)}
 
         return predict
 

@@ -231,7 +231,8 @@ def spec() -> dict[str, Any]:
                                   parameters=(_NAME, _VERSION))},
             **_version_paths(),
             "/healthz": {"get": _operation(
-                "Liveness: 200 while the process is alive; 503 while a batch thread is dead and the worker replaces itself.",
+                "Liveness: 200 while the process is alive; 503 while a batch thread is dead and the worker "
+                "replaces itself.",
                 _json_ok("Alive.", {"type": "object", "properties": {"status": {"type": "string"}}}), (405, 503))},
             "/readyz": {"get": {
                 "summary": "Readiness: every model loaded, warmed and its batch thread alive.",

@@ -60,6 +60,8 @@ def body_fully_read(parser: Any) -> bool:
     """True when the current request's body of known length was read to its end, nothing of it
     buffered and no read of it failed: Gunicorn's drain would read nothing and answer True."""
     body = getattr(getattr(parser, "mesg", None), "body", None)
+    if body is None:
+        return False
     reader = getattr(body, "reader", None)
     return (isinstance(reader, LengthReader) and reader.length == 0
             and not body.failed and body.buf.tell() == 0)

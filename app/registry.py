@@ -156,7 +156,7 @@ def wanted_versions(config: ModelConfig, available: list[int]) -> list[int]:
     kind, argument = config.version_policy
     if kind == "all":
         return sorted(available)
-    if kind == "specific":
+    if isinstance(argument, tuple):  # "specific"
         return sorted(set(available) & set(argument))
     return sorted(available)[-argument:]
 
@@ -338,6 +338,8 @@ class VersionPoller:
                     log.exception("version check of model '%s' failed", config.name)
 
     def check(self, config: ModelConfig) -> None:
+        if config.path is None:
+            return  # the built-in model: no folder to poll
         wanted = wanted_versions(config, models.available_versions(config.path))
         if not wanted:
             return  # an emptied folder is more likely a mistake than a wish to serve nothing

@@ -108,7 +108,7 @@ def validate_length_buckets(value: str) -> tuple[int, ...]:
     return lengths
 
 
-_ALLOWED = {
+_ALLOWED: dict[Callable[[str], Any], str] = {
     validate_length_buckets: "increasing whole numbers of 1 or more, comma-separated (`16,32,64`), or empty",
     validate_pos_int: "a whole number of 1 or more",
     validate_non_neg_int: "a whole number of 0 or more",
