@@ -315,6 +315,7 @@ class GrpcServer:
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
             maximum_concurrent_rpcs=threads,
             options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", max_bytes)],
+            interceptors=app.extensions["tracing"].grpc_interceptors() if "tracing" in app.extensions else (),
         )
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
             PredictionServicer(models, observed, max_bytes=max_bytes), self._server)

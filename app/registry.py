@@ -28,7 +28,7 @@ from typing import Any
 from flask import Flask
 
 from app import batcher_broken, models, runtime
-from app.batching import Batcher, BatchResult, Tensors, bucket_sizes
+from app.batching import BatchObserver, Batcher, BatchResult, Tensors, bucket_sizes
 from app.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
 from app.metrics import Metrics
 from app.settings import ModelConfig, Settings, model_configs
@@ -132,12 +132,22 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
             batching=settings.batching,
             fill_under_load=settings.batch_fill_under_load,
             buckets=buckets,
-            observer=metrics.observer(config.name),
+            observer=batch_observer(metrics, settings, model, key),
             on_broken=batcher_broken,
         )
     log.info("model '%s' v%d from %s loaded in %.2f s (signatures: %s)", config.name, model.version, model.source,
              model.load_s, ", ".join(sorted(model.signatures)))
     return Servable(model, batchers)
+
+
+def batch_observer(metrics: Metrics, settings: Settings, model: models.LoadedModel, signature: str) -> BatchObserver:
+    """The metrics' observer of a batcher; with tracing on, inside a tracer of its predict calls."""
+    observer = metrics.observer(model.name)
+    if settings.tracing_on:
+        from app import tracing  # only when on: a server without tracing never imports it
+
+        observer = tracing.BatchTracer(observer, model=model.name, version=model.version, signature=signature)
+    return observer
 
 
 def wanted_versions(config: ModelConfig, available: list[int]) -> list[int]:
@@ -212,7 +222,7 @@ class ModelRegistry:
             return servable
 
     def predict(self, servable: Servable, inputs: Tensors, *, timeout_s: float, signature_name: str | None = None,
-                pinned: bool = False) -> tuple[Servable, BatchResult]:
+                pinned: bool = False, trace: Any = None) -> tuple[Servable, BatchResult]:
         """Predict with one signature of the servable (serving_default by default).
 
         If the servable was retired after `get()` chose it, a pinned request (a version or
@@ -233,7 +243,7 @@ class ModelRegistry:
                                   f"'{replacement.name}' takes other inputs, while this request waited; retry")
         try:
             batcher = servable.batchers[signature.name]
-            return servable, batcher.predict(inputs, timeout_s=max(0.0, deadline - time.monotonic()))
+            return servable, batcher.predict(inputs, timeout_s=max(0.0, deadline - time.monotonic()), trace=trace)
         finally:
             servable.leave()
 

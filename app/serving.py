@@ -195,7 +195,7 @@ class RequestLayer:
         record.rows = next(iter(inputs.values())).shape[0]
         timeout_s = self.deadline_s(client_timeout_s)
         servable, result = self.registry.predict(servable, inputs, timeout_s=timeout_s,
-                                                 signature_name=signature.name, pinned=pinned)
+                                                 signature_name=signature.name, pinned=pinned, trace=record.trace)
         record.batch_rows, record.batch_requests = result.batch_rows, result.batch_requests
         return _answer(servable, signature, result)
 
@@ -254,7 +254,12 @@ def braced(names: Any) -> str:
 
 
 def init_app(app: Flask, settings: Settings, registry: ModelRegistry) -> RequestLayer:
-    layer = RequestLayer(registry, timeout_s=settings.request_timeout_ms / 1000.0,
+    layer_class = RequestLayer
+    if settings.tracing_on:
+        from app import tracing  # only when on: a server without tracing never imports it
+
+        layer_class = tracing.init_app(app, settings)
+    layer = layer_class(registry, timeout_s=settings.request_timeout_ms / 1000.0,
                          max_request_bytes=max_request_bytes(settings, registry), metrics=app.extensions["metrics"])
     app.extensions["serving"] = layer
     return layer

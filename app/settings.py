@@ -204,6 +204,18 @@ class Settings:
     grpc_bind: str = _env(
         "GRPC_BIND", validate_optional_text, "0.0.0.0:8500",
         "Address of TensorFlow Serving's gRPC API in every worker; empty: no gRPC.", section="gRPC")
+    tracing: str = _env(
+        "TRACING", validate_choice("off", "otlp", "console"), "off",
+        "OpenTelemetry traces of every request and predict call ([tracing](tracing.md)): `otlp` sends them "
+        "where the standard `OTEL_EXPORTER_OTLP_*` variables say (OTLP over HTTP), `console` prints them.",
+        section="Tracing")
+    otel_sdk_disabled: bool = _env(
+        "OTEL_SDK_DISABLED", validate_bool, False,
+        "The OpenTelemetry SDK's own switch: true keeps tracing off whatever `TRACING` says.", section="Tracing")
+
+    @property
+    def tracing_on(self) -> bool:
+        return self.tracing != "off" and not self.otel_sdk_disabled
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
