@@ -58,8 +58,6 @@ def shutdown_app(app: Flask, *, timeout_s: float | None = None) -> None:
 
     get_registry(app).close(drain=True, timeout_s=timeout_s)
     logs.flush_access_log()
-    if "tracing" in app.extensions:  # the spans of the last requests, before the worker exits
-        app.extensions["tracing"].shutdown()
 
 
 def batcher_broken(_batcher: Any) -> None:

@@ -50,8 +50,6 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVICE_NAME = "model-server"
-# How long a stopping worker waits for its last spans to reach the collector.
-FLUSH_TIMEOUT_MS = 5000
 
 # The trace of the request this thread serves, set by the front door's layer.
 _current: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar("model_server_trace", default=None)
@@ -82,7 +80,11 @@ class RequestTrace:
 
 def provider(exporter: str = "otlp") -> TracerProvider:
     """This process's TracerProvider, made on first use. The SDK reads the OTEL_* variables:
-    the sampler, the batch processor's delays and sizes, the exporter's endpoint and headers."""
+    the sampler, the batch processor's delays and sizes, the exporter's endpoint and headers.
+
+    The provider shuts down at the process's exit (the SDK's own atexit handler), which exports
+    the spans still waiting: a Gunicorn worker gets there after worker_exit drained its batchers,
+    so the last requests' spans are in."""
     global _provider
     if _provider is None:
         _provider = TracerProvider(resource=_resource())
@@ -112,17 +114,11 @@ def tracer() -> trace.Tracer:
 
 
 class Tracing:
-    """The app's tracing: flushed when the worker stops (app.shutdown_app)."""
+    """The app's tracing: its tracer, and the interceptor app/grpc_server.py gives its server."""
 
     def __init__(self, tracer_provider: TracerProvider) -> None:
         self.provider = tracer_provider
         self.tracer = tracer_provider.get_tracer(__name__)
-
-    def shutdown(self) -> None:
-        # A flush, not the provider's shutdown: another app of this process may still trace;
-        # the SDK shuts the provider down at the process's exit.
-        if not self.provider.force_flush(FLUSH_TIMEOUT_MS):
-            log.warning("tracing: the last spans were not all exported within %d ms", FLUSH_TIMEOUT_MS)
 
     def grpc_interceptors(self) -> list[grpc.ServerInterceptor]:
         return [_GrpcTracing(self.tracer)]
