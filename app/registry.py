@@ -146,7 +146,7 @@ def batch_observer(metrics: Metrics, settings: Settings, model: models.LoadedMod
     if settings.tracing_on:
         from app import tracing  # only when on: a server without tracing never imports it
 
-        observer = tracing.BatchTracer(observer, model=model.name, version=model.version, signature=signature)
+        observer = tracing.BatchTracer(observer, tracing.tracer(settings), model=model.name, version=model.version, signature=signature)
     return observer
 
 

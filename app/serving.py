@@ -23,6 +23,7 @@ metrics.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -254,13 +255,13 @@ def braced(names: Any) -> str:
 
 
 def init_app(app: Flask, settings: Settings, registry: ModelRegistry) -> RequestLayer:
-    layer_class = RequestLayer
+    make_layer: Callable[..., RequestLayer] = RequestLayer
     if settings.tracing_on:
         from app import tracing  # only when on: a server without tracing never imports it
 
-        layer_class = tracing.init_app(app, settings)
-    layer = layer_class(registry, timeout_s=settings.request_timeout_ms / 1000.0,
-                         max_request_bytes=max_request_bytes(settings, registry), metrics=app.extensions["metrics"])
+        make_layer = tracing.init_app(app, settings)
+    layer = make_layer(registry, timeout_s=settings.request_timeout_ms / 1000.0,
+                       max_request_bytes=max_request_bytes(settings, registry), metrics=app.extensions["metrics"])
     app.extensions["serving"] = layer
     return layer
 

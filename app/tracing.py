@@ -25,6 +25,7 @@ queue-wait span is made by the request's own thread once its answer arrives.
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import os
 import time
@@ -54,6 +55,7 @@ DEFAULT_SERVICE_NAME = "model-server"
 # The trace of the request this thread serves, set by the front door's layer.
 _current: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar("model_server_trace", default=None)
 _provider: TracerProvider | None = None
+_tracer: trace.Tracer | None = None
 
 
 class RequestTrace:
@@ -78,18 +80,20 @@ class RequestTrace:
 # -- the provider: one per process (a Gunicorn worker makes it after the fork) ------------------
 
 
-def provider(exporter: str = "otlp") -> TracerProvider:
+def provider(settings: Settings) -> TracerProvider:
     """This process's TracerProvider, made on first use. The SDK reads the OTEL_* variables:
     the sampler, the batch processor's delays and sizes, the exporter's endpoint and headers.
 
     The provider shuts down at the process's exit (the SDK's own atexit handler), which exports
     the spans still waiting: a Gunicorn worker gets there after worker_exit drained its batchers,
     so the last requests' spans are in."""
-    global _provider
+    global _provider, _tracer
     if _provider is None:
         _provider = TracerProvider(resource=_resource())
-        _provider.add_span_processor(BatchSpanProcessor(_exporter(exporter)))
-        log.info("tracing on: %s exporter, service %s, pid %d", exporter,
+        # Asked for once: get_tracer builds a new Tracer (and checks its arguments) on every call.
+        _tracer = _provider.get_tracer(__name__)
+        _provider.add_span_processor(BatchSpanProcessor(_exporter(settings.tracing)))
+        log.info("tracing on: %s exporter, service %s, pid %d", settings.tracing,
                  _provider.resource.attributes.get(SERVICE_NAME), os.getpid())
     return _provider
 
@@ -109,34 +113,41 @@ def _exporter(kind: str) -> SpanExporter:
     return OTLPSpanExporter()
 
 
-def tracer() -> trace.Tracer:
-    return provider().get_tracer(__name__)
+def tracer(settings: Settings) -> trace.Tracer:
+    """The tracer of this process's provider (made by whichever part asks first)."""
+    provider(settings)
+    assert _tracer is not None
+    return _tracer
 
 
 class Tracing:
     """The app's tracing: its tracer, and the interceptor app/grpc_server.py gives its server."""
 
-    def __init__(self, tracer_provider: TracerProvider) -> None:
-        self.provider = tracer_provider
-        self.tracer = tracer_provider.get_tracer(__name__)
+    def __init__(self, settings: Settings) -> None:
+        self.provider = provider(settings)
+        self.tracer = tracer(settings)
 
     def grpc_interceptors(self) -> list[grpc.ServerInterceptor]:
         return [_GrpcTracing(self.tracer)]
 
 
-def init_app(app: Flask, settings: Settings) -> type[RequestLayer]:
+def init_app(app: Flask, settings: Settings) -> Callable[..., RequestLayer]:
     """Trace `app`'s requests: the REST layer around it, the gRPC interceptor for app/grpc_server.py;
-    returns the request layer class that makes the child spans."""
-    tracing = Tracing(provider(settings.tracing))
+    returns what makes the request layer, one that makes the child spans."""
+    tracing = Tracing(settings)
     app.extensions["tracing"] = tracing
     app.wsgi_app = _RestTracing(app.wsgi_app, tracing.tracer)  # type: ignore[method-assign]
-    return TracedRequestLayer
+    return functools.partial(TracedRequestLayer, tracer_=tracing.tracer)
 
 
 # -- the request layer: decode, queue wait and encode ----------------------------------------
 
 
 class TracedRequestLayer(RequestLayer):
+    def __init__(self, *args: Any, tracer_: trace.Tracer, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tracer = tracer_
+
     def model(self, spec: ModelSpec, record: RequestRecord | None = None) -> Any:
         request = _current.get()
         if request is not None and request.resolved_ns is None:
@@ -149,7 +160,7 @@ class TracedRequestLayer(RequestLayer):
         if request is None or not request.span.is_recording():
             return super().predict(servable, signature, inputs, record=record, pinned=pinned,
                                    client_timeout_s=client_timeout_s)
-        tracer_ = tracer()
+        tracer_ = self._tracer
         queued_ns = time.time_ns()
         tracer_.start_span("decode", context=request.context,
                            start_time=request.resolved_ns or request.span.start_time).end(queued_ns)
@@ -181,8 +192,10 @@ class BatchTracer(BatchObserver):
 
     traces = True
 
-    def __init__(self, observer: BatchObserver, *, model: str, version: int, signature: str) -> None:
+    def __init__(self, observer: BatchObserver, tracer_: trace.Tracer, *, model: str, version: int,
+                 signature: str) -> None:
         self._observer = observer
+        self._tracer = tracer_
         self._attributes = {"model_server.model.name": model, "model_server.model.version": version,
                             "model_server.model.signature": signature}
 
@@ -212,7 +225,7 @@ class BatchTracer(BatchObserver):
             links.append(Link(request.span.get_span_context()))
         if not links:
             return
-        span = tracer().start_span("predict", context=Context(), kind=SpanKind.INTERNAL, links=links,
+        span = self._tracer.start_span("predict", context=Context(), kind=SpanKind.INTERNAL, links=links,
                                    start_time=started_ns, attributes={
                                        **self._attributes,
                                        "model_server.batch.rows": rows,

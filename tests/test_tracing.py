@@ -241,3 +241,20 @@ def test_without_a_tracer_the_engine_reports_no_predict_call():
     finally:
         batcher.close()
     assert reports.calls == []
+
+
+def test_a_predict_call_hook_that_raises_is_logged_once_and_answers_stand(caplog):
+    class Failing(_Reports):
+        def predict_call(self, traces, **kwargs) -> None:
+            raise RuntimeError("tracer down")
+
+    batcher, _entered, gate = _gated_batcher(Failing(traces=True))
+    gate.set()
+    try:
+        for _ in range(2):
+            result = batcher.predict({"x": np.full((1, 2), 3, np.float32)}, timeout_s=10, trace="request")
+            np.testing.assert_array_equal(result.outputs["y"], np.full((1, 2), 6, np.float32))
+    finally:
+        batcher.close()
+    assert [record.getMessage() for record in caplog.records if "predict_call" in record.getMessage()] == [
+        "observer hook predict_call of model 'traced' failed (logged once)"]
