@@ -126,9 +126,26 @@ def test_concurrent_requests_are_traced_and_each_predict_call_links_the_requests
 
     with concurrent.futures.ThreadPoolExecutor(len(sent)) as pool:
         batches = list(pool.map(lambda item: send(*item), sent))
+    # Refusals are traced too, with their status, and the client still gets its own error.
+    rest_refused, grpc_refused = traceparent(), traceparent()
+    assert requests.post(server.url + "/v1/models/nope:predict", json={"instances": [[1, 2, 3, 4]]},
+                         headers={"traceparent": rest_refused[0]}, timeout=60).status_code == 404
+    with pytest.raises(grpc.RpcError) as raised:
+        request = predict_pb2.PredictRequest()
+        request.model_spec.name = "nope"
+        with grpc.insecure_channel(server.grpc_target) as channel:
+            prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(
+                request, timeout=60, metadata=(("traceparent", grpc_refused[0]),))
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
     assert server.stop() == 0  # the worker flushes its spans as it exits
 
-    spans = receiver.spans
+    [rest_span] = [span for span in receiver.spans if span.trace_id.hex() == rest_refused[1]]
+    assert attributes(rest_span)["http.response.status_code"] == 404
+    [grpc_span] = [span for span in receiver.spans if span.trace_id.hex() == grpc_refused[1]]
+    assert attributes(grpc_span)["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
+    assert grpc_span.status.code == grpc_span.status.STATUS_CODE_ERROR
+
+    spans = [span for span in receiver.spans if span not in (rest_span, grpc_span)]
     assert {resource["service.name"] for resource in receiver.resources} == {"traced-test"}
     by_id = {span.span_id: span for span in spans}
     predicts = [span for span in spans if span.name == "predict"]
