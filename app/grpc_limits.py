@@ -36,7 +36,7 @@ import itertools
 import resource
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -83,11 +83,13 @@ def channel_options(settings: Settings, *, threads: int, max_bytes: int) -> list
     ]
 
 
-def build_server(settings: Settings, *, threads: int, max_bytes: int) -> grpc.Server:
-    """A worker's grpc.server with every limit above; services are added by the caller."""
+def build_server(settings: Settings, *, threads: int, max_bytes: int,
+                 interceptors: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:
+    """A worker's grpc.server with every limit above; services are added by the caller. The
+    limits' guard comes first, so that other `interceptors` (tracing) see only admitted calls."""
     calls = _CountingPool(max_workers=threads, thread_name_prefix="grpc")
     guard = _CallGuard(calls, max_calls=threads, receive_timeout_s=settings.grpc_receive_timeout_ms / 1000.0)
-    return grpc.server(calls, interceptors=[guard],
+    return grpc.server(calls, interceptors=[guard, *interceptors],
                        options=channel_options(settings, threads=threads, max_bytes=max_bytes))
 
 

@@ -336,7 +336,9 @@ class GrpcServer:
         observed = _Observed(models.requests)
         self.health = HealthServicer(models)
         # Connections, streams, metadata, calls, receive timeout, Health's own threads (app/grpc_limits.py).
-        self._server = grpc_limits.build_server(app.extensions["settings"], threads=threads, max_bytes=max_bytes)
+        tracing = app.extensions.get("tracing")
+        self._server = grpc_limits.build_server(app.extensions["settings"], threads=threads, max_bytes=max_bytes,
+                                                interceptors=tracing.grpc_interceptors() if tracing else ())
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
             PredictionServicer(models, observed, max_bytes=max_bytes), self._server)
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(models, observed), self._server)

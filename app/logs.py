@@ -203,6 +203,8 @@ class RequestRecord:
     batch_rows: int | None = None
     batch_requests: int | None = None
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    # The request's trace (app/tracing.py) when tracing is on; the engine hands it to the tracer.
+    trace: Any = None
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started

@@ -29,7 +29,7 @@ from typing import Any
 from flask import Flask
 
 from app import batcher_broken, models, padding, runtime, warmup
-from app.batching import Batcher, BatchResult, Tensors, bucket_sizes
+from app.batching import Batcher, BatchObserver, BatchResult, Tensors, bucket_sizes
 from app.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
 from app.metrics import Metrics
 from app.settings import ModelConfig, Settings, model_configs
@@ -136,7 +136,7 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
             fill_under_load=settings.batch_fill_under_load,
             buckets=buckets,
             padding=paddings[key],
-            observer=metrics.observer(config.name),
+            observer=batch_observer(metrics, settings, model, key),
             on_broken=batcher_broken,
         )
     log.info("model '%s' v%d from %s loaded in %.2f s (signatures: %s)", config.name, model.version, model.source,
@@ -149,6 +149,17 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
             servable.close(drain=False)
             raise
     return servable
+
+
+def batch_observer(metrics: Metrics, settings: Settings, model: models.LoadedModel, signature: str) -> BatchObserver:
+    """The metrics' observer of a batcher; with tracing on, inside a tracer of its predict calls."""
+    observer = metrics.observer(model.name)
+    if settings.tracing_on:
+        from app import tracing  # only when on: a server without tracing never imports it
+
+        observer = tracing.BatchTracer(observer, tracing.tracer(settings), model=model.name, version=model.version,
+                                       signature=signature)
+    return observer
 
 
 def wanted_versions(config: ModelConfig, available: list[int]) -> list[int]:
@@ -223,7 +234,8 @@ class ModelRegistry:
             return servable
 
     def predict(self, servable: Servable, inputs: Tensors, *, timeout_s: float, signature_name: str | None = None,
-                pinned: bool = False, client_gone: Callable[[], bool] | None = None) -> tuple[Servable, BatchResult]:
+                pinned: bool = False, client_gone: Callable[[], bool] | None = None,
+                trace: Any = None) -> tuple[Servable, BatchResult]:
         """Predict with one signature of the servable (serving_default by default); `client_gone`
         goes to the batcher (CancelledError when it answered True before the rows ran).
 
@@ -246,7 +258,7 @@ class ModelRegistry:
         try:
             batcher = servable.batchers[signature.name]
             return servable, batcher.predict(inputs, timeout_s=max(0.0, deadline - time.monotonic()),
-                                             client_gone=client_gone)
+                                             client_gone=client_gone, trace=trace)
         finally:
             servable.leave()
 

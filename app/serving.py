@@ -259,7 +259,7 @@ class RequestLayer:
         try:
             servable, result = self.registry.predict(servable, inputs, timeout_s=timeout_s,
                                                      signature_name=signature.name, pinned=pinned,
-                                                     client_gone=client_gone)
+                                                     client_gone=client_gone, trace=record.trace)
         except concurrent.futures.CancelledError:
             # The engine cancels a request's future only when client_gone said so (and counted it).
             raise ClientGone("the client left before its request ran") from None
@@ -424,9 +424,14 @@ def braced(names: Any) -> str:
 
 
 def init_app(app: Flask, settings: Settings, registry: ModelRegistry) -> RequestLayer:
-    layer = RequestLayer(registry, timeout_s=settings.request_timeout_ms / 1000.0,
-                         max_request_bytes=max_request_bytes(settings, registry), metrics=app.extensions["metrics"],
-                         check_method_name=settings.enable_signature_method_name_check)
+    make_layer: Callable[..., RequestLayer] = RequestLayer
+    if settings.tracing_on:
+        from app import tracing  # only when on: a server without tracing never imports it
+
+        make_layer = tracing.init_app(app, settings)
+    layer = make_layer(registry, timeout_s=settings.request_timeout_ms / 1000.0,
+                       max_request_bytes=max_request_bytes(settings, registry), metrics=app.extensions["metrics"],
+                       check_method_name=settings.enable_signature_method_name_check)
     app.extensions["serving"] = layer
     return layer
 

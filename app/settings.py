@@ -280,6 +280,18 @@ class Settings:
         "TF Serving's `--enable_model_warmup`: replay a version's `assets.extra/tf_serving_warmup_requests` "
         "before it is served; a record that fails stops the version loading ([warm-up](tls.md#warm-up)).",
         section="TensorFlow Serving")
+    tracing: str = _env(
+        "TRACING", validate_choice("off", "otlp", "console"), "off",
+        "OpenTelemetry traces of every request and predict call ([tracing](tracing.md)): `otlp` sends them "
+        "where the standard `OTEL_EXPORTER_OTLP_*` variables say (OTLP over HTTP), `console` prints them.",
+        section="Tracing")
+    otel_sdk_disabled: bool = _env(
+        "OTEL_SDK_DISABLED", validate_bool, False,
+        "The OpenTelemetry SDK's own switch: true keeps tracing off whatever `TRACING` says.", section="Tracing")
+
+    @property
+    def tracing_on(self) -> bool:
+        return self.tracing != "off" and not self.otel_sdk_disabled
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -9,6 +9,8 @@ gunicorn.conf.py, and adds to each worker, after Gunicorn installed its own sign
   nothing in the engine can catch it on purpose: only its last line of defence answers.
 - With HOLD_REPLACEMENT=1, the worker's own call to be replaced waits for SIGRTMIN, so a
   test can look at the broken worker (/readyz, /healthz) before it goes.
+- With MODULES_REPORT=<folder>, each worker writes the names of the modules it imported to
+  <folder>/<pid>.txt as it exits (what a server without tracing never imports).
 
 Production code has no such hooks: this file exists for tests only.
 """
@@ -17,6 +19,7 @@ import ctypes
 import os
 import runpy
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -53,3 +56,10 @@ def post_worker_init(worker):
     signal.signal(signal.SIGUSR2, _kill_batch_threads)
     if os.environ.get("HOLD_REPLACEMENT") == "1":
         _hold_replacement()
+
+
+def worker_exit(server, worker):
+    _real["worker_exit"](server, worker)
+    report = os.environ.get("MODULES_REPORT")
+    if report:
+        Path(report, f"{os.getpid()}.txt").write_text("\n".join(sorted(sys.modules)))

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from app.batching.execution import Executor, PredictFn
 from app.batching.fill import FillPolicy
@@ -78,27 +79,28 @@ class Batcher:
 
     # -- request threads -------------------------------------------------------------
 
-    def submit(self, inputs: Tensors, *, timeout_s: float | None = None,
-               client_gone: Callable[[], bool] | None = None) -> concurrent.futures.Future[BatchResult]:
+    def submit(self, inputs: Tensors, *, timeout_s: float | None = None, client_gone: Callable[[], bool] | None = None,
+               trace: Any = None) -> concurrent.futures.Future[BatchResult]:
         """Queue the rows; the future resolves to a BatchResult or a ServingError.
 
         `client_gone`, if given, is asked just before the request's first rows run: when it
-        answers True the request is dropped unrun (its future cancelled) and counted.
+        answers True the request is dropped unrun (its future cancelled) and counted. `trace`
+        reaches the observer's `predict_call` with every call that runs the request's rows.
         """
         rows = request_rows(inputs, max_rows=self.max_request_rows, name=self.name)
         now = self._clock()
         pending = Pending(inputs, rows, now, None if timeout_s is None else now + timeout_s, client_gone,
-                          self.padding)
+                          self.padding, trace)
         # A request abandoned (cancelled, failed, answered) stops counting against the queue at once,
         # not when the batch thread reaches it.
         pending.future.add_done_callback(lambda _future: self.queue.uncount(pending))
         self.queue.put(pending)
         return pending.future
 
-    def predict(self, inputs: Tensors, *, timeout_s: float,
-                client_gone: Callable[[], bool] | None = None) -> BatchResult:
+    def predict(self, inputs: Tensors, *, timeout_s: float, client_gone: Callable[[], bool] | None = None,
+                trace: Any = None) -> BatchResult:
         """Submit and wait, at most timeout_s; the request is dropped unrun if it expires queued."""
-        future = self.submit(inputs, timeout_s=timeout_s, client_gone=client_gone)
+        future = self.submit(inputs, timeout_s=timeout_s, client_gone=client_gone, trace=trace)
         try:
             return future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:

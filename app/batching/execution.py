@@ -43,6 +43,8 @@ class Executor:
         self.bisect_failures = bisect_failures
         self._predict_fn = predict_fn
         self._observer = observer
+        # Read once: without a tracer, nothing per call gathers the requests' traces.
+        self._traces = observer.traces
         self._clock = clock
         # Requests queued behind the batch, read as each call returns: they waited through it.
         self._waiting = waiting
@@ -99,8 +101,20 @@ class Executor:
         if padded > rows:
             inputs = pad_rows(inputs, padded)
         started = self._clock()
-        outputs = check_outputs(self._predict_fn(inputs), padded)
-        return outputs, rows, padded, self._clock() - started, cut
+        try:
+            outputs = check_outputs(self._predict_fn(inputs), padded)
+        except Exception as exc:
+            if self._traces:
+                self._trace(part, rows, padded, self._clock() - started, exc)
+            raise
+        predict_s = self._clock() - started
+        if self._traces:
+            self._trace(part, rows, padded, predict_s, None)
+        return outputs, rows, padded, predict_s, cut
+
+    def _trace(self, part: list[Slice], rows: int, padded: int, predict_s: float, error: Exception | None) -> None:
+        self._observer.predict_call([piece.pending.trace for piece in part], rows=rows, padded_rows=padded - rows,
+                                    predict_s=predict_s, error=error)
 
 
 def _slice_back(part: list[Slice], outputs: dict[str, np.ndarray], rows: int, cut: LengthCut | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -15,7 +16,13 @@ class BatchObserver:
     queued rows in the order they changed: a gauge set from it never ends on a stale value.
     `rejected` hears of every request refused or dropped, with its reason: `queue_full`,
     `shutting_down`, `deadline`, `client_gone`.
+
+    `predict_call` is called only where `traces` is true (a tracer): after every predict call,
+    answered or failed, with the `trace` each of its requests was submitted with. Left false,
+    the engine does not even gather them.
     """
+
+    traces = False
 
     def queue_depth(self, rows: int) -> None:
         pass
@@ -32,6 +39,10 @@ class BatchObserver:
     def rejected(self, reason: str) -> None:
         pass
 
+    def predict_call(self, traces: list[Any], *, rows: int, padded_rows: int, predict_s: float,
+                     error: BaseException | None) -> None:
+        pass
+
 
 class GuardedObserver(BatchObserver):
     """Calls an observer's hooks; one that raises is logged, once per hook, and ignored.
@@ -43,6 +54,7 @@ class GuardedObserver(BatchObserver):
         self._observer = observer
         self._name = name
         self._failed: set[str] = set()
+        self.traces = observer.traces
 
     # Each hook calls its own: these run on every request's path, where a generic
     # getattr-and-forward layer costs more than the hook itself.
@@ -75,6 +87,13 @@ class GuardedObserver(BatchObserver):
             self._observer.rejected(reason)
         except Exception:
             self._log_once("observer hook rejected")
+
+    def predict_call(self, traces: list[Any], *, rows: int, padded_rows: int, predict_s: float,
+                     error: BaseException | None) -> None:
+        try:
+            self._observer.predict_call(traces, rows=rows, padded_rows=padded_rows, predict_s=predict_s, error=error)
+        except Exception:
+            self._log_once("observer hook predict_call")
 
     def guarded(self, what: str, call: Callable[[], bool]) -> bool:
         """call(), or False where it raises (logged once): for the callers' own predicates."""

@@ -27,10 +27,11 @@ class Pending:
     """One submitted request: its rows, its future, and how far the batch thread got."""
 
     __slots__ = ("inputs", "future", "rows", "key", "enqueued_at", "deadline", "client_gone", "next_row", "parts",
-                 "started", "counted")
+                 "started", "counted", "trace")
 
     def __init__(self, inputs: Tensors, rows: int, enqueued_at: float, deadline: float | None,
-                 client_gone: Callable[[], bool] | None = None, padding: Padding | None = None) -> None:
+                 client_gone: Callable[[], bool] | None = None, padding: Padding | None = None,
+                 trace: Any = None) -> None:
         self.inputs = inputs
         self.future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
         self.rows = rows
@@ -44,6 +45,8 @@ class Pending:
         self.parts: list[Mapping[str, np.ndarray]] = []
         # Rows of this request still counted against max_queue_rows (changed under the queue's mutex).
         self.counted = 0
+        # The request's trace, opaque to the engine: handed to an observer that traces predict calls.
+        self.trace = trace
 
     @property
     def remaining(self) -> int:

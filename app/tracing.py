@@ -1,0 +1,333 @@
+"""OpenTelemetry tracing of requests and predict calls; imported only when TRACING is on.
+
+Spans (docs/tracing.md is the manual):
+
+    request (SERVER: REST "POST /v1/models/<model_name:name>:predict", gRPC its full method)
+      ├─ decode      from the model's lookup to the queueing of the rows: body, parse, tensors
+      ├─ queue wait  from the queueing to the start of the predict call that runs the first rows
+      └─ encode      from the answer to the end of the front door: shaping and the response body
+    predict         one per predict call (a trace of its own), LINKED to each request it served
+
+A request continues the W3C `traceparent` it came with (the propagators OTEL_PROPAGATORS
+names, tracecontext and baggage by default). A predict call serves many requests, so it
+cannot be the child of one: its span starts a trace of its own with a link to each.
+
+Nothing here runs unless TRACING is on: app/serving.py then picks `TracedRequestLayer`,
+app/registry.py wraps each batcher's observer in a `BatchTracer`, and `init_app` puts the
+REST layer around the WSGI app and hands gRPC its interceptor. Off, no module of tracing
+is imported and a request's path holds no call of it.
+
+The batch thread is the server's one serial section, so it does the least: one span per
+call, built after the call with its links, and a timestamp on each request's trace; the
+queue-wait span is made by the request's own thread once its answer arrives.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+import grpc
+import numpy as np
+from flask import Flask
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.propagators.textmap import Getter
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
+
+from app.batching import BatchObserver
+from app.logs import PROBE_PATHS, RequestRecord
+from app.metrics import ROUTE_KEY
+from app.models import Signature
+from app.registry import Servable
+from app.serving import Answer, ClientGonePredicate, ModelSpec, RequestLayer
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SERVICE_NAME = "model-server"
+
+# The trace of the request this thread serves, set by the front door's layer.
+_current: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar("model_server_trace", default=None)
+_provider: TracerProvider | None = None
+_tracer: trace.Tracer | None = None
+
+
+class RequestTrace:
+    """One traced request: its span, and the marks its child spans are made from."""
+
+    __slots__ = ("span", "context", "resolved_ns", "predict_started_ns", "encode")
+
+    def __init__(self, span: trace.Span) -> None:
+        self.span = span
+        self.context = trace.set_span_in_context(span)
+        self.resolved_ns: int | None = None
+        # Set by the batch thread when the first predict call that runs the request's rows starts.
+        self.predict_started_ns: int | None = None
+        self.encode: trace.Span | None = None
+
+    def end(self) -> None:
+        if self.encode is not None:
+            self.encode.end()
+        self.span.end()
+
+
+# -- the provider: one per process (a Gunicorn worker makes it after the fork) ------------------
+
+
+def provider(settings: Settings) -> TracerProvider:
+    """This process's TracerProvider, made on first use. The SDK reads the OTEL_* variables:
+    the sampler, the batch processor's delays and sizes, the exporter's endpoint and headers.
+
+    The provider shuts down at the process's exit (the SDK's own atexit handler), which exports
+    the spans still waiting: a Gunicorn worker gets there after worker_exit drained its batchers,
+    so the last requests' spans are in."""
+    global _provider, _tracer
+    if _provider is None:
+        _provider = TracerProvider(resource=_resource())
+        # Asked for once: get_tracer builds a new Tracer (and checks its arguments) on every call.
+        _tracer = _provider.get_tracer(__name__)
+        _provider.add_span_processor(BatchSpanProcessor(_exporter(settings.tracing)))
+        log.info("tracing on: %s exporter, service %s, pid %d", settings.tracing,
+                 _provider.resource.attributes.get(SERVICE_NAME), os.getpid())
+    return _provider
+
+
+def _resource() -> Resource:
+    resource = Resource.create({"process.pid": os.getpid()})
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
+    return resource
+
+
+def _exporter(kind: str) -> SpanExporter:
+    if kind == "console":
+        return ConsoleSpanExporter()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
+
+
+def tracer(settings: Settings) -> trace.Tracer:
+    """The tracer of this process's provider (made by whichever part asks first)."""
+    provider(settings)
+    assert _tracer is not None
+    return _tracer
+
+
+class Tracing:
+    """The app's tracing: its tracer, and the interceptor app/grpc_server.py gives its server."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.provider = provider(settings)
+        self.tracer = tracer(settings)
+
+    def grpc_interceptors(self) -> list[grpc.ServerInterceptor]:
+        return [_GrpcTracing(self.tracer)]
+
+
+def init_app(app: Flask, settings: Settings) -> Callable[..., RequestLayer]:
+    """Trace `app`'s requests: the REST layer around it, the gRPC interceptor for app/grpc_server.py;
+    returns what makes the request layer, one that makes the child spans."""
+    tracing = Tracing(settings)
+    app.extensions["tracing"] = tracing
+    app.wsgi_app = _RestTracing(app.wsgi_app, tracing.tracer)  # type: ignore[method-assign]
+    return functools.partial(TracedRequestLayer, tracer_=tracing.tracer)
+
+
+# -- the request layer: decode, queue wait and encode ----------------------------------------
+
+
+class TracedRequestLayer(RequestLayer):
+    def __init__(self, *args: Any, tracer_: trace.Tracer, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tracer = tracer_
+
+    def model(self, spec: ModelSpec, record: RequestRecord | None = None) -> Any:
+        request = _current.get()
+        if request is not None and request.resolved_ns is None:
+            request.resolved_ns = time.time_ns()
+        return super().model(spec, record)
+
+    def predict(self, servable: Servable, signature: Signature, inputs: dict[str, np.ndarray], *,
+                record: RequestRecord, pinned: bool, client_timeout_s: float | None = None,
+                client_gone: ClientGonePredicate | None = None) -> Answer:
+        request = _current.get()
+        if request is None or not request.span.is_recording():
+            return super().predict(servable, signature, inputs, record=record, pinned=pinned,
+                                   client_timeout_s=client_timeout_s, client_gone=client_gone)
+        tracer_ = self._tracer
+        queued_ns = time.time_ns()
+        tracer_.start_span("decode", context=request.context,
+                           start_time=request.resolved_ns or cast(ReadableSpan, request.span).start_time).end(queued_ns)
+        record.trace = request
+        try:
+            answer = super().predict(servable, signature, inputs, record=record, pinned=pinned,
+                                     client_timeout_s=client_timeout_s, client_gone=client_gone)
+        finally:
+            # Ends where the first predict call serving it began, or now if none did (refused, expired).
+            tracer_.start_span("queue wait", context=request.context,
+                               start_time=queued_ns).end(request.predict_started_ns or time.time_ns())
+        request.span.set_attributes({
+            "model_server.model.name": answer.servable.model.name,
+            "model_server.model.version": answer.servable.model.version,
+            "model_server.model.signature": answer.signature.name,
+            "model_server.request.rows": record.rows or 0,
+            "model_server.batch.rows": answer.batch_rows,
+            "model_server.batch.requests": answer.batch_requests,
+        })
+        request.encode = tracer_.start_span("encode", context=request.context)
+        return answer
+
+
+# -- the batch thread: one span per predict call -------------------------------------------
+
+
+class BatchTracer(BatchObserver):
+    """A batcher's observer (metrics) with its predict calls traced, each linked to its requests."""
+
+    traces = True
+
+    def __init__(self, observer: BatchObserver, tracer_: trace.Tracer, *, model: str, version: int,
+                 signature: str) -> None:
+        self._observer = observer
+        self._tracer = tracer_
+        self._attributes: dict[str, AttributeValue] = {"model_server.model.name": model, "model_server.model.version": version,
+                            "model_server.model.signature": signature}
+
+    def queue_depth(self, rows: int) -> None:
+        self._observer.queue_depth(rows)
+
+    def queue_wait(self, seconds: float) -> None:
+        self._observer.queue_wait(seconds)
+
+    def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
+        self._observer.batch_done(rows=rows, requests=requests, padded_rows=padded_rows, predict_s=predict_s)
+
+    def rejected(self, reason: str) -> None:
+        self._observer.rejected(reason)
+
+    def predict_call(self, traces: list[Any], *, rows: int, padded_rows: int, predict_s: float,
+                     error: BaseException | None) -> None:
+        # Called as the call returns: its start is now less its duration, on the spans' clock.
+        ended_ns = time.time_ns()
+        started_ns = ended_ns - int(predict_s * 1e9)
+        links = []
+        for request in traces:
+            if request is None:
+                continue
+            if request.predict_started_ns is None:
+                request.predict_started_ns = started_ns
+            links.append(Link(request.span.get_span_context()))
+        if not links:
+            return
+        span = self._tracer.start_span("predict", context=Context(), kind=SpanKind.INTERNAL, links=links,
+                                   start_time=started_ns, attributes={
+                                       **self._attributes,
+                                       "model_server.batch.rows": rows,
+                                       "model_server.batch.padded_rows": padded_rows,
+                                       "model_server.batch.requests": len(traces),
+                                   })
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        span.end(ended_ns)
+
+
+# -- front doors: the request span -------------------------------------------------------------
+
+
+class _EnvironGetter(Getter[dict]):
+    """Reads a propagator's headers (traceparent, tracestate, baggage) from a WSGI environ."""
+
+    def get(self, carrier: dict, key: str) -> list[str] | None:
+        value = carrier.get("HTTP_" + key.upper().replace("-", "_"))
+        return None if value is None else [value]
+
+    def keys(self, carrier: dict) -> list[str]:
+        return [key[5:].lower().replace("_", "-") for key in carrier if key.startswith("HTTP_")]
+
+
+_ENVIRON = _EnvironGetter()
+
+
+class _RestTracing:
+    """WSGI layer: a SERVER span per request (probes left out), continuing the client's trace."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]], tracer_: trace.Tracer) -> None:
+        self.app = app
+        self.tracer = tracer_
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path in PROBE_PATHS:
+            return self.app(environ, start_response)
+        method = environ.get("REQUEST_METHOD", "")
+        span = self.tracer.start_span(method, context=propagate.extract(environ, getter=_ENVIRON),
+                                      kind=SpanKind.SERVER,
+                                      attributes={"http.request.method": method, "url.path": path})
+        request = RequestTrace(span)
+        token = _current.set(request)
+
+        def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            code = int(status[:3])
+            span.set_attribute("http.response.status_code", code)
+            if code >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+            return start_response(status, headers, exc_info)
+
+        try:
+            return self.app(environ, start)
+        finally:
+            _current.reset(token)
+            route = environ.get(ROUTE_KEY)
+            if route:
+                span.update_name(f"{method} {route}")
+                span.set_attribute("http.route", route)
+            request.end()
+
+
+class _GrpcTracing(grpc.ServerInterceptor):
+    """A SERVER span per unary call but health checks, continuing the trace in its metadata."""
+
+    def __init__(self, tracer_: trace.Tracer) -> None:
+        self.tracer = tracer_
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        method = details.method
+        if handler is None or handler.unary_unary is None or method.startswith("/grpc.health."):
+            return handler
+        inner = handler.unary_unary
+        parent = propagate.extract(dict(details.invocation_metadata or ()))
+        service, _, name = method.lstrip("/").rpartition("/")
+
+        def traced(request: Any, context: grpc.ServicerContext) -> Any:
+            span = self.tracer.start_span(method.lstrip("/"), context=parent, kind=SpanKind.SERVER, attributes={
+                "rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+            traced_request = RequestTrace(span)
+            token = _current.set(traced_request)
+            code = grpc.StatusCode.OK
+            try:
+                return inner(request, context)
+            except Exception:
+                # The front door ends a refused call with context.abort(), which raises.
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            finally:
+                _current.reset(token)
+                span.set_attribute("rpc.grpc.status_code", code.value[0])
+                if code != grpc.StatusCode.OK:
+                    span.set_status(Status(StatusCode.ERROR, code.name))
+                traced_request.end()
+
+        return grpc.unary_unary_rpc_method_handler(traced, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
