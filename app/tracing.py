@@ -201,8 +201,9 @@ class BatchTracer(BatchObserver):
                  signature: str) -> None:
         self._observer = observer
         self._tracer = tracer_
-        self._attributes: dict[str, AttributeValue] = {"model_server.model.name": model, "model_server.model.version": version,
-                            "model_server.model.signature": signature}
+        self._attributes: dict[str, AttributeValue] = {
+            "model_server.model.name": model, "model_server.model.version": version,
+            "model_server.model.signature": signature}
 
     def queue_depth(self, rows: int) -> None:
         self._observer.queue_depth(rows)
