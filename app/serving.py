@@ -192,7 +192,8 @@ class RequestLayer:
     def predict(self, servable: Servable, signature: Signature, inputs: dict[str, np.ndarray], *,
                 record: RequestRecord, pinned: bool, client_timeout_s: float | None = None) -> Answer:
         """Queue the rows on the signature's batcher and wait for them, within the deadline."""
-        record.rows = next(iter(inputs.values())).shape[0]
+        # An unbatched signature's request (no inputs, or no batch dimension) is one item.
+        record.rows = next(iter(inputs.values())).shape[0] if signature.batchable else 1
         timeout_s = self.deadline_s(client_timeout_s)
         servable, result = self.registry.predict(servable, inputs, timeout_s=timeout_s,
                                                  signature_name=signature.name, pinned=pinned)

@@ -35,10 +35,12 @@ class Executor:
     """Runs batches through one predict function; only the batch thread calls it."""
 
     def __init__(self, predict_fn: PredictFn, *, name: str, buckets: Sequence[int], bisect_failures: bool,
-                 observer: BatchObserver, clock: Callable[[], float], waiting: Callable[[], int]) -> None:
+                 whole: bool = False, observer: BatchObserver, clock: Callable[[], float],
+                 waiting: Callable[[], int]) -> None:
         self.name = name
         self.buckets = tuple(buckets)
         self.bisect_failures = bisect_failures
+        self.whole = whole
         self._predict_fn = predict_fn
         self._observer = observer
         self._clock = clock
@@ -75,7 +77,10 @@ class Executor:
                     self.fail(part, error)
                 continue
             self._observer.batch_done(rows=rows, requests=len(part), padded_rows=padded - rows, predict_s=predict_s)
-            _slice_back(part, outputs, rows)
+            if self.whole:
+                part[0].pending.deliver(outputs, rows, 1, done=True)
+            else:
+                _slice_back(part, outputs, rows)
         return stats
 
     def fail(self, part: list[Slice], error: ServingError) -> None:
@@ -84,6 +89,11 @@ class Executor:
             settle(piece.pending.future, exception=error)
 
     def _predict(self, part: list[Slice]) -> tuple[dict[str, np.ndarray], int, int, float]:
+        if self.whole:
+            started = self._clock()
+            answer = self._predict_fn(dict(part[0].pending.inputs))
+            outputs = {name: np.asarray(value) for name, value in answer.items()}
+            return outputs, 1, 1, self._clock() - started
         inputs = join_rows([(piece.pending.inputs, piece.start, piece.stop) for piece in part])
         rows = sum(piece.rows for piece in part)
         padded = next(size for size in self.buckets if size >= rows)
