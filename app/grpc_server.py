@@ -39,6 +39,7 @@ from tensorflow_serving.apis import (
     classification_pb2,
     get_model_metadata_pb2,
     get_model_status_pb2,
+    model_management_pb2,
     model_service_pb2_grpc,
     predict_pb2,
     prediction_service_pb2_grpc,
@@ -46,7 +47,7 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import errors, metadata, tensor_proto
+from app import errors, metadata, tensor_proto, tfs_flags
 from app.errors import SignatureNotFound
 from app.logs import RequestRecord, accept_request_id
 from app.models import LoadedModel, Signature
@@ -169,7 +170,8 @@ def decode_inputs(request: Any, model: Signature, *, max_rows: int, max_bytes: i
 
 
 class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
-    def __init__(self, layer: RequestLayer, observed: _Observed, *, max_bytes: int) -> None:
+    def __init__(self, layer: RequestLayer, observed: _Observed, *, max_bytes: int,
+                 tensor_content: bool = False) -> None:
         # MultiInference stays the base class's UNIMPLEMENTED.
         self.Predict = observed("/tensorflow.serving.PredictionService/Predict", self._predict)
         self.Classify = observed("/tensorflow.serving.PredictionService/Classify", self._classify)
@@ -177,6 +179,7 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         self.GetModelMetadata = observed("/tensorflow.serving.PredictionService/GetModelMetadata", self._metadata)
         self._layer = layer
         self._max_bytes = max_bytes
+        self._tensor_content = tensor_content
 
     def _servable(self, request: Any, record: RequestRecord) -> tuple[Servable, ModelSpec]:
         if not request.HasField("model_spec"):
@@ -194,7 +197,8 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         response = predict_pb2.PredictResponse()
         _set_model_spec(response.model_spec, answer.servable.model, signature.name)
         for output in outputs:
-            tensor_proto.from_ndarray(answer.outputs[output.name], output.tf_dtype, response.outputs[output.name])
+            tensor_proto.from_ndarray(answer.outputs[output.name], output.tf_dtype, response.outputs[output.name],
+                                      tensor_content=self._tensor_content)
         return response
 
     def _examples(self, request: Any, record: RequestRecord, context: grpc.ServicerContext,
@@ -245,9 +249,25 @@ _ERROR_CODES = status_pb2.StatusProto.DESCRIPTOR.fields_by_name["error_code"].en
 
 class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     def __init__(self, layer: RequestLayer, observed: _Observed) -> None:
-        # HandleReloadConfigRequest stays the base class's UNIMPLEMENTED: models come from settings.
         self.GetModelStatus = observed("/tensorflow.serving.ModelService/GetModelStatus", self._status)
+        self.HandleReloadConfigRequest = observed("/tensorflow.serving.ModelService/HandleReloadConfigRequest",
+                                                  self._reload)
         self._layer = layer
+
+    def _reload(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        """Serve the models of request.config, live; this worker's models only (see docs/tf-serving.md)."""
+        if request.config.WhichOneof("config") != "model_config_list":
+            # TF Serving's words (model_servers/model_service_impl.cc).
+            raise errors.BadRequest("ServerModelConfig type not supported by HandleReloadConfigRequest. "
+                                    "Only ModelConfigList is currently supported")
+        try:
+            document = tfs_flags.model_config_document(request.config)
+        except tfs_flags.FlagError as exc:
+            raise errors.BadRequest(str(exc)) from None
+        self._layer.registry.reload(document, "ReloadConfigRequest")
+        response = model_management_pb2.ReloadConfigResponse()
+        response.status.error_code = _ERROR_CODES["OK"].number
+        return response
 
     def _status(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
         if not request.HasField("model_spec"):
@@ -300,7 +320,8 @@ class GrpcServer:
             options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", max_bytes)],
         )
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
-            PredictionServicer(models, observed, max_bytes=max_bytes), self._server)
+            PredictionServicer(models, observed, max_bytes=max_bytes,
+                               tensor_content=app.extensions["settings"].grpc_tensor_content), self._server)
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(models, observed), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         try:

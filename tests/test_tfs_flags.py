@@ -64,8 +64,6 @@ def test_flags_take_tensorflows_forms():
     (["--grpc_socket_path=/tmp/grpc.sock"], "--grpc_socket_path=/tmp/grpc.sock is not supported"),
     (["--ssl_config_file=/etc/ssl.conf"], "--ssl_config_file=/etc/ssl.conf is not supported"),
     (["--monitoring_config_file=/m.txt"], "--monitoring_config_file=/m.txt is not supported"),
-    (["--enable_serialization_as_tensor_content"], "--enable_serialization_as_tensor_content=true is not supported"),
-    (["--model_config_file_poll_wait_seconds=60"], "--model_config_file_poll_wait_seconds=60 is not supported"),
     (["--port=http"], "--port=http: invalid literal"),
     (["--model_name"], "--model_name needs a value"),
     (["--enable_batching=maybe"], "--enable_batching=maybe: expected true or false"),
@@ -91,6 +89,22 @@ def test_a_model_server_config_becomes_our_json_model_config(tmp_path):
         {"name": "half_plus_two", "path": "/models/half_plus_two"},
         {"name": "half_plus_three", "path": "/models/half_plus_three"}], "default": "half_plus_two"}
     assert "MODEL_PATH" not in env
+
+
+def test_a_polled_model_server_config_is_read_from_the_file_itself():
+    """The poll reads the file again, so MODEL_CONFIG names it rather than a JSON copy made once."""
+    env = env_for(["--model_config_file=/cfg/models.conf", "--model_config_file_poll_wait_seconds=60"],
+                  {"/cfg/models.conf": GOOD_MODEL_CONFIG})
+    assert (env["MODEL_CONFIG"], env["MODEL_CONFIG_POLL_SECONDS"]) == ("/cfg/models.conf", "60")
+    with pytest.raises(FlagError, match="Error parsing text-format"):
+        env_for(["--model_config_file=/cfg/bad.conf", "--model_config_file_poll_wait_seconds=60"],
+                {"/cfg/bad.conf": "improperly formatted file"})
+
+
+def test_tensor_content_flag_sets_grpc_tensor_content():
+    env = env_for(["--model_base_path=/m", "--enable_serialization_as_tensor_content"])
+    assert env["GRPC_TENSOR_CONTENT"] == "true"
+    assert "GRPC_TENSOR_CONTENT" not in env_for(["--model_base_path=/m"])
 
 
 def test_version_policies_and_labels_carry_over():
