@@ -192,8 +192,9 @@ class RequestLayer:
     def predict(self, servable: Servable, signature: Signature, inputs: dict[str, np.ndarray], *,
                 record: RequestRecord, pinned: bool, client_timeout_s: float | None = None) -> Answer:
         """Queue the rows on the signature's batcher and wait for them, within the deadline."""
-        # An unbatched signature's request (no inputs, or no batch dimension) is one item.
-        record.rows = next(iter(inputs.values())).shape[0] if signature.batchable else 1
+        # A request with no inputs, or a scalar one (an unbatched signature's), is one item.
+        first = next(iter(inputs.values()), None)
+        record.rows = first.shape[0] if first is not None and first.ndim else 1
         timeout_s = self.deadline_s(client_timeout_s)
         servable, result = self.registry.predict(servable, inputs, timeout_s=timeout_s,
                                                  signature_name=signature.name, pinned=pinned)

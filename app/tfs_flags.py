@@ -101,9 +101,9 @@ def _flags() -> dict[str, Flag]:
         ("skip_initialize_tpu", _bool, False, ACCEPTED, "no effect"),
         ("enable_signature_method_name_check", _bool, False, ACCEPTED,
          "Classify and Regress check the method name either way (until issue #26 item 4)"),
-        ("enable_serialization_as_tensor_content", _bool, False, REFUSED,
-         "true refused until the gRPC servicer passes the setting through"),
-        ("model_config_file_poll_wait_seconds", _int, 0, REFUSED, "above 0 refused: no config reload yet"),
+        ("enable_serialization_as_tensor_content", _bool, False, MAPPED, "GRPC_TENSOR_CONTENT"),
+        ("model_config_file_poll_wait_seconds", _int, 0, MAPPED,
+         "MODEL_CONFIG_POLL_SECONDS; above 0, MODEL_CONFIG is the file itself, read again at each poll"),
         ("grpc_socket_path", _text, "", REFUSED, "no gRPC on a Unix socket"),
         ("grpc_channel_arguments", _text, "", REFUSED, "no gRPC channel arguments"),
         ("ssl_config_file", _text, "", REFUSED, "no TLS for gRPC"),
@@ -174,6 +174,11 @@ def model_config_json(text: str) -> dict[str, Any]:
     except text_format.ParseError as exc:
         # TF Serving's own words, which its test looks for.
         raise FlagError(f"Error parsing text-format tensorflow.serving.ModelServerConfig: {exc}") from None
+    return model_config_document(config)
+
+
+def model_config_document(config: Any) -> dict[str, Any]:
+    """A ModelServerConfig message, as our MODEL_CONFIG JSON document."""
     if config.HasField("custom_model_config"):
         raise FlagError("--model_config_file: custom_model_config is not supported; use model_config_list")
     models = []
@@ -291,9 +296,16 @@ def environment(values: Mapping[str, Any], *, read: Callable[[str], str], config
         env["REQUEST_TIMEOUT_MS"] = str(value("rest_api_timeout_in_ms"))
     if value("rest_api_num_threads"):
         env["THREADS"] = str(value("rest_api_num_threads"))
+    if value("enable_serialization_as_tensor_content"):
+        env["GRPC_TENSOR_CONTENT"] = "true"
     env["MODEL_POLL_SECONDS"] = str(value("file_system_poll_wait_seconds"))
     env["BATCHING"] = "true" if value("enable_batching") else "false"
-    if value("model_config_file"):
+    if value("model_config_file") and value("model_config_file_poll_wait_seconds") > 0:
+        # Read again at each poll, so the file itself, checked now.
+        model_config_json(_read(read, value("model_config_file"), "model_config_file"))
+        env["MODEL_CONFIG"] = os.path.abspath(value("model_config_file"))
+        env["MODEL_CONFIG_POLL_SECONDS"] = str(value("model_config_file_poll_wait_seconds"))
+    elif value("model_config_file"):
         config = model_config_json(_read(read, value("model_config_file"), "model_config_file"))
         path = os.path.join(config_dir, "model_config.json")
         with open(path, "w", encoding="utf-8") as config_file:
@@ -327,7 +339,15 @@ def _read_file(path: str) -> str:
         return config_file.read()
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def gunicorn_command(env: Mapping[str, str], also_bind: Sequence[str] = ()) -> list[str]:
+    """The Gunicorn command line; `also_bind`: addresses served beside BIND (given as -b, which
+    replaces gunicorn.conf.py's single BIND)."""
+    extra = [address for address in also_bind if address != env["BIND"]]
+    binds = [arg for address in (env["BIND"], *extra) for arg in ("-b", address)] if extra else []
+    return [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", *binds, "wsgi:app"]
+
+
+def main(argv: Sequence[str] | None = None, *, also_bind: Sequence[str] = ()) -> None:
     """Translate the flags and replace this process with Gunicorn, run from the repository."""
     try:
         env = environment(parse_flags(sys.argv[1:] if argv is None else argv), read=_read_file,
@@ -337,8 +357,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"tensorflow_model_server flags: {exc}")
     repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     os.chdir(repository)
-    command = [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"]
-    os.execve(sys.executable, command, {**os.environ, **env})
+    os.execve(sys.executable, gunicorn_command(env, also_bind), {**os.environ, **env})
 
 
 if __name__ == "__main__":
