@@ -12,7 +12,7 @@ TF Serving's image starts `tensorflow_model_server --port=8500 --rest_api_port=8
 this one, through app.tfs_flags, once a TF Serving variable or a flag asks for it: a
 MODEL_BASE_PATH, or a MODEL_NAME other than this server's own default name (`default`, which
 docker-compose.yml passes), with neither MODEL_PATH nor MODEL_CONFIG. REST then also answers on
-8000, where the image's HEALTHCHECK asks. Any other command runs as given.
+BIND (8000 unless set), where the image's HEALTHCHECK asks. Any other command runs as given.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from app import tfs_flags
 DEFAULT_MODEL_NAME = "model"
 DEFAULT_MODEL_BASE_PATH = "/models"
 SERVER_COMMAND = ("gunicorn", "-c", "gunicorn.conf.py", "wsgi:app")
+# Where the image's HEALTHCHECK asks: BIND, as gunicorn.conf.py reads it.
 HEALTHCHECK_BIND = "0.0.0.0:8000"
 
 
@@ -51,7 +52,7 @@ def main() -> None:
     argv = sys.argv[1:]
     flags = tf_serving_flags(argv, os.environ)
     if flags is not None:
-        tfs_flags.main(flags, also_bind=(HEALTHCHECK_BIND,))
+        tfs_flags.main(flags, also_bind=(os.environ.get("BIND") or HEALTHCHECK_BIND,))
     if not argv:
         argv = list(SERVER_COMMAND)
     os.execvp(argv[0], argv)
