@@ -194,18 +194,24 @@ class ModelRegistry:
         assert self._settings is not None and self._metrics is not None
         available = models.available_versions(config.path) if config.path else []
         with self._changing:
-            if available:
-                wanted = wanted_versions(config, available)
-                if not wanted:
-                    raise models.ModelLoadError(f"model '{config.name}': its model_version_policy "
-                                                f"{config.version_policy} wants none of the versions in "
-                                                f"{config.path!r}: {available}")
-                for version in wanted:
-                    self.add(load_servable(config, self._settings, self._metrics, version))
-            else:
-                self.add(load_servable(config, self._settings, self._metrics))
+            try:
+                if available:
+                    wanted = wanted_versions(config, available)
+                    if not wanted:
+                        raise models.ModelLoadError(f"model '{config.name}': its model_version_policy "
+                                                    f"{config.version_policy} wants none of the versions in "
+                                                    f"{config.path!r}: {available}")
+                    for version in wanted:
+                        self.add(load_servable(config, self._settings, self._metrics, version))
+                else:
+                    self.add(load_servable(config, self._settings, self._metrics))
+                self.label(config)
+            except Exception:
+                # Served in full or not at all: a live reload must not leave versions no config names.
+                for version in self.versions(config.name):
+                    self.retire(config.name, version)
+                raise
             self.configs[config.name] = config
-            self.label(config)
 
     def label(self, config: ModelConfig) -> None:
         labels = dict(config.version_labels)

@@ -138,6 +138,13 @@ def test_a_bad_reload_is_refused_with_invalid_argument_and_the_rest_applies(chan
                                      ("gone", str(tmp_path / "nothing"), None, {})]))
     assert missing.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "model 'gone'" in missing.value.details()
+    with pytest.raises(grpc.RpcError) as bad_label:
+        reload(channel, config_text([("a", paths["two"], [VERSION], {}), ("d", paths["three"], None, {"x": 999})]))
+    assert bad_label.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'x' names version 999, which is not served" in bad_label.value.details()
+    with pytest.raises(grpc.RpcError) as unserved:
+        predict(channel, "d", 2.0)  # loaded, then unloaded: served in full or not at all
+    assert unserved.value.code() == grpc.StatusCode.NOT_FOUND
     assert y_and_version(predict(channel, "a", 0.0)) == ([2.0], VERSION)
     assert states(channel, "a")[VERSION + 1] == "END"
 
