@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from flask import Flask
@@ -272,8 +273,9 @@ class ModelRegistry:
             return [config for config in self.configs.values()
                     if config.path and models.available_versions(config.path)]
 
-    def sync_versions(self, config: ModelConfig) -> None:
-        """Load the versions the policy newly wants; retire those it no longer wants."""
+    def sync_versions(self, config: ModelConfig, *, stopped: Callable[[], bool] = lambda: False) -> None:
+        """Load the versions the policy newly wants; retire those it no longer wants. `stopped`
+        ends it early (the server is stopping), between loads and dropping one just made."""
         assert self._settings is not None and self._metrics is not None
         with self._changing:
             if self.configs.get(config.name) is not config:
@@ -283,6 +285,8 @@ class ModelRegistry:
                 return  # an emptied folder is more likely a mistake than a wish to serve nothing
             served = self.versions(config.name)
             for version in wanted:
+                if stopped():
+                    return
                 if version in served or (config.name, version) in self._failed:
                     continue
                 self.set_state(config.name, version, LOADING)
@@ -293,6 +297,9 @@ class ModelRegistry:
                     self.set_state(config.name, version, END, f"{type(exc).__name__}: {exc}"[:1000])
                     log.exception("cannot load version %d of model '%s'; serving %s", version, config.name, served)
                     continue
+                if stopped():
+                    servable.close(drain=False)
+                    return
                 self.add(servable)
             # Retire only what the policy dropped, and never the last version served: as TF
             # Serving's availability-preserving policy, a failed load keeps the old one.
@@ -461,7 +468,7 @@ class VersionPoller(_Poller):
             if self._stopped.is_set():
                 return
             try:
-                self._registry.sync_versions(config)
+                self._registry.sync_versions(config, stopped=self._stopped.is_set)
             except Exception:
                 log.exception("version check of model '%s' failed", config.name)
 

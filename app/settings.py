@@ -275,7 +275,7 @@ def model_configs(settings: Settings) -> list[ModelConfig]:
         with open(settings.model_config, "rb") as config_file:
             content = config_file.read()
     except OSError as exc:
-        raise SettingsError(f"{where}: cannot read it: {exc}") from None
+        raise SettingsError(f"{where}: cannot read it as JSON: {exc}") from None
     try:
         document = json.loads(content)
     except ValueError as exc:
