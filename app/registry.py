@@ -278,8 +278,8 @@ class ModelRegistry:
         ends it early (the server is stopping), between loads and dropping one just made."""
         assert self._settings is not None and self._metrics is not None
         with self._changing:
-            if self.configs.get(config.name) is not config:
-                return  # removed or replaced while the poll had it
+            if self.configs.get(config.name) is not config or not config.path:
+                return  # removed or replaced while the poll had it, or no folder to poll
             wanted = wanted_versions(config, models.available_versions(config.path))
             if not wanted:
                 return  # an emptied folder is more likely a mistake than a wish to serve nothing
