@@ -20,8 +20,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN groupadd --system --gid 10001 app \
     && useradd --system --uid 10001 --gid app --create-home --home-dir /home/app app
 WORKDIR /srv/model-server
-# How every target below runs, unless it says otherwise: HTTP, and gRPC (GRPC_BIND).
-EXPOSE 8000 8500
+# How every target below runs, unless it says otherwise: HTTP, and gRPC (GRPC_BIND); with
+# TF Serving's conventions (app/entrypoint.py), REST on 8501 as well.
+EXPOSE 8000 8500 8501
 # Liveness only (/readyz also fails while a model loads, no reason to restart). It asks the
 # first address in BIND, as gunicorn.conf.py reads it: a wildcard host is asked on loopback.
 # No --start-interval: Docker Engine before 25 and Debian 12's buildah stop at it; compose
@@ -52,6 +53,7 @@ COPY app/ app/
 # copy on the card, so the image starts one; more take WORKERS with GPU_MEMORY_LIMIT_MB.
 ENV WORKERS=1
 USER 10001:10001
+ENTRYPOINT ["python", "-m", "app.entrypoint"]
 
 # TensorFlow Serving's gRPC stubs import TensorFlow's generated protocol buffer modules
 # (tensorflow.core.framework.tensor_pb2, ...). The load generator needs those, not TensorFlow:
@@ -82,3 +84,5 @@ FROM deps-cpu AS cpu
 COPY wsgi.py gunicorn.conf.py ./
 COPY app/ app/
 USER 10001:10001
+# The CMD as it is, or TF Serving's image conventions and flags (`docker run IMAGE --flag=...`).
+ENTRYPOINT ["python", "-m", "app.entrypoint"]

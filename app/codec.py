@@ -203,6 +203,9 @@ class _Decoder:
         return {self.inputs[0].name: self.array(inputs, self.inputs[0], "inputs")}
 
     def array(self, value: Any, spec: TensorInfo, where: str) -> np.ndarray:
+        if not spec.batched and isinstance(value, (int, float, str)):
+            # A tensor without a batch dimension may be a scalar, as TF Serving's columnar format allows.
+            return _scalar(value, spec, where)
         if not isinstance(value, list) or not value:
             raise InvalidInput(f"{where} must be a non-empty list of rows for input '{spec.name}'")
         # The first row's shape, read along first elements, before numpy reads every row.
@@ -222,6 +225,19 @@ class _Decoder:
 
     def _names(self) -> str:
         return ", ".join(repr(spec.name) for spec in self.inputs)
+
+
+def _scalar(value: int | float | str, spec: TensorInfo, where: str) -> np.ndarray:
+    if spec.dtype == STRING:
+        if not isinstance(value, str):
+            raise InvalidInput(f"{where}: input '{spec.name}' takes strings, not {_json_type(value)}")
+        return np.array(value.encode(), dtype=object)
+    if isinstance(value, str):
+        raise InvalidInput(f"{where}: input '{spec.name}' takes numbers, not a string")
+    try:
+        return np.asarray(value, dtype=spec.dtype)
+    except (OverflowError, ValueError) as exc:
+        raise InvalidInput(f"{where}: {value!r} does not fit input '{spec.name}' ({spec.dtype}): {exc}") from None
 
 
 def _check_names(names: Any, inputs: list[TensorInfo], where: str) -> None:

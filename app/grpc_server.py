@@ -38,6 +38,7 @@ from tensorflow_serving.apis import (
     get_model_metadata_pb2,
     get_model_status_pb2,
     inference_pb2,
+    model_management_pb2,
     model_service_pb2_grpc,
     predict_pb2,
     prediction_service_pb2_grpc,
@@ -45,7 +46,7 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import errors, grpc_limits, metadata, tensor_proto, tls, v2_grpc
+from app import errors, grpc_limits, metadata, tensor_proto, tfs_flags, tls, v2_grpc
 from app.errors import SignatureNotFound
 from app.logs import RequestRecord, accept_request_id
 from app.models import LoadedModel, Signature
@@ -188,7 +189,8 @@ def decode_inputs(request: Any, model: Signature, *, max_rows: int, max_bytes: i
 
 
 class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
-    def __init__(self, layer: RequestLayer, observed: _Observed, *, max_bytes: int) -> None:
+    def __init__(self, layer: RequestLayer, observed: _Observed, *, max_bytes: int,
+                 tensor_content: bool = False) -> None:
         self.Predict = observed("/tensorflow.serving.PredictionService/Predict", self._predict)
         self.Classify = observed("/tensorflow.serving.PredictionService/Classify", self._classify)
         self.Regress = observed("/tensorflow.serving.PredictionService/Regress", self._regress)
@@ -196,6 +198,7 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         self.MultiInference = observed("/tensorflow.serving.PredictionService/MultiInference", self._multi_inference)
         self._layer = layer
         self._max_bytes = max_bytes
+        self._tensor_content = tensor_content
 
     def _servable(self, request: Any, record: RequestRecord) -> tuple[Servable, ModelSpec]:
         if not request.HasField("model_spec"):
@@ -213,7 +216,8 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         response = predict_pb2.PredictResponse()
         _set_model_spec(response.model_spec, answer.servable.model, signature.name)
         for output in outputs:
-            tensor_proto.from_ndarray(answer.outputs[output.name], output.tf_dtype, response.outputs[output.name])
+            tensor_proto.from_ndarray(answer.outputs[output.name], output.tf_dtype, response.outputs[output.name],
+                                      tensor_content=self._tensor_content)
         return response
 
     def _examples(self, request: Any, record: RequestRecord, context: grpc.ServicerContext,
@@ -288,9 +292,25 @@ _ERROR_CODES = status_pb2.StatusProto.DESCRIPTOR.fields_by_name["error_code"].en
 
 class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     def __init__(self, layer: RequestLayer, observed: _Observed) -> None:
-        # HandleReloadConfigRequest stays the base class's UNIMPLEMENTED: models come from settings.
         self.GetModelStatus = observed("/tensorflow.serving.ModelService/GetModelStatus", self._status)
+        self.HandleReloadConfigRequest = observed("/tensorflow.serving.ModelService/HandleReloadConfigRequest",
+                                                  self._reload)
         self._layer = layer
+
+    def _reload(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        """Serve the models of request.config, live; this worker's models only (see docs/tf-serving.md)."""
+        if request.config.WhichOneof("config") != "model_config_list":
+            # TF Serving's words (model_servers/model_service_impl.cc).
+            raise errors.BadRequest("ServerModelConfig type not supported by HandleReloadConfigRequest. "
+                                    "Only ModelConfigList is currently supported")
+        try:
+            document = tfs_flags.model_config_document(request.config)
+        except tfs_flags.FlagError as exc:
+            raise errors.BadRequest(str(exc)) from None
+        self._layer.registry.reload(document, "ReloadConfigRequest")
+        response = model_management_pb2.ReloadConfigResponse()
+        response.status.error_code = _ERROR_CODES["OK"].number
+        return response
 
     def _status(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
         if not request.HasField("model_spec"):
@@ -340,7 +360,8 @@ class GrpcServer:
         self._server = grpc_limits.build_server(app.extensions["settings"], threads=threads, max_bytes=max_bytes,
                                                 interceptors=tracing.grpc_interceptors() if tracing else ())
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
-            PredictionServicer(models, observed, max_bytes=max_bytes), self._server)
+            PredictionServicer(models, observed, max_bytes=max_bytes,
+                               tensor_content=app.extensions["settings"].grpc_tensor_content), self._server)
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(models, observed), self._server)
         v2_grpc.add_to_server(self._server, models, observed)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

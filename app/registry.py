@@ -32,7 +32,7 @@ from app import batcher_broken, models, padding, runtime, warmup
 from app.batching import Batcher, BatchObserver, BatchResult, Tensors, bucket_sizes
 from app.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
 from app.metrics import Metrics
-from app.settings import ModelConfig, Settings, model_configs
+from app.settings import ModelConfig, Settings, SettingsError, configs_from_document, model_configs
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ class Servable:
             "fill_under_load": self.batcher.fill_under_load,
             "signatures": sorted(self.batchers),
             "padded_signatures": sorted(key for key, batcher in self.batchers.items() if batcher.padding),
+            # Served one request per call, as sent: no batch dimension to stack requests on.
+            "unbatched_signatures": sorted(key for key, batcher in self.batchers.items() if batcher.whole),
             "load_seconds": round(self.model.load_s, 3),
             "warmup_seconds": round(self.model.warmup_s, 3),
         }
@@ -133,6 +135,7 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
             max_queue_rows=config.max_queue_rows,
             max_request_rows=config.max_request_rows,
             batching=settings.batching,
+            whole=not signature.batchable,
             fill_under_load=settings.batch_fill_under_load,
             buckets=buckets,
             padding=paddings[key],
@@ -194,11 +197,139 @@ class _Model:
 
 
 class ModelRegistry:
-    def __init__(self, default_name: str) -> None:
+    def __init__(self, default_name: str, settings: Settings | None = None, metrics: Metrics | None = None) -> None:
         self.default_name = default_name
         self._models: dict[str, _Model] = {}
         self._lock = threading.Lock()
         self.poller: VersionPoller | None = None
+        self.config_poller: ConfigPoller | None = None
+        self._settings = settings
+        self._metrics = metrics
+        # The config each served model came from; changed only under _changing, which also
+        # keeps a version poll and a config reload from loading the same version twice.
+        self.configs: dict[str, ModelConfig] = {}
+        self._changing = threading.RLock()
+        self._failed: set[tuple[str, int]] = set()
+
+    def serve(self, config: ModelConfig) -> None:
+        """Load and serve a model the registry does not serve yet, with its labels."""
+        assert self._settings is not None and self._metrics is not None
+        available = models.available_versions(config.path) if config.path else []
+        with self._changing:
+            try:
+                if available:
+                    wanted = wanted_versions(config, available)
+                    if not wanted:
+                        raise models.ModelLoadError(f"model '{config.name}': its model_version_policy "
+                                                    f"{config.version_policy} wants none of the versions in "
+                                                    f"{config.path!r}: {available}")
+                    for version in wanted:
+                        self.add(load_servable(config, self._settings, self._metrics, version))
+                else:
+                    self.add(load_servable(config, self._settings, self._metrics))
+                self.label(config)
+            except Exception:
+                # Served in full or not at all: a live reload must not leave versions no config names.
+                for version in self.versions(config.name):
+                    self.retire(config.name, version)
+                raise
+            self.configs[config.name] = config
+
+    def label(self, config: ModelConfig) -> None:
+        labels = dict(config.version_labels)
+        served = self.versions(config.name)
+        for label, version in labels.items():
+            # As TF Serving (server_core.cc): a label may only name a version being served.
+            if version not in served:
+                raise models.ModelLoadError(f"model '{config.name}': version_labels: {label!r} names version "
+                                            f"{version}, which is not served (served: {served})")
+        self.set_labels(config.name, labels)
+
+    def apply(self, configs: list[ModelConfig]) -> None:
+        """Serve exactly these models, live, as TF Serving's ReloadConfig: new ones are loaded,
+        those left out unloaded (with drain), and changed ones get the versions and labels
+        their new policy names. A model whose load fails is not served; the others change."""
+        with self._changing:
+            wanted = {config.name: config for config in configs}
+            failures = []
+            for name in [name for name in self.configs if name not in wanted]:
+                for version in self.versions(name):
+                    self.retire(name, version)
+                del self.configs[name]
+            for config in configs:
+                try:
+                    current = self.configs.get(config.name)
+                    if current is None:
+                        self.serve(config)
+                    elif current != config:
+                        self._change(current, config)
+                except Exception as exc:
+                    log.exception("model '%s': its new config cannot be applied", config.name)
+                    failures.append(f"model '{config.name}': {type(exc).__name__}: {exc}")
+            self.default_name = configs[0].name
+            if failures:
+                raise models.ModelLoadError("; ".join(failures))
+
+    def reload(self, document: dict[str, Any], where: str) -> None:
+        """Apply a MODEL_CONFIG document (from a ReloadConfigRequest); BadRequest names what is wrong."""
+        assert self._settings is not None
+        try:
+            configs = configs_from_document(document, self._settings, where)
+            self.apply(configs)
+        except (SettingsError, models.ModelLoadError) as exc:
+            raise BadRequest(str(exc)) from None
+
+    def _change(self, current: ModelConfig, config: ModelConfig) -> None:
+        if not (config.path and models.available_versions(config.path)) or config.path != current.path:
+            raise models.ModelLoadError("only the version policy, labels and batching of a model served from a base "
+                                        "folder of numbered versions change live; remove the model and add it "
+                                        "under another name to change its path")
+        self.configs[config.name] = config
+        self._failed = {key for key in self._failed if key[0] != config.name}
+        self.sync_versions(config)
+        self.label(config)
+
+    def versioned_configs(self) -> list[ModelConfig]:
+        with self._changing:
+            return [config for config in self.configs.values()
+                    if config.path and models.available_versions(config.path)]
+
+    def sync_versions(self, config: ModelConfig, *, stopped: Callable[[], bool] = lambda: False) -> None:
+        """Load the versions the policy newly wants; retire those it no longer wants. `stopped`
+        ends it early (the server is stopping), between loads and dropping one just made."""
+        assert self._settings is not None and self._metrics is not None
+        with self._changing:
+            if self.configs.get(config.name) is not config or not config.path:
+                return  # removed or replaced while the poll had it, or no folder to poll
+            wanted = wanted_versions(config, models.available_versions(config.path))
+            if not wanted:
+                return  # an emptied folder is more likely a mistake than a wish to serve nothing
+            served = self.versions(config.name)
+            for version in wanted:
+                if stopped():
+                    return
+                if version in served or (config.name, version) in self._failed:
+                    continue
+                self.set_state(config.name, version, LOADING)
+                try:
+                    servable = load_servable(config, self._settings, self._metrics, version)
+                except Exception as exc:
+                    self._failed.add((config.name, version))
+                    self.set_state(config.name, version, END, f"{type(exc).__name__}: {exc}"[:1000])
+                    log.exception("cannot load version %d of model '%s'; serving %s", version, config.name, served)
+                    continue
+                if stopped():
+                    servable.close(drain=False)
+                    return
+                self.add(servable)
+            # Retire only what the policy dropped, and never the last version served: as TF
+            # Serving's availability-preserving policy, a failed load keeps the old one.
+            served = self.versions(config.name)
+            keep = [version for version in served if version in wanted]
+            if keep:
+                for version in served:
+                    if version not in keep:
+                        self.retire(config.name, version)
 
     def add(self, servable: Servable) -> None:
         """Serve `servable` beside the versions of its model already served."""
@@ -217,9 +348,9 @@ class ModelRegistry:
         name = name or self.default_name
         with self._lock:
             entry = self._models.get(name)
-            if entry is None:
+            if entry is None or not entry.serving:  # never served, or removed from the config
                 raise NotFound(f"{servable_not_found(name, version)}: no model named {name!r}; "
-                               f"this server has {sorted(self._models)}")
+                               f"this server has {sorted(n for n, e in self._models.items() if e.serving)}")
             if label is not None:
                 if label not in entry.labels:
                     # TF Serving answers INVALID_ARGUMENT, 400 (model_servers/server_core.cc).
@@ -277,7 +408,8 @@ class ModelRegistry:
 
     def versions(self, name: str) -> list[int]:
         with self._lock:
-            return sorted(self._models[name].serving)
+            entry = self._models.get(name)
+            return sorted(entry.serving) if entry is not None else []
 
     def set_state(self, name: str, version: int, state: str, error_message: str = "") -> None:
         with self._lock:
@@ -316,25 +448,22 @@ class ModelRegistry:
         return bool(servables) and all(batcher.alive for s in servables for batcher in s.batchers.values())
 
     def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
-        if self.poller is not None:
-            self.poller.stop()
+        for poller in (self.config_poller, self.poller):
+            if poller is not None:
+                poller.stop()
         for servable in self.servables():
             servable.close(drain=drain, timeout_s=timeout_s)
 
 
-class VersionPoller:
-    """Checks versioned base folders every `interval_s` and serves what the version policy wants."""
+class _Poller:
+    """A daemon thread that calls `tick` every `interval_s` until stopped."""
 
-    def __init__(self, registry: ModelRegistry, configs: list[ModelConfig], settings: Settings, metrics: Metrics,
-                 interval_s: float) -> None:
-        self._registry = registry
-        self._configs = configs
-        self._settings = settings
-        self._metrics = metrics
+    name = "poller"
+
+    def __init__(self, interval_s: float) -> None:
         self._interval_s = interval_s
         self._stopped = threading.Event()
-        self._failed: set[tuple[str, int]] = set()
-        self._thread = threading.Thread(target=self._run, name="version-poller", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -343,70 +472,70 @@ class VersionPoller:
 
     def _run(self) -> None:
         while not self._stopped.wait(self._interval_s):
-            for config in self._configs:
-                try:
-                    self.check(config)
-                except Exception:
-                    log.exception("version check of model '%s' failed", config.name)
+            self.tick()
 
-    def check(self, config: ModelConfig) -> None:
-        if config.path is None:
-            return  # the built-in model: no folder to poll
-        wanted = wanted_versions(config, models.available_versions(config.path))
-        if not wanted:
-            return  # an emptied folder is more likely a mistake than a wish to serve nothing
-        served = self._registry.versions(config.name)
-        for version in wanted:
-            if version in served or (config.name, version) in self._failed or self._stopped.is_set():
-                continue
-            self._registry.set_state(config.name, version, LOADING)
-            try:
-                servable = load_servable(config, self._settings, self._metrics, version)
-            except Exception as exc:
-                self._failed.add((config.name, version))
-                self._registry.set_state(config.name, version, END, f"{type(exc).__name__}: {exc}"[:1000])
-                log.exception("cannot load version %d of model '%s'; serving %s", version, config.name, served)
-                continue
+    def tick(self) -> None:
+        raise NotImplementedError
+
+
+class VersionPoller(_Poller):
+    """Checks versioned base folders and serves what each model's version policy wants."""
+
+    name = "version-poller"
+
+    def __init__(self, registry: ModelRegistry, interval_s: float) -> None:
+        self._registry = registry
+        super().__init__(interval_s)
+
+    def tick(self) -> None:
+        for config in self._registry.versioned_configs():
             if self._stopped.is_set():
-                servable.close(drain=False)
                 return
-            self._registry.add(servable)
-        # Retire only what the policy dropped, and never the last version served: as TF
-        # Serving's availability-preserving policy, a failed load keeps the old one.
-        served = self._registry.versions(config.name)
-        keep = [version for version in served if version in wanted]
-        if keep:
-            for version in served:
-                if version not in keep:
-                    self._registry.retire(config.name, version)
+            try:
+                self._registry.sync_versions(config, stopped=self._stopped.is_set)
+            except Exception:
+                log.exception("version check of model '%s' failed", config.name)
+
+
+class ConfigPoller(_Poller):
+    """Reads MODEL_CONFIG again and applies it when it changed (TF Serving's
+    --model_config_file_poll_wait_seconds). A file that cannot be read keeps what is served."""
+
+    name = "config-poller"
+
+    def __init__(self, registry: ModelRegistry, settings: Settings, interval_s: float) -> None:
+        self._registry = registry
+        self._settings = settings
+        self._last = list(registry.configs.values())
+        super().__init__(interval_s)
+
+    def tick(self) -> None:
+        try:
+            configs = model_configs(self._settings)
+        except SettingsError as exc:
+            log.error("MODEL_CONFIG not applied: %s", exc)
+            return
+        if configs == self._last:
+            return
+        self._last = configs
+        try:
+            self._registry.apply(configs)
+        except Exception:
+            log.exception("MODEL_CONFIG applied in part")
+        else:
+            log.info("MODEL_CONFIG applied: serving %s", [config.name for config in configs])
 
 
 def init_app(app: Flask, settings: Settings, metrics: Metrics) -> ModelRegistry:
     configs = model_configs(settings)
-    registry = ModelRegistry(configs[0].name)
-    versioned = []
+    registry = ModelRegistry(configs[0].name, settings, metrics)
     for config in configs:
-        available = models.available_versions(config.path) if config.path else []
-        if available:
-            versioned.append(config)
-            wanted = wanted_versions(config, available)
-            if not wanted:
-                raise models.ModelLoadError(f"model '{config.name}': its model_version_policy {config.version_policy} "
-                                            f"wants none of the versions in {config.path!r}: {available}")
-            for version in wanted:
-                registry.add(load_servable(config, settings, metrics, version))
-        else:
-            registry.add(load_servable(config, settings, metrics))
-        labels = dict(config.version_labels)
-        served = registry.versions(config.name)
-        for label, version in labels.items():
-            # As TF Serving (server_core.cc): a label may only name a version being served.
-            if version not in served:
-                raise models.ModelLoadError(f"model '{config.name}': version_labels: {label!r} names version "
-                                            f"{version}, which is not served (served: {served})")
-        registry.set_labels(config.name, labels)
-    if versioned and settings.model_poll_seconds > 0:
-        registry.poller = VersionPoller(registry, versioned, settings, metrics, settings.model_poll_seconds)
+        registry.serve(config)
+    live_config = settings.model_config is not None and settings.model_config_poll_seconds > 0
+    if settings.model_poll_seconds > 0 and (live_config or registry.versioned_configs()):
+        registry.poller = VersionPoller(registry, settings.model_poll_seconds)
+    if live_config:
+        registry.config_poller = ConfigPoller(registry, settings, settings.model_config_poll_seconds)
     app.extensions["models"] = registry
     return registry
 

@@ -254,7 +254,9 @@ class RequestLayer:
                 client_gone: ClientGonePredicate | None = None) -> Answer:
         """Queue the rows on the signature's batcher and wait for them, within the deadline;
         ClientGone if `client_gone` answered True before they ran."""
-        record.rows = next(iter(inputs.values())).shape[0]
+        # A request with no inputs, or a scalar one (an unbatched signature's), is one item.
+        first = next(iter(inputs.values()), None)
+        record.rows = first.shape[0] if first is not None and first.ndim else 1
         timeout_s = self.deadline_s(client_timeout_s)
         try:
             servable, result = self.registry.predict(servable, inputs, timeout_s=timeout_s,

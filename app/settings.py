@@ -147,12 +147,17 @@ class Settings:
         section="Models")
     model_config: str | None = _env(
         "MODEL_CONFIG", validate_optional_path, None,
-        "A JSON file naming several models, each with its own batching settings and versions; replaces "
+        "A JSON file (or TF Serving's ModelServerConfig in text format) naming several models, each with "
+        "its own batching settings and versions; replaces "
         "`MODEL_PATH` ([configuration](configuration.md#several-models)).", section="Models")
     model_poll_seconds: float = _env(
         "MODEL_POLL_SECONDS", validate_non_neg_float, 5.0,
         "How often a base folder of numbered versions is checked for versions to load or unload; 0: never.",
         section="Models")
+    model_config_poll_seconds: float = _env(
+        "MODEL_CONFIG_POLL_SECONDS", validate_non_neg_float, 0.0,
+        "How often `MODEL_CONFIG` is read again; models added, removed or changed there are loaded, unloaded "
+        "or changed live ([TF Serving](tf-serving.md#live-model-config)); 0: never.", section="Models")
     max_batch_size: int = _env(
         "MAX_BATCH_SIZE", validate_pos_int, 32,
         "Most rows in one predict call. Batches are padded to a bucket: the powers of two below it, and itself.",
@@ -289,6 +294,11 @@ class Settings:
         "OTEL_SDK_DISABLED", validate_bool, False,
         "The OpenTelemetry SDK's own switch: true keeps tracing off whatever `TRACING` says.", section="Tracing")
 
+    grpc_tensor_content: bool = _env(
+        "GRPC_TENSOR_CONTENT", validate_bool, False,
+        "true: gRPC Predict writes numeric outputs as raw `tensor_content` bytes instead of the typed fields "
+        "(`float_val`, ...), as TF Serving's `--enable_serialization_as_tensor_content` does.", section="gRPC")
+
     @property
     def tracing_on(self) -> bool:
         return self.tracing != "off" and not self.otel_sdk_disabled
@@ -347,17 +357,34 @@ def model_configs(settings: Settings) -> list[ModelConfig]:
      "default": "a"}; a model without "path" is the built-in default model. A model may
     also name TF Serving's "model_version_policy" ({"latest": {"num_versions": 2}},
     {"all": {}} or {"specific": {"versions": [1, 2]}}) and "version_labels"
-    ({"stable": 1, "canary": 2}).
+    ({"stable": 1, "canary": 2}). A file that is not JSON is read as TF Serving's
+    ModelServerConfig in text format.
     """
-    defaults = {key: getattr(settings, key) for key in _MODEL_KEYS}
     if settings.model_config is None:
+        defaults = {key: getattr(settings, key) for key in _MODEL_KEYS}
         return [ModelConfig(settings.model_name, settings.model_path, **defaults)]
     where = f"MODEL_CONFIG={settings.model_config!r}"
     try:
         with open(settings.model_config, "rb") as config_file:
-            document = json.load(config_file)
-    except (OSError, ValueError) as exc:
+            content = config_file.read()
+    except OSError as exc:
         raise SettingsError(f"{where}: cannot read it as JSON: {exc}") from None
+    try:
+        document = json.loads(content)
+    except ValueError as exc:
+        from app import tfs_flags
+
+        try:
+            document = tfs_flags.model_config_json(content.decode(errors="replace"))
+        except tfs_flags.FlagError as text_error:
+            raise SettingsError(f"{where}: cannot read it as JSON ({exc}) nor as a ModelServerConfig "
+                                f"({text_error})") from None
+    return configs_from_document(document, settings, where)
+
+
+def configs_from_document(document: Any, settings: Settings, where: str) -> list[ModelConfig]:
+    """The models a MODEL_CONFIG document ({"models": [...], "default": ...}) names, the default first."""
+    defaults = {key: getattr(settings, key) for key in _MODEL_KEYS}
     entries = document.get("models") if isinstance(document, dict) else None
     if not isinstance(entries, list) or not entries:
         raise SettingsError(f"{where}: expected an object with a non-empty 'models' list")

@@ -89,7 +89,8 @@ def _flags() -> dict[str, Flag]:
         ("tensorflow_inter_op_parallelism", _int, 0, MAPPED, "TF_INTER_OP_THREADS"),
         ("tensorflow_session_parallelism", _int, 0, MAPPED, "TF_INTRA_OP_THREADS and TF_INTER_OP_THREADS"),
         ("saved_model_tags", _text, "", ACCEPTED, "only 'serve' (the MetaGraph loaded here)"),
-        ("enable_model_warmup", _bool, True, ACCEPTED, "batchable signatures warm with placeholder rows; assets.extra records are not replayed"),
+        ("enable_model_warmup", _bool, True, MAPPED,
+         "ENABLE_MODEL_WARMUP: assets.extra/tf_serving_warmup_requests replayed before a version serves"),
         ("num_request_iterations_for_warmup", _int, 0, ACCEPTED, "no effect"),
         ("num_load_threads", _int, 0, ACCEPTED, "no effect: each worker loads its models"),
         ("num_unload_threads", _int, 0, ACCEPTED, "no effect"),
@@ -99,21 +100,21 @@ def _flags() -> dict[str, Flag]:
         ("grpc_max_threads", _int, 0, ACCEPTED, "no effect: gRPC shares the worker's threads"),
         ("enable_profiler", _bool, True, ACCEPTED, "no effect: there is no profiler service"),
         ("skip_initialize_tpu", _bool, False, ACCEPTED, "no effect"),
-        ("enable_signature_method_name_check", _bool, False, ACCEPTED,
-         "Classify and Regress check the method name either way (until issue #26 item 4)"),
-        ("enable_serialization_as_tensor_content", _bool, False, REFUSED,
-         "true refused until the gRPC servicer passes the setting through"),
-        ("model_config_file_poll_wait_seconds", _int, 0, REFUSED, "above 0 refused: no config reload yet"),
+        ("enable_signature_method_name_check", _bool, False, MAPPED, "ENABLE_SIGNATURE_METHOD_NAME_CHECK"),
+        ("enable_serialization_as_tensor_content", _bool, False, MAPPED, "GRPC_TENSOR_CONTENT"),
+        ("model_config_file_poll_wait_seconds", _int, 0, MAPPED,
+         "MODEL_CONFIG_POLL_SECONDS; above 0, MODEL_CONFIG is the file itself, read again at each poll"),
         ("grpc_socket_path", _text, "", REFUSED, "no gRPC on a Unix socket"),
         ("grpc_channel_arguments", _text, "", REFUSED, "no gRPC channel arguments"),
-        ("ssl_config_file", _text, "", REFUSED, "no TLS for gRPC"),
+        ("ssl_config_file", _text, "", MAPPED, "GRPC_SSL_CONFIG_FILE: TLS for gRPC from TF Serving's SSLConfig"),
         ("monitoring_config_file", _text, "", REFUSED, "metrics are at /metrics"),
         ("per_process_gpu_memory_fraction", _float, 0.0, REFUSED, "use GPU_MEMORY_LIMIT_MB"),
         ("rest_api_enable_cors_support", _bool, False, REFUSED, "no CORS headers"),
         ("platform_config_file", _text, "", REFUSED, "TensorFlow SavedModels only"),
         ("prefer_tflite_model", _bool, False, REFUSED, "no TensorFlow Lite"),
         ("use_alts_credentials", _bool, False, REFUSED, "no ALTS"),
-        ("enable_grpc_healthcheck_service", _bool, False, REFUSED, "no gRPC health service"),
+        ("enable_grpc_healthcheck_service", _bool, False, ACCEPTED,
+         "no effect: grpc.health.v1.Health is always served"),
         ("allow_version_labels_for_unavailable_models", _bool, False, REFUSED, "labels name loaded versions"),
         ("thread_pool_factory_config_file", _text, "", REFUSED, "no thread pool factory"),
         ("mixed_precision", _text, "", REFUSED, "no mixed precision mode"),
@@ -128,7 +129,9 @@ FLAGS = _flags()
 def markdown_table() -> str:
     """The flags table of docs/tf-serving.md, made from FLAGS so the page cannot drift from the code."""
     def shown(value: Any) -> str:
-        return str(value).lower() if isinstance(value, bool) else (f'"{value}"' if isinstance(value, str) else str(value))
+        if isinstance(value, bool):
+            return str(value).lower()
+        return f'"{value}"' if isinstance(value, str) else str(value)
 
     rows = ["| flag | TF Serving's default | here | what it does here |", "|---|---|---|---|"]
     for kind in (MAPPED, ACCEPTED, REFUSED):
@@ -174,6 +177,11 @@ def model_config_json(text: str) -> dict[str, Any]:
     except text_format.ParseError as exc:
         # TF Serving's own words, which its test looks for.
         raise FlagError(f"Error parsing text-format tensorflow.serving.ModelServerConfig: {exc}") from None
+    return model_config_document(config)
+
+
+def model_config_document(config: Any) -> dict[str, Any]:
+    """A ModelServerConfig message, as our MODEL_CONFIG JSON document."""
     if config.HasField("custom_model_config"):
         raise FlagError("--model_config_file: custom_model_config is not supported; use model_config_list")
     models = []
@@ -244,7 +252,8 @@ def batching_settings(text: str) -> dict[str, str]:
     num_batch_threads, thread_pool_name, allowed_batch_sizes, enable_large_batch_splitting
     and max_execution_batch_size are accepted without effect: here one thread per signature
     runs batches, padded to warmed sizes of its own, and large requests are always split.
-    pad_variable_length_inputs is refused: requests of different shapes never share a batch.
+    pad_variable_length_inputs -> PAD_VARIABLE_LENGTH=true, padding with PAD_VALUE (0) rather than
+    TF Serving's first element, and only where the start-up check finds the model masks padding.
     """
     from google.protobuf import text_format
 
@@ -253,9 +262,9 @@ def batching_settings(text: str) -> dict[str, str]:
         text_format.Parse(text, parameters)
     except text_format.ParseError as exc:
         raise FlagError(f"Error parsing text-format tensorflow.serving.BatchingParameters: {exc}") from None
-    if parameters.pad_variable_length_inputs:
-        raise FlagError("--batching_parameters_file: pad_variable_length_inputs is not supported")
     settings: dict[str, str] = {}
+    if parameters.pad_variable_length_inputs:
+        settings["PAD_VARIABLE_LENGTH"] = "true"
     size = parameters.max_batch_size.value if parameters.HasField("max_batch_size") else None
     if size is not None:
         if size < 1:
@@ -291,9 +300,22 @@ def environment(values: Mapping[str, Any], *, read: Callable[[str], str], config
         env["REQUEST_TIMEOUT_MS"] = str(value("rest_api_timeout_in_ms"))
     if value("rest_api_num_threads"):
         env["THREADS"] = str(value("rest_api_num_threads"))
+    if value("enable_serialization_as_tensor_content"):
+        env["GRPC_TENSOR_CONTENT"] = "true"
+    if value("ssl_config_file"):
+        env["GRPC_SSL_CONFIG_FILE"] = os.path.abspath(value("ssl_config_file"))
+    for flag, setting in (("enable_model_warmup", "ENABLE_MODEL_WARMUP"),
+                          ("enable_signature_method_name_check", "ENABLE_SIGNATURE_METHOD_NAME_CHECK")):
+        if flag in values:
+            env[setting] = "true" if values[flag] else "false"
     env["MODEL_POLL_SECONDS"] = str(value("file_system_poll_wait_seconds"))
     env["BATCHING"] = "true" if value("enable_batching") else "false"
-    if value("model_config_file"):
+    if value("model_config_file") and value("model_config_file_poll_wait_seconds") > 0:
+        # Read again at each poll, so the file itself, checked now.
+        model_config_json(_read(read, value("model_config_file"), "model_config_file"))
+        env["MODEL_CONFIG"] = os.path.abspath(value("model_config_file"))
+        env["MODEL_CONFIG_POLL_SECONDS"] = str(value("model_config_file_poll_wait_seconds"))
+    elif value("model_config_file"):
         config = model_config_json(_read(read, value("model_config_file"), "model_config_file"))
         path = os.path.join(config_dir, "model_config.json")
         with open(path, "w", encoding="utf-8") as config_file:
@@ -327,7 +349,15 @@ def _read_file(path: str) -> str:
         return config_file.read()
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def gunicorn_command(env: Mapping[str, str], also_bind: Sequence[str] = ()) -> list[str]:
+    """The Gunicorn command line; `also_bind`: addresses served beside BIND (given as -b, which
+    replaces gunicorn.conf.py's single BIND)."""
+    extra = [address for address in also_bind if address != env["BIND"]]
+    binds = [arg for address in (env["BIND"], *extra) for arg in ("-b", address)] if extra else []
+    return [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", *binds, "wsgi:app"]
+
+
+def main(argv: Sequence[str] | None = None, *, also_bind: Sequence[str] = ()) -> None:
     """Translate the flags and replace this process with Gunicorn, run from the repository."""
     try:
         env = environment(parse_flags(sys.argv[1:] if argv is None else argv), read=_read_file,
@@ -337,8 +367,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"tensorflow_model_server flags: {exc}")
     repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     os.chdir(repository)
-    command = [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"]
-    os.execve(sys.executable, command, {**os.environ, **env})
+    os.execve(sys.executable, gunicorn_command(env, also_bind), {**os.environ, **env})
 
 
 if __name__ == "__main__":

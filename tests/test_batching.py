@@ -374,6 +374,35 @@ def test_batching_off_runs_each_request_alone(make_batcher, fake):
     assert fake.batch_rows == [1, 1, 1, 1]
 
 
+def test_whole_mode_runs_each_request_as_sent_and_answers_what_the_model_returned(make_batcher, fake):
+    """An unbatchable signature: 5 rows over max_batch_size 2 are neither split nor padded to
+    a bucket, scalars and empty inputs pass, and a scalar output is no 'wrong row count'."""
+    seen = []
+
+    def total(batch):
+        seen.append({name: value.copy() for name, value in batch.items()})
+        return {"sum": np.float32(sum(float(value.sum()) for value in batch.values())), "n": np.int64(len(seen))}
+
+    batcher = make_batcher(predict_fn=total, whole=True, max_batch_size=2)
+    odd_rows = {"x": np.arange(5, dtype=np.float32)}
+    answers = [batcher.submit(inputs).result(WAIT_S) for inputs in (odd_rows, {"x": np.float32(4.0)}, {})]
+    assert [a.outputs["sum"].tolist() for a in answers] == [10.0, 4.0, 0.0]
+    assert [a.outputs["sum"].shape for a in answers] == [(), (), ()]
+    assert [(a.batch_rows, a.batch_requests) for a in answers] == [(1, 1)] * 3
+    assert [call["x"].shape for call in seen[:2]] == [(5,), ()]
+    assert seen[2] == {}
+
+
+def test_whole_mode_never_joins_requests_and_counts_each_as_one_queued_row(make_batcher, fake):
+    batcher = make_batcher(whole=True, max_queue_rows=3)
+    first, release = occupy(batcher, fake)
+    queued = [batcher.submit(rows(1.0, 2.0, 3.0)), batcher.submit(rows(4.0, 5.0, 6.0))]
+    assert batcher.queued_rows == 2  # six rows, two requests: a whole request is one item
+    release.set()
+    assert [f.result(WAIT_S).outputs["y"][:, 0].tolist() for f in queued] == [[10.0, 20.0, 30.0], [40.0, 50.0, 60.0]]
+    assert fake.batch_rows == [1, 3, 3]
+
+
 def test_close_drains_every_accepted_request(make_batcher, fake):
     batcher = make_batcher(max_batch_size=2)
     first, release = occupy(batcher, fake)

@@ -211,7 +211,8 @@ def test_server_runs_the_integration_tests_command(stages, target):
 @pytest.mark.parametrize("target", SERVER_TARGETS)
 def test_server_exposes_gunicorn_default_port(stages, target, default_port):
     exposed = {int(port.split("/")[0]) for key, ports in stages[target] if key == "EXPOSE" for port in ports.split()}
-    assert exposed == {default_port, grpc_port()}
+    # 8501: REST under TF Serving's image conventions (app/entrypoint.py).
+    assert exposed == {default_port, grpc_port(), 8501}
 
 
 @pytest.mark.parametrize("target", SERVER_TARGETS)

@@ -276,6 +276,31 @@ def test_mounted_model_folder_is_served_row_for_row(cpu_image, log_dir, mounted_
         server.remove()
 
 
+def test_tf_serving_conventions_serve_models_slash_model_name(cpu_image, log_dir, mounted_models, exact_model):
+    """As `docker run -e MODEL_NAME=exact -v ...:/models IMAGE --port=... --rest_api_port=...`:
+    the entrypoint serves /models/exact on the flags' ports, and REST on BIND for the HEALTHCHECK."""
+    rest_port = free_port()
+    server = ImageServer(cpu_image, log_dir, env={"MODEL_NAME": "exact", "TFS_LISTEN_HOST": "127.0.0.1"},
+                         volumes=(f"{mounted_models}:/models:ro",))
+    server.cmd = [*cpu_image.config["Entrypoint"], f"--port={server.grpc_target.rpartition(':')[2]}",
+                  f"--rest_api_port={rest_port}"]
+    try:
+        server.start_ready()
+        assert server.readyz["models"]["exact"]["version"] == 1
+        rows = integer_rows(6)
+        expected = np.asarray(exact_model(rows))
+        answer = requests.post(f"http://127.0.0.1:{rest_port}/v1/models/exact:predict",
+                               json={"instances": rows.tolist()}, timeout=60)
+        assert np.array_equal(np.asarray(answer.json()["predictions"], dtype=np.float32), expected)
+        assert np.array_equal(server.predict_grpc(rows, "exact"), expected)
+    finally:
+        server.remove()
+
+
+def test_cpu_image_entrypoint_is_the_tf_serving_translator(cpu_image):
+    assert cpu_image.config["Entrypoint"] == ["python", "-m", "app.entrypoint"]
+
+
 # ---------------------------------------------------------------------------- the loadtest image
 
 

@@ -62,10 +62,7 @@ def test_flags_take_tensorflows_forms():
 @pytest.mark.parametrize("argv, message", [
     (["--no_such_flag=1"], "unknown flag --no_such_flag"),
     (["--grpc_socket_path=/tmp/grpc.sock"], "--grpc_socket_path=/tmp/grpc.sock is not supported"),
-    (["--ssl_config_file=/etc/ssl.conf"], "--ssl_config_file=/etc/ssl.conf is not supported"),
     (["--monitoring_config_file=/m.txt"], "--monitoring_config_file=/m.txt is not supported"),
-    (["--enable_serialization_as_tensor_content"], "--enable_serialization_as_tensor_content=true is not supported"),
-    (["--model_config_file_poll_wait_seconds=60"], "--model_config_file_poll_wait_seconds=60 is not supported"),
     (["--port=http"], "--port=http: invalid literal"),
     (["--model_name"], "--model_name needs a value"),
     (["--enable_batching=maybe"], "--enable_batching=maybe: expected true or false"),
@@ -91,6 +88,36 @@ def test_a_model_server_config_becomes_our_json_model_config(tmp_path):
         {"name": "half_plus_two", "path": "/models/half_plus_two"},
         {"name": "half_plus_three", "path": "/models/half_plus_three"}], "default": "half_plus_two"}
     assert "MODEL_PATH" not in env
+
+
+def test_a_polled_model_server_config_is_read_from_the_file_itself():
+    """The poll reads the file again, so MODEL_CONFIG names it rather than a JSON copy made once."""
+    env = env_for(["--model_config_file=/cfg/models.conf", "--model_config_file_poll_wait_seconds=60"],
+                  {"/cfg/models.conf": GOOD_MODEL_CONFIG})
+    assert (env["MODEL_CONFIG"], env["MODEL_CONFIG_POLL_SECONDS"]) == ("/cfg/models.conf", "60")
+    with pytest.raises(FlagError, match="Error parsing text-format"):
+        env_for(["--model_config_file=/cfg/bad.conf", "--model_config_file_poll_wait_seconds=60"],
+                {"/cfg/bad.conf": "improperly formatted file"})
+
+
+def test_tensor_content_flag_sets_grpc_tensor_content():
+    env = env_for(["--model_base_path=/m", "--enable_serialization_as_tensor_content"])
+    assert env["GRPC_TENSOR_CONTENT"] == "true"
+    assert "GRPC_TENSOR_CONTENT" not in env_for(["--model_base_path=/m"])
+
+
+def test_tls_warmup_and_method_name_flags_map_to_their_settings():
+    env = env_for(["--model_base_path=/m", "--ssl_config_file=/etc/ssl.conf", "--enable_model_warmup=false",
+                   "--enable_signature_method_name_check"])
+    assert (env["GRPC_SSL_CONFIG_FILE"], env["ENABLE_MODEL_WARMUP"], env["ENABLE_SIGNATURE_METHOD_NAME_CHECK"]) == (
+        "/etc/ssl.conf", "false", "true")
+    left_out = env_for(["--model_base_path=/m"])
+    assert not {"GRPC_SSL_CONFIG_FILE", "ENABLE_MODEL_WARMUP", "ENABLE_SIGNATURE_METHOD_NAME_CHECK"} & set(left_out)
+
+
+def test_pad_variable_length_inputs_turns_on_padding_with_its_start_up_check():
+    assert tfs_flags.batching_settings("max_batch_size { value: 8 } pad_variable_length_inputs: true") == {
+        "MAX_BATCH_SIZE": "8", "PAD_VARIABLE_LENGTH": "true"}
 
 
 def test_version_policies_and_labels_carry_over():
@@ -133,7 +160,6 @@ def test_batching_parameters_files_map_onto_our_batcher():
 
 @pytest.mark.parametrize("text, message", [
     ("max_batch_size: 20", "Error parsing text-format tensorflow.serving.BatchingParameters"),
-    ("pad_variable_length_inputs: true", "pad_variable_length_inputs is not supported"),
     ("max_batch_size { value: 0 }", "max_batch_size must be at least 1"),
     ("batch_timeout_micros { value: -5 }", "batch_timeout_micros must not be negative"),
 ])

@@ -27,8 +27,6 @@ from tests.conftest import Server
 from tests.tfs_models import VERSION, tfs_models  # noqa: F401  (a fixture)
 
 TIMEOUT_S = 60
-UNBATCHED = "unbatched serving lands with the engine split"
-METHOD_CHECK = "Classify/Regress without the method-name check is issue #26 item 4"
 
 # Model name as served -> the generated model it serves. "default" is the name TF Serving's test uses.
 SERVED = {
@@ -243,7 +241,6 @@ def test_tf2_half_plus_two_predicts_over_its_fixed_shape_signature(stub, server)
                                   "regress_x_to_y2", "serving_default"]
 
 
-@pytest.mark.xfail(reason=METHOD_CHECK, strict=True)
 def test_tf2_classify_and_regress_need_no_method_name(stub):
     """testClassifyTf2 / testRegressTf2: a TF2 signature's method name is always predict."""
     regressed = stub.Regress(example_request(regression_pb2.RegressionRequest, "half_plus_two_tf2", "regress_x_to_y",
@@ -259,7 +256,6 @@ def test_tf_saved_model_save_with_an_input_of_unknown_rank(stub, server):
         "predictions": [6.0, -3.0]}
 
 
-@pytest.mark.xfail(reason=UNBATCHED, strict=True)
 def test_multiple_signatures_with_scalar_outputs(stub):
     """test_tf_saved_model_save_multiple_signatures: each signature answers a scalar, whatever x."""
     assert_y(stub.Predict(predict_x("multiple_signatures", 2.0, signature_name="custom_signature_key"), TIMEOUT_S),
@@ -267,7 +263,6 @@ def test_multiple_signatures_with_scalar_outputs(stub):
     assert_y(stub.Predict(predict_x("multiple_signatures", 2.0), TIMEOUT_S), 1.0, model="multiple_signatures")
 
 
-@pytest.mark.xfail(reason=UNBATCHED, strict=True)
 def test_counter_signatures_without_inputs(server):
     """export_counter.py's model: stateful signatures that take no input and answer a scalar."""
     def call(signature: str, inputs: dict | None = None) -> float:
@@ -280,8 +275,18 @@ def test_counter_signatures_without_inputs(server):
     assert call("get_counter") == 4.0
 
 
+def test_readyz_names_the_signatures_served_unbatched(server):
+    """Signatures without a batch dimension on every input and output run one request per call."""
+    served = requests.get(server.url + "/readyz", timeout=TIMEOUT_S).json()["models"]
+    assert served["counter"]["unbatched_signatures"] == ["get_counter", "incr_counter", "incr_counter_by",
+                                                         "reset_counter"]
+    assert served["multiple_signatures"]["unbatched_signatures"] == ["custom_signature_key", "serving_default"]
+    # Over serialized tf.Examples of unknown rank: no batch dimension to stack on.
+    assert served["default"]["unbatched_signatures"] == ["classify_x_to_y", "regress_x_to_y", "regress_x_to_y2"]
+
+
 def test_counter_and_scalar_signatures_load_and_are_described(server):
-    """They cannot be served yet (see the xfails above), but they load and are described. The
+    """They load and are described as the SignatureDef declares them. The
     output fetches a reference variable: TF Serving's metadata copies DT_FLOAT_REF from the
     SignatureDef; this server names the dtype the answer has."""
     counter = requests.get(server.url + "/v1/models/counter/metadata", timeout=TIMEOUT_S).json()

@@ -220,26 +220,24 @@ def test_poller_loads_a_new_version_before_serving_it_and_keeps_serving_through_
     for version in (1, 2):
         (tmp_path / str(version)).mkdir()
     config = ModelConfig("m", str(tmp_path), 1, 0.0, 16)
-    registry = ModelRegistry("m")
+    registry = ModelRegistry("m", Settings(), Metrics(prometheus_client.CollectorRegistry()))
     registry.add(gated_servable(1, gate, running)[0])
-    poller = registry_module.VersionPoller(registry, [config], Settings(), Metrics(prometheus_client.CollectorRegistry()),
-                                           interval_s=3600)
+    registry.configs["m"] = config
     try:
-        poller.check(config)
+        registry.sync_versions(config)
         assert seen_while_loading[2] == [status(2, "LOADING"), status(1)]
         assert registry.model_status("m") == [status(2), status(1, "END")]
         assert registry.get("m").model.version == 2
 
         (tmp_path / "3").mkdir()
-        poller.check(config)
-        poller.check(config)  # a failed version is not loaded again
+        registry.sync_versions(config)
+        registry.sync_versions(config)  # a failed version is not loaded again
         assert list(seen_while_loading) == [2, 3]
         failed = {"version": "3", "state": "END",
                   "status": {"error_code": "UNKNOWN", "error_message": "ModelLoadError: broken"}}
         assert registry.model_status("m") == [failed, status(2), status(1, "END")]
         assert registry.get("m").model.version == 2
     finally:
-        poller.stop()
         registry.close()
 
 

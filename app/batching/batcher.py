@@ -43,6 +43,7 @@ class Batcher:
         max_queue_rows: int = 1024,
         max_request_rows: int | None = None,
         batching: bool = True,
+        whole: bool = False,
         buckets: tuple[int, ...] | None = None,
         bisect_failures: bool = True,
         fill_under_load: bool = True,
@@ -57,7 +58,10 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.max_request_rows = min(max_request_rows or max_queue_rows, max_queue_rows)
         # Off: one request per predict call (each still split to max_batch_size and padded).
-        self.batching = batching
+        self.batching = batching and not whole
+        # Whole: one request per call as the client sent it, for a signature with no batch
+        # dimension to split, pad or check; it counts as one row against the queue's limits.
+        self.whole = whole
         self.buckets = buckets if buckets is not None else bucket_sizes(max_batch_size)
         if self.buckets[-1] < max_batch_size:
             raise ValueError("the largest bucket must hold max_batch_size rows")
@@ -71,7 +75,8 @@ class Batcher:
         self.fill_policy = FillPolicy(max_batch_size=max_batch_size, batch_timeout_s=batch_timeout_ms / 1000.0,
                                       fill_under_load=fill_under_load)
         self.executor = Executor(predict_fn, name=name, buckets=self.buckets, bisect_failures=bisect_failures,
-                                 padding=padding, observer=self._hooks, clock=clock, waiting=self.queue.waiting)
+                                 padding=padding, whole=whole, observer=self._hooks, clock=clock,
+                                 waiting=self.queue.waiting)
         self._drain = True
         self.batches_run = 0
         self._thread = threading.Thread(target=self._run, name=f"batcher-{name}", daemon=True)
@@ -87,7 +92,7 @@ class Batcher:
         answers True the request is dropped unrun (its future cancelled) and counted. `trace`
         reaches the observer's `predict_call` with every call that runs the request's rows.
         """
-        rows = request_rows(inputs, max_rows=self.max_request_rows, name=self.name)
+        rows = 1 if self.whole else request_rows(inputs, max_rows=self.max_request_rows, name=self.name)
         now = self._clock()
         pending = Pending(inputs, rows, now, None if timeout_s is None else now + timeout_s, client_gone,
                           self.padding, trace)

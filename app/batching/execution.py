@@ -36,11 +36,13 @@ class Executor:
 
     def __init__(self, predict_fn: PredictFn, *, name: str, buckets: Sequence[int], bisect_failures: bool,
                  observer: BatchObserver, clock: Callable[[], float], waiting: Callable[[], int],
-                 padding: Padding | None = None) -> None:
+                 padding: Padding | None = None, whole: bool = False) -> None:
         self.name = name
         self.padding = padding
+        self.whole = whole
         self.buckets = tuple(buckets)
         self.bisect_failures = bisect_failures
+        self.whole = whole
         self._predict_fn = predict_fn
         self._observer = observer
         # Read once: without a tracer, nothing per call gathers the requests' traces.
@@ -79,7 +81,10 @@ class Executor:
                     self.fail(part, error)
                 continue
             self._observer.batch_done(rows=rows, requests=len(part), padded_rows=padded - rows, predict_s=predict_s)
-            _slice_back(part, outputs, rows, cut)
+            if self.whole:
+                part[0].pending.deliver(outputs, rows, 1, done=True)
+            else:
+                _slice_back(part, outputs, rows, cut)
         return stats
 
     def fail(self, part: list[Slice], error: ServingError) -> None:
@@ -88,8 +93,11 @@ class Executor:
             settle(piece.pending.future, exception=error)
 
     def _predict(self, part: list[Slice]) -> tuple[dict[str, np.ndarray], int, int, float, LengthCut | None]:
-        parts = [(piece.pending.inputs, piece.start, piece.stop) for piece in part]
         cut = None
+        if self.whole:
+            # An unbatchable signature's request, as its client sent it: nothing joined or padded.
+            return self._call(part, dict(part[0].pending.inputs), 1, 1, cut)
+        parts = [(piece.pending.inputs, piece.start, piece.stop) for piece in part]
         if self.padding is None:
             inputs = join_rows(parts)
         else:
@@ -100,9 +108,17 @@ class Executor:
         padded = next(size for size in self.buckets if size >= rows)
         if padded > rows:
             inputs = pad_rows(inputs, padded)
+        return self._call(part, inputs, rows, padded, cut)
+
+    def _call(self, part: list[Slice], inputs: dict[str, np.ndarray], rows: int, padded: int,
+              cut: LengthCut | None) -> tuple[dict[str, np.ndarray], int, int, float, LengthCut | None]:
         started = self._clock()
         try:
-            outputs = check_outputs(self._predict_fn(inputs), padded)
+            answer = self._predict_fn(inputs)
+            if self.whole:
+                outputs = {name: np.asarray(value) for name, value in answer.items()}
+            else:
+                outputs = check_outputs(answer, padded)
         except Exception as exc:
             if self._traces:
                 self._trace(part, rows, padded, self._clock() - started, exc)
