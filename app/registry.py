@@ -28,7 +28,7 @@ from typing import Any
 
 from flask import Flask
 
-from app import batcher_broken, models, padding, runtime, warmup
+from app import models, padding, runtime, warmup
 from app.batching import Batcher, BatchResult, Tensors, bucket_sizes
 from app.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
 from app.metrics import Metrics
@@ -116,7 +116,8 @@ class Servable:
             batcher.close(drain=drain, timeout_s=timeout_s)
 
 
-def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, version: int | None = None) -> Servable:
+def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, version: int | None = None, *,
+                  on_broken: Callable[[Batcher], None] | None = None) -> Servable:
     model = models.load_model(config.path, name=config.name, method=settings.predict_method, version=version)
     buckets = bucket_sizes(config.max_batch_size)
     models.warm_up(model, buckets, padding.warm_lengths(config))
@@ -137,7 +138,7 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
             buckets=buckets,
             padding=paddings[key],
             observer=metrics.observer(config.name),
-            on_broken=batcher_broken,
+            on_broken=on_broken,
         )
     log.info("model '%s' v%d from %s loaded in %.2f s (signatures: %s)", config.name, model.version, model.source,
              model.load_s, ", ".join(sorted(model.signatures)))
@@ -314,8 +315,9 @@ class VersionPoller:
     """Checks versioned base folders every `interval_s` and serves what the version policy wants."""
 
     def __init__(self, registry: ModelRegistry, configs: list[ModelConfig], settings: Settings, metrics: Metrics,
-                 interval_s: float) -> None:
+                 interval_s: float, *, on_broken: Callable[[Batcher], None] | None = None) -> None:
         self._registry = registry
+        self._on_broken = on_broken
         self._configs = configs
         self._settings = settings
         self._metrics = metrics
@@ -347,7 +349,7 @@ class VersionPoller:
                 continue
             self._registry.set_state(config.name, version, LOADING)
             try:
-                servable = load_servable(config, self._settings, self._metrics, version)
+                servable = load_servable(config, self._settings, self._metrics, version, on_broken=self._on_broken)
             except Exception as exc:
                 self._failed.add((config.name, version))
                 self._registry.set_state(config.name, version, END, f"{type(exc).__name__}: {exc}"[:1000])
@@ -370,6 +372,13 @@ class VersionPoller:
 def init_app(app: Flask, settings: Settings, metrics: Metrics) -> ModelRegistry:
     configs = model_configs(settings)
     registry = ModelRegistry(configs[0].name)
+
+    def on_broken(_batcher: Batcher) -> None:
+        # Read when it happens: Gunicorn's post_worker_init names it once the app is loaded.
+        replace_worker = app.extensions.get("replace_worker")
+        if replace_worker is not None:
+            replace_worker()
+
     versioned = []
     for config in configs:
         available = models.available_versions(config.path) if config.path else []
@@ -380,9 +389,9 @@ def init_app(app: Flask, settings: Settings, metrics: Metrics) -> ModelRegistry:
                 raise models.ModelLoadError(f"model '{config.name}': its model_version_policy {config.version_policy} "
                                             f"wants none of the versions in {config.path!r}: {available}")
             for version in wanted:
-                registry.add(load_servable(config, settings, metrics, version))
+                registry.add(load_servable(config, settings, metrics, version, on_broken=on_broken))
         else:
-            registry.add(load_servable(config, settings, metrics))
+            registry.add(load_servable(config, settings, metrics, on_broken=on_broken))
         labels = dict(config.version_labels)
         served = registry.versions(config.name)
         for label, version in labels.items():
@@ -392,7 +401,8 @@ def init_app(app: Flask, settings: Settings, metrics: Metrics) -> ModelRegistry:
                                             f"{version}, which is not served (served: {served})")
         registry.set_labels(config.name, labels)
     if versioned and settings.model_poll_seconds > 0:
-        registry.poller = VersionPoller(registry, versioned, settings, metrics, settings.model_poll_seconds)
+        registry.poller = VersionPoller(registry, versioned, settings, metrics, settings.model_poll_seconds,
+                                          on_broken=on_broken)
     app.extensions["models"] = registry
     return registry
 
