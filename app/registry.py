@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -152,6 +153,15 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
     return servable
 
 
+def without_paths(message: str, config: ModelConfig) -> str:
+    """A load error as clients see it (GetModelStatus): the model's folder named, not its path on
+    the host. The log keeps the whole message; READYZ_DETAIL=true shows it to clients too."""
+    spellings = {config.path, os.path.abspath(config.path), os.path.realpath(config.path)}
+    for path in sorted(spellings, key=len, reverse=True):
+        message = message.replace(path, f"<model {config.name}>")
+    return message
+
+
 def wanted_versions(config: ModelConfig, available: list[int]) -> list[int]:
     """The versions TF Serving's model_version_policy serves out of those on disk."""
     kind, argument = config.version_policy
@@ -208,8 +218,8 @@ class ModelRegistry:
         with self._lock:
             entry = self._models.get(name)
             if entry is None:
-                raise NotFound(f"{servable_not_found(name, version)}: no model named {name!r}; "
-                               f"this server has {sorted(self._models)}")
+                # The names of the other models served are not the client's to learn.
+                raise NotFound(f"{servable_not_found(name, version)}: no model named {name!r}")
             if label is not None:
                 if label not in entry.labels:
                     # TF Serving answers INVALID_ARGUMENT, 400 (model_servers/server_core.cc).
@@ -352,7 +362,10 @@ class VersionPoller:
                 servable = load_servable(config, self._settings, self._metrics, version, on_broken=self._on_broken)
             except Exception as exc:
                 self._failed.add((config.name, version))
-                self._registry.set_state(config.name, version, END, f"{type(exc).__name__}: {exc}"[:1000])
+                message = f"{type(exc).__name__}: {exc}"
+                if not self._settings.readyz_detail:
+                    message = without_paths(message, config)
+                self._registry.set_state(config.name, version, END, message[:1000])
                 log.exception("cannot load version %d of model '%s'; serving %s", version, config.name, served)
                 continue
             if self._stopped.is_set():
