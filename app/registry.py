@@ -153,12 +153,12 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
     return servable
 
 
-def without_paths(message: str, config: ModelConfig) -> str:
+def without_paths(message: str, *, name: str, path: str) -> str:
     """A load error as clients see it (GetModelStatus): the model's folder named, not its path on
     the host. The log keeps the whole message; READYZ_DETAIL=true shows it to clients too."""
-    spellings = {config.path, os.path.abspath(config.path), os.path.realpath(config.path)}
-    for path in sorted(spellings, key=len, reverse=True):
-        message = message.replace(path, f"<model {config.name}>")
+    spellings = {path, os.path.abspath(path), os.path.realpath(path)} if path else set()
+    for spelling in sorted(spellings, key=len, reverse=True):
+        message = message.replace(spelling, f"<model {name}>")
     return message
 
 
@@ -364,7 +364,7 @@ class VersionPoller:
                 self._failed.add((config.name, version))
                 message = f"{type(exc).__name__}: {exc}"
                 if not self._settings.readyz_detail:
-                    message = without_paths(message, config)
+                    message = without_paths(message, name=config.name, path=config.path or "")
                 self._registry.set_state(config.name, version, END, message[:1000])
                 log.exception("cannot load version %d of model '%s'; serving %s", version, config.name, served)
                 continue
