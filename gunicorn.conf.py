@@ -100,16 +100,16 @@ def prepare_metrics_dir(environ):
 def post_fork(server, worker):
     # Before anything slow: a stop signal from now on is the worker's, not the master's.
     worker.catch_early_stops()
-    import app
-
-    # A worker whose batch thread died stops gracefully, so the master starts a fresh one.
-    app.replace_worker = lambda: os.kill(os.getpid(), signal.SIGTERM)
     from app import runtime
 
-    runtime.configure(_settings, workers=server.cfg.workers)
+    # Before the app loads its models; post_worker_init hands the app what was set.
+    worker.tensorflow = runtime.configure(_settings, workers=server.cfg.workers)
 
 
 def post_worker_init(worker):
+    worker.wsgi.extensions["tensorflow"] = worker.tensorflow
+    # A worker whose batch thread died stops gracefully, so the master starts a fresh one.
+    worker.wsgi.extensions["replace_worker"] = lambda: os.kill(os.getpid(), signal.SIGTERM)
     # gRPC starts in the worker once its models are loaded: grpc's threads would not survive
     # a fork, so the master never imports it.
     if _settings.grpc_bind:

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from flask import Flask
 
 from app.settings import Settings
 
-# How this worker process asks to be replaced once a model's batch thread has died. Gunicorn's
-# post_fork sets it in each worker; elsewhere (tests, one process) it stays None: the app never
-# ends a process it was not told how to end.
-replace_worker: Callable[[], None] | None = None
 
+def create_app(settings: Settings | None = None, *, replace_worker: Callable[[], None] | None = None) -> Flask:
+    """The app, its models loaded and warmed.
 
-def create_app(settings: Settings | None = None) -> Flask:
+    `replace_worker` is how this process asks to be replaced once a model's batch thread has
+    died (app.extensions["replace_worker"]; Gunicorn's post_worker_init sets it in each worker).
+    None: the app never ends a process it was not told how to end. TensorFlow's thread pools
+    are the caller's to size first (`runtime.configure`, Gunicorn's post_fork); what it set
+    goes in app.extensions["tensorflow"], which /readyz shows.
+    """
     from app import api, errors, limits, logs, metrics, openapi, patches, registry, runtime, serving, v2_rest
 
     settings = settings or Settings.from_env()
@@ -24,7 +26,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     # Flask would take FLASK_DEBUG from the environment: a production server never debugs.
     app.debug = False
     app.extensions["settings"] = settings
-    runtime.configure(settings)
+    app.extensions["replace_worker"] = replace_worker
+    app.extensions["tensorflow"] = {}
+    runtime.import_tensorflow(settings)
     logs.init_app(app, access=settings.access_log, probes=settings.access_log_probes,
                   writer=logs.start_access_writer())
     serving_metrics = metrics.init_app(app)
@@ -46,8 +50,3 @@ def shutdown_app(app: Flask, *, timeout_s: float | None = None) -> None:
     get_registry(app).close(drain=True, timeout_s=timeout_s)
     logs.flush_access_log()
 
-
-def batcher_broken(_batcher: Any) -> None:
-    """A batch thread died (its requests are answered): this worker cannot serve that model again."""
-    if replace_worker is not None:
-        replace_worker()

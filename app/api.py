@@ -13,7 +13,7 @@ import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 from werkzeug.routing import BaseConverter, IntegerConverter
 
-from app import classify, codec, limits, logs, metadata, runtime
+from app import classify, codec, limits, logs, metadata
 from app.registry import get_registry
 from app.serving import CLASSIFY, REGRESS, Answer, ClientGonePredicate, ModelSpec, get_layer, socket_client_gone
 from app.settings import MODEL_NAME_PATTERN
@@ -145,7 +145,7 @@ def readyz() -> Response:
             status.pop("source", None)
     body = {
         "ready": ready,
-        "tensorflow": runtime.configured(),
+        "tensorflow": current_app.extensions["tensorflow"],
         "large_bodies_in_flight": current_app.extensions["body_limits"].large_bodies_in_flight,
         # Objects start-up left out of the garbage collector's full passes (runtime.freeze_heap).
         "gc_frozen_objects": gc.get_freeze_count(),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from typing import Any
 
 from flask import Flask
 
-from app import batcher_broken, models, padding, runtime, warmup
+from app import models, padding, runtime, warmup
 from app.batching import Batcher, BatchObserver, BatchResult, Tensors, bucket_sizes
 from app.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
 from app.metrics import Metrics
@@ -118,7 +119,8 @@ class Servable:
             batcher.close(drain=drain, timeout_s=timeout_s)
 
 
-def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, version: int | None = None) -> Servable:
+def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, version: int | None = None, *,
+                  on_broken: Callable[[Batcher], None] | None = None) -> Servable:
     model = models.load_model(config.path, name=config.name, method=settings.predict_method, version=version)
     buckets = bucket_sizes(config.max_batch_size)
     models.warm_up(model, buckets, padding.warm_lengths(config))
@@ -140,7 +142,7 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
             buckets=buckets,
             padding=paddings[key],
             observer=batch_observer(metrics, settings, model, key),
-            on_broken=batcher_broken,
+            on_broken=on_broken,
         )
     log.info("model '%s' v%d from %s loaded in %.2f s (signatures: %s)", config.name, model.version, model.source,
              model.load_s, ", ".join(sorted(model.signatures)))
@@ -163,6 +165,15 @@ def batch_observer(metrics: Metrics, settings: Settings, model: models.LoadedMod
         observer = tracing.BatchTracer(observer, tracing.tracer(settings), model=model.name, version=model.version,
                                        signature=signature)
     return observer
+
+
+def without_paths(message: str, *, name: str, path: str) -> str:
+    """A load error as clients see it (GetModelStatus): the model's folder named, not its path on
+    the host. The log keeps the whole message; READYZ_DETAIL=true shows it to clients too."""
+    spellings = {path, os.path.abspath(path), os.path.realpath(path)} if path else set()
+    for spelling in sorted(spellings, key=len, reverse=True):
+        message = message.replace(spelling, f"<model {name}>")
+    return message
 
 
 def wanted_versions(config: ModelConfig, available: list[int]) -> list[int]:
@@ -197,8 +208,11 @@ class _Model:
 
 
 class ModelRegistry:
-    def __init__(self, default_name: str, settings: Settings | None = None, metrics: Metrics | None = None) -> None:
+    def __init__(self, default_name: str, settings: Settings | None = None, metrics: Metrics | None = None, *,
+                 on_broken: Callable[[Batcher], None] | None = None) -> None:
         self.default_name = default_name
+        # What a batcher whose thread died calls: the process asks to be replaced.
+        self._on_broken = on_broken
         self._models: dict[str, _Model] = {}
         self._lock = threading.Lock()
         self.poller: VersionPoller | None = None
@@ -224,9 +238,10 @@ class ModelRegistry:
                                                     f"{config.version_policy} wants none of the versions in "
                                                     f"{config.path!r}: {available}")
                     for version in wanted:
-                        self.add(load_servable(config, self._settings, self._metrics, version))
+                        self.add(load_servable(config, self._settings, self._metrics, version,
+                                               on_broken=self._on_broken))
                 else:
-                    self.add(load_servable(config, self._settings, self._metrics))
+                    self.add(load_servable(config, self._settings, self._metrics, on_broken=self._on_broken))
                 self.label(config)
             except Exception:
                 # Served in full or not at all: a live reload must not leave versions no config names.
@@ -312,10 +327,13 @@ class ModelRegistry:
                     continue
                 self.set_state(config.name, version, LOADING)
                 try:
-                    servable = load_servable(config, self._settings, self._metrics, version)
+                    servable = load_servable(config, self._settings, self._metrics, version, on_broken=self._on_broken)
                 except Exception as exc:
                     self._failed.add((config.name, version))
-                    self.set_state(config.name, version, END, f"{type(exc).__name__}: {exc}"[:1000])
+                    message = f"{type(exc).__name__}: {exc}"
+                    if not self._settings.readyz_detail:
+                        message = without_paths(message, name=config.name, path=config.path or "")
+                    self.set_state(config.name, version, END, message[:1000])
                     log.exception("cannot load version %d of model '%s'; serving %s", version, config.name, served)
                     continue
                 if stopped():
@@ -349,8 +367,8 @@ class ModelRegistry:
         with self._lock:
             entry = self._models.get(name)
             if entry is None or not entry.serving:  # never served, or removed from the config
-                raise NotFound(f"{servable_not_found(name, version)}: no model named {name!r}; "
-                               f"this server has {sorted(n for n, e in self._models.items() if e.serving)}")
+                # The names of the other models served are not the client's to learn.
+                raise NotFound(f"{servable_not_found(name, version)}: no model named {name!r}")
             if label is not None:
                 if label not in entry.labels:
                     # TF Serving answers INVALID_ARGUMENT, 400 (model_servers/server_core.cc).
@@ -528,7 +546,13 @@ class ConfigPoller(_Poller):
 
 def init_app(app: Flask, settings: Settings, metrics: Metrics) -> ModelRegistry:
     configs = model_configs(settings)
-    registry = ModelRegistry(configs[0].name, settings, metrics)
+    def on_broken(_batcher: Batcher) -> None:
+        # Read when it happens: Gunicorn's post_worker_init names it once the app is loaded.
+        replace_worker = app.extensions.get("replace_worker")
+        if replace_worker is not None:
+            replace_worker()
+
+    registry = ModelRegistry(configs[0].name, settings, metrics, on_broken=on_broken)
     for config in configs:
         registry.serve(config)
     live_config = settings.model_config is not None and settings.model_config_poll_seconds > 0

@@ -1,9 +1,9 @@
 """TensorFlow's process set-up: thread pools and GPU memory, before the first TF op.
 
-Gunicorn's post_fork hook calls `configure()` in each worker with the worker count, so
-that N workers share the usable CPUs (`usable_cpus()`: the affinity, capped by a cgroup CPU
-quota) instead of each starting pools as wide as the machine.
-`create_app()` calls it again; the second call changes nothing.
+Gunicorn's post_fork hook calls `configure()` once in each worker, before the app loads its
+models, with the worker count, so that N workers share the usable CPUs (`usable_cpus()`: the
+affinity, capped by a cgroup CPU quota) instead of each starting pools as wide as the machine.
+It returns what it set; the hooks hand that to the app (app.extensions["tensorflow"]).
 
 TensorFlow's C++ libraries write start-up lines (oneDNN, CPU features, absl's "before
 InitializeLog" banner) straight to file descriptor 2 while `import tensorflow` runs, in
@@ -25,16 +25,12 @@ import os
 import re
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
-
-_lock = threading.Lock()
-_configured: dict[str, Any] | None = None
 
 # absl's one-line banner, and its INFO lines ("I1123 12:00:00.000000 123 port.cc:153] ...").
 _NATIVE_NOISE = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\)|I\d{4} )")
@@ -145,45 +141,41 @@ def _cpus(quota_us: int, period_us: int) -> float | None:
     return quota_us / period_us if quota_us > 0 and period_us > 0 else None
 
 
-def configure(settings: Settings, *, workers: int = 1) -> dict[str, Any]:
-    """Size TF's pools to usable CPUs / workers and cap GPU memory; idempotent per process."""
-    global _configured
-    with _lock:
-        if _configured is not None:
-            return _configured
-        tf = import_tensorflow(settings)
-        cpus = usable_cpus()
-        # Each worker's pools get its share of the usable CPUs: N workers with pools as wide
-        # as the machine would oversubscribe it N times. Inter-op threads run independent ops
-        # of one graph side by side; a served model's graph is mostly a chain, so the same
-        # share costs it nothing and keeps N workers from each starting one per core.
-        share = max(1, cpus.count // max(1, workers))
-        intra = settings.tf_intra_op_threads or share
-        inter = settings.tf_inter_op_threads or share
-        tf.config.threading.set_intra_op_parallelism_threads(intra)
-        tf.config.threading.set_inter_op_parallelism_threads(inter)
-        # The first look for devices loads CUDA in TensorFlow's CUDA build, which prints
-        # straight to descriptor 2 (on a host without a GPU: "failed call to cuInit").
-        with native_stderr_logged():
-            gpus = tf.config.list_physical_devices("GPU")
-        for gpu in gpus:
-            if settings.gpu_memory_limit_mb:
-                tf.config.set_logical_device_configuration(
-                    gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=settings.gpu_memory_limit_mb)]
-                )
-            else:
-                tf.config.experimental.set_memory_growth(gpu, True)
-        _configured = {
-            "intra_op_threads": intra,
-            "inter_op_threads": inter,
-            "gpus": len(gpus),
-            "gpu_memory_limit_mb": settings.gpu_memory_limit_mb or None,
-            "workers": workers,
-            "usable_cpus": cpus.count,
-            "usable_cpus_from": cpus.source,
-        }
-        log.info("tensorflow configured in pid %d: %s", os.getpid(), _configured)
-        return _configured
+def configure(settings: Settings, *, workers: int) -> dict[str, Any]:
+    """Size TF's pools to usable CPUs / workers and cap GPU memory: once, before any TF op runs."""
+    tf = import_tensorflow(settings)
+    cpus = usable_cpus()
+    # Each worker's pools get its share of the usable CPUs: N workers with pools as wide
+    # as the machine would oversubscribe it N times. Inter-op threads run independent ops
+    # of one graph side by side; a served model's graph is mostly a chain, so the same
+    # share costs it nothing and keeps N workers from each starting one per core.
+    share = max(1, cpus.count // max(1, workers))
+    intra = settings.tf_intra_op_threads or share
+    inter = settings.tf_inter_op_threads or share
+    tf.config.threading.set_intra_op_parallelism_threads(intra)
+    tf.config.threading.set_inter_op_parallelism_threads(inter)
+    # The first look for devices loads CUDA in TensorFlow's CUDA build, which prints
+    # straight to descriptor 2 (on a host without a GPU: "failed call to cuInit").
+    with native_stderr_logged():
+        gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        if settings.gpu_memory_limit_mb:
+            tf.config.set_logical_device_configuration(
+                gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=settings.gpu_memory_limit_mb)]
+            )
+        else:
+            tf.config.experimental.set_memory_growth(gpu, True)
+    configured = {
+        "intra_op_threads": intra,
+        "inter_op_threads": inter,
+        "gpus": len(gpus),
+        "gpu_memory_limit_mb": settings.gpu_memory_limit_mb or None,
+        "workers": workers,
+        "usable_cpus": cpus.count,
+        "usable_cpus_from": cpus.source,
+    }
+    log.info("tensorflow configured in pid %d: %s", os.getpid(), configured)
+    return configured
 
 
 def import_tensorflow(settings: Settings) -> Any:
@@ -249,10 +241,6 @@ def log_native_lines(text: str) -> None:
         else:
             level = continued
         log.log(level, "tensorflow: %s", line.rstrip())
-
-
-def configured() -> dict[str, Any]:
-    return dict(_configured or {})
 
 
 def freeze_heap() -> int:

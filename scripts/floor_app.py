@@ -36,7 +36,7 @@ import numpy as np
 import orjson
 from flask import Flask, Response, request
 
-from app import metadata, runtime
+from app import metadata
 from app.batching import Batcher, bucket_sizes
 from app.models import example_batch, load_model, warm_up
 from app.settings import Settings
@@ -119,5 +119,6 @@ def model_metadata() -> Response:
 
 @app.get("/readyz")
 def readyz() -> Response:
-    return Response(orjson.dumps({"status": "ready", "pid": os.getpid(), "tensorflow": runtime.configured()}),
+    tensorflow = app.extensions.get("tensorflow", {})  # gunicorn.conf.py's post_worker_init sets it
+    return Response(orjson.dumps({"status": "ready", "pid": os.getpid(), "tensorflow": tensorflow}),
                     content_type="application/json")

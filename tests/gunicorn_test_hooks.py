@@ -38,15 +38,13 @@ def _kill_batch_threads(signum, frame):
                                                        ctypes.py_object(KilledBatchThread))
 
 
-def _hold_replacement():
-    import app
-
-    replace, let_go = app.replace_worker, threading.Event()
+def _hold_replacement(app):
+    replace, let_go = app.extensions["replace_worker"], threading.Event()
 
     def held() -> None:
         threading.Thread(target=lambda: let_go.wait() and replace(), daemon=True).start()
 
-    app.replace_worker = held
+    app.extensions["replace_worker"] = held
     signal.signal(signal.SIGRTMIN, lambda signum, frame: let_go.set())
 
 
@@ -55,7 +53,7 @@ def post_worker_init(worker):
         _real["post_worker_init"](worker)
     signal.signal(signal.SIGUSR2, _kill_batch_threads)
     if os.environ.get("HOLD_REPLACEMENT") == "1":
-        _hold_replacement()
+        _hold_replacement(worker.wsgi)
 
 
 def worker_exit(server, worker):
