@@ -7,9 +7,12 @@
   the HTTP listener needs (app/worker.py backs off if they run out all the same); a
   connection with no call for GRPC_CONNECTION_IDLE_MS, or older than GRPC_CONNECTION_AGE_MS,
   gets a GOAWAY, and its calls still running are cancelled REQUEST_TIMEOUT_MS later;
-- streams: at most GRPC_MAX_STREAMS_PER_CONNECTION calls at once on one connection
+- streams: at most GRPC_MAX_STREAMS_PER_CONNECTION calls at once on one connection, when set
   (advertised in SETTINGS; grpc-core refuses more, and ends a connection that keeps
-  opening and resetting streams beyond it);
+  opening and resetting streams beyond it). Unset by default: with grpc 1.85's server, a
+  limit of N refuses every stream of a connection after about N + 4 calls, sequential ones
+  included (REFUSED_STREAM); the call limit, Health's own threads and the receive timeout
+  bound what streams can hold meanwhile;
 - metadata: GRPC_MAX_METADATA_BYTES, both the soft limit (what the server advertises in
   SETTINGS_MAX_HEADER_LIST_SIZE) and the hard one, so what is advertised is what is held;
 - messages: MAX_REQUEST_BYTES (the limit the app derived for REST bodies);
@@ -62,19 +65,14 @@ def max_connections(settings: Settings) -> int:
     return settings.grpc_max_connections or max(1, descriptor_limit() // CONNECTION_SHARE_OF_FDS)
 
 
-def max_streams_per_connection(settings: Settings, threads: int) -> int:
-    # One connection may use a quarter of the worker's call slots: a client that wants more
-    # at once opens more connections (grpc clients queue streams past the limit, they do not fail).
-    return settings.grpc_max_streams_per_connection or max(1, threads // 4)
-
-
 def channel_options(settings: Settings, *, threads: int, max_bytes: int) -> list[tuple[str, int]]:
     """The grpc-core channel arguments, each from a setting."""
+    streams = settings.grpc_max_streams_per_connection
     return [
         ("grpc.so_reuseport", 1),
         ("grpc.max_receive_message_length", max_bytes),
         ("grpc.max_allowed_incoming_connections", max_connections(settings)),
-        ("grpc.max_concurrent_streams", max_streams_per_connection(settings, threads)),
+        *([("grpc.max_concurrent_streams", streams)] if streams else []),
         ("grpc.max_metadata_size", settings.grpc_max_metadata_bytes),
         ("grpc.absolute_max_metadata_size", settings.grpc_max_metadata_bytes),
         ("grpc.max_connection_idle_ms", int(settings.grpc_connection_idle_ms)),

@@ -252,8 +252,9 @@ class Settings:
         "process's descriptor limit (`ulimit -n`).", section="gRPC")
     grpc_max_streams_per_connection: int = _env(
         "GRPC_MAX_STREAMS_PER_CONNECTION", validate_non_neg_int, 0,
-        "Calls at once on one gRPC connection (HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS`). 0: a quarter of "
-        "`THREADS`.", section="gRPC")
+        "Calls at once on one gRPC connection (HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS`). 0: none advertised. "
+        "With grpc 1.85 a limit of N refuses a connection's streams after about N + 4 calls: set it only "
+        "above the calls a connection makes in its life, or leave it 0.", section="gRPC")
     grpc_max_metadata_bytes: int = _env(
         "GRPC_MAX_METADATA_BYTES", validate_pos_int, 16 * 1024,
         "Largest header list of a gRPC call, advertised and enforced; beyond, the call is refused.",

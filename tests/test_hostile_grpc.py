@@ -32,9 +32,10 @@ IDLE_CONNECTIONS = 1000
 LOW_FD_LIMIT = 1024
 SOCKET_TIMEOUT_S = 10
 RECEIVE_TIMEOUT_MS = 2000
-# MAX_QUEUE_ROWS + 2 x MAX_BATCH_SIZE: 24 threads, so 24 call slots and 6 streams per connection.
+# MAX_QUEUE_ROWS + 2 x MAX_BATCH_SIZE: 24 threads, so 24 call slots; 6 streams per connection.
 SMALL = {"MAX_QUEUE_ROWS": "16", "MAX_BATCH_SIZE": "4"}
 THREADS = 24
+STREAMS = {"GRPC_MAX_STREAMS_PER_CONNECTION": str(THREADS // 4)}
 
 
 class LimitedServer(Server):
@@ -63,13 +64,17 @@ def health(server: Server, *, timeout_s: float = 10) -> int:
 
 
 def predict(server: Server, rows: np.ndarray) -> list[list[float]]:
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        return predict_on(channel, rows)
+
+
+def predict_on(channel: grpc.Channel, rows: np.ndarray) -> list[list[float]]:
     import tensorflow as tf
 
     request = predict_pb2.PredictRequest()
     request.model_spec.name = "default"
     request.inputs["features"].CopyFrom(tf.make_tensor_proto(rows))
-    with grpc.insecure_channel(server.grpc_target) as channel:
-        answer = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=30)
+    answer = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=30)
     return tf.make_ndarray(answer.outputs["scores"]).tolist()
 
 
@@ -239,9 +244,31 @@ def test_the_soft_descriptor_limit_is_raised_to_the_hard_one(tmp_path, exact_mod
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory, exact_model_path):
     server = Server(tmp_path_factory.mktemp("hostile-grpc"), {
-        "MODEL_PATH": str(exact_model_path), "GRPC_RECEIVE_TIMEOUT_MS": str(RECEIVE_TIMEOUT_MS), **SMALL})
+        "MODEL_PATH": str(exact_model_path), "GRPC_RECEIVE_TIMEOUT_MS": str(RECEIVE_TIMEOUT_MS), **SMALL, **STREAMS})
     yield server.start()
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def default_streams_server(tmp_path_factory, exact_model_path):
+    server = Server(tmp_path_factory.mktemp("grpc-default-streams"), {"MODEL_PATH": str(exact_model_path), **SMALL})
+    yield server.start()
+    server.stop()
+
+
+def test_by_default_a_connection_serves_call_after_call(default_streams_server, exact_model):
+    """With a per-connection stream limit set by default, grpc 1.85 refused every call of a
+    connection after a few (RST_STREAM REFUSED_STREAM): closed-loop clients saw 99 % errors."""
+    client = RawH2(default_streams_server.grpc_target)
+    try:
+        assert h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS not in client.settings
+    finally:
+        client.close()
+    rows = integer_rows(2, seed=34)
+    expected = exact_model(rows).numpy().tolist()
+    with grpc.insecure_channel(default_streams_server.grpc_target) as channel:
+        answers = [predict_on(channel, rows) for _ in range(40)]
+    assert answers == [expected] * 40
 
 
 PREDICT = "/tensorflow.serving.PredictionService/Predict"
