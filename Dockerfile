@@ -54,6 +54,8 @@ COPY app/ app/
 ENV WORKERS=1
 USER 10001:10001
 ENTRYPOINT ["python", "-m", "app.entrypoint"]
+# An ENTRYPOINT empties the CMD a stage inherits: the base's, named again.
+CMD ["gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"]
 
 # TensorFlow Serving's gRPC stubs import TensorFlow's generated protocol buffer modules
 # (tensorflow.core.framework.tensor_pb2, ...). The load generator needs those, not TensorFlow:
@@ -86,3 +88,5 @@ COPY app/ app/
 USER 10001:10001
 # The CMD as it is, or TF Serving's image conventions and flags (`docker run IMAGE --flag=...`).
 ENTRYPOINT ["python", "-m", "app.entrypoint"]
+# An ENTRYPOINT empties the CMD a stage inherits: the base's, named again.
+CMD ["gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"]

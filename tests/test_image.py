@@ -127,7 +127,8 @@ class ImageServer(Container):
         # READYZ_DETAIL: /readyz then names the worker's pid, which leads to the master.
         super().__init__(image, log_dir, env={"BIND": f"127.0.0.1:{self.port}", "GRPC_BIND": self.grpc_target,
                                               "WORKERS": "1", "READYZ_DETAIL": "true", **(env or {})}, **kwargs)
-        self.cmd = image.config["Cmd"]
+        # What `docker run IMAGE` runs: `buildah run` takes a command and applies no ENTRYPOINT.
+        self.cmd = [*(image.config.get("Entrypoint") or []), *image.config["Cmd"]]
 
     def start_ready(self, *, within_s: float = 240) -> ImageServer:
         self.start(self.cmd)
