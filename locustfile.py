@@ -4,17 +4,21 @@
     locust -f locustfile.py --host URL --headless -u 20 -r 5 -t 60s --csv out/run
     LOCUST_PROTOCOL=grpc locust -f locustfile.py --host grpc://localhost:8500
     LOCUST_PROTOCOL=v2 locust -f locustfile.py --host http://localhost:8000
+    LOCUST_PROTOCOL=v2-grpc locust -f locustfile.py --host grpc://localhost:8500
 
 Over HTTP a user POSTs instances to /predict; over gRPC it calls TensorFlow Serving's
 PredictionService/Predict with the stubs of `tensorflow-serving-api`, the inputs as
 tensor_content. With v2 it POSTs to the Open Inference Protocol's /v2/models/<model>/infer
-as tritonclient does: numbers as binary tensor data, strings as JSON. The input names, per-row shapes and dtypes come from the model's metadata
-(GET /v1/models/<model>/metadata, GetModelMetadata, or GET /v2/models/<model>), fetched once per host, so the same
-file loads any served model. A call fails on a status other than 200 (OK) and on a number
+as tritonclient does: numbers as binary tensor data, strings as JSON. With v2-grpc it calls
+GRPCInferenceService/ModelInfer with raw_input_contents, through the stubs tritonclient ships.
+The input names, per-row shapes and dtypes come from the model's metadata (GET
+/v1/models/<model>/metadata, GetModelMetadata, GET /v2/models/<model> or ModelMetadata),
+fetched once per host, so the same file loads any served model. A call fails on a status other than 200 (OK) and on a number
 of output rows other than the rows sent.
 
 Environment knobs:
-    LOCUST_PROTOCOL         http (default), grpc or v2; with grpc, --host is the gRPC address
+    LOCUST_PROTOCOL         http (default), grpc, v2 or v2-grpc; with grpc and v2-grpc, --host is the
+                            gRPC address
     LOCUST_MODEL            model whose metadata shapes the input (default "default")
     LOCUST_PATH             predict route (default /predict)
     LOCUST_ROWS             rows per request (default 1)
@@ -64,13 +68,16 @@ WAIT_MAX = _env_number("LOCUST_WAIT_MAX", 3.0)
 if WAIT_MAX < WAIT_MIN:
     raise ValueError(f"LOCUST_WAIT_MAX={WAIT_MAX} is below LOCUST_WAIT_MIN={WAIT_MIN}")
 PROTOCOL = os.environ.get("LOCUST_PROTOCOL", "http").strip().lower() or "http"
-if PROTOCOL not in ("http", "grpc", "v2"):
-    raise ValueError(f"LOCUST_PROTOCOL={PROTOCOL!r}: expected 'http', 'grpc' or 'v2'")
-if PROTOCOL == "grpc":
+if PROTOCOL not in ("http", "grpc", "v2", "v2-grpc"):
+    raise ValueError(f"LOCUST_PROTOCOL={PROTOCOL!r}: expected 'http', 'grpc', 'v2' or 'v2-grpc'")
+if PROTOCOL in ("grpc", "v2-grpc"):
     # After Locust's gevent monkey-patching, before any channel: grpc then yields to gevent.
     import grpc.experimental.gevent
 
     grpc.experimental.gevent.init_gevent()
+if PROTOCOL == "v2-grpc":
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+if PROTOCOL == "grpc":
     # TensorFlow Serving's stubs import TensorFlow (seconds): before the run starts, not in it.
     from tensorflow.core.framework import types_pb2
     from tensorflow_serving.apis import get_model_metadata_pb2, predict_pb2, prediction_service_pb2_grpc
@@ -380,6 +387,72 @@ def grpc_request(specs: dict[str, tuple[tuple[int, ...], str]], rows: int, rng: 
         else:
             dtype = np.dtype(_bfloat16() if dtype_name == "DT_BFLOAT16" else NUMPY_DTYPES[dtype_name])
             tensor.tensor_content = values.astype(dtype.newbyteorder("<")).tobytes()
+    return request
+
+
+V2_GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+class V2GrpcInferUser(User):
+    """The Open Inference Protocol over gRPC (LOCUST_PROTOCOL=v2-grpc): ModelInfer, one channel per user."""
+
+    abstract = PROTOCOL != "v2-grpc"
+    wait_time = between(WAIT_MIN, WAIT_MAX)
+
+    def on_start(self) -> None:
+        self.channel = grpc.insecure_channel(grpc_target(self.host))
+        self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        self.specs = v2_grpc_specs_for(self.host, self.stub)
+        self.rng = np.random.default_rng()
+
+    def on_stop(self) -> None:
+        self.channel.close()
+
+    @task
+    def infer(self) -> None:
+        request = v2_grpc_request(self.specs, ROWS, self.rng)
+        started = time.perf_counter()
+        response, exception = None, None
+        try:
+            response = self.stub.ModelInfer(request, timeout=60)
+            rows = {output.shape[0] if output.shape else 0 for output in response.outputs}
+            if rows != {ROWS}:
+                exception = WrongAnswer(f"{sorted(rows)} output rows for {ROWS} rows")
+        except grpc.RpcError as exc:
+            exception = exc
+        self.environment.events.request.fire(
+            request_type="grpc", name=V2_GRPC_INFER, response_time=(time.perf_counter() - started) * 1000,
+            response_length=response.ByteSize() if response is not None else 0, exception=exception,
+            context={}, response=response)
+
+
+def v2_grpc_specs_for(host: str, stub: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The model's input specs from ModelMetadata, once per host, outside Locust's statistics."""
+    with _specs_lock:
+        key = f"v2-grpc {host}"
+        if key not in _grpc_specs_by_host:
+            metadata = stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=MODEL), timeout=30)
+            _grpc_specs_by_host[key] = v2_input_specs(
+                {"inputs": [{"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+                            for tensor in metadata.inputs]})
+        return _grpc_specs_by_host[key]
+
+
+def v2_grpc_request(specs: dict[str, tuple[tuple[int, ...], str]], rows: int, rng: np.random.Generator) -> Any:
+    """A ModelInferRequest of random rows, every input in raw_input_contents as tritonclient sends it."""
+    request = service_pb2.ModelInferRequest(model_name=MODEL)
+    for name, (shape, datatype) in specs.items():
+        if datatype not in V2_DATATYPES:
+            raise ValueError(f"no random input for datatype {datatype}")
+        request.inputs.add(name=name, datatype=datatype, shape=[rows, *shape])
+        values = [random_value(shape, V2_DATATYPES[datatype], rng, as_array=datatype != "BYTES") for _ in range(rows)]
+        if datatype == "BYTES":
+            # Each element as a 4-byte little-endian length, then its bytes.
+            items = [str(item).encode() for item in np.asarray(values).flat]
+            request.raw_input_contents.append(
+                b"".join(len(item).to_bytes(4, "little") + item for item in items))
+        else:
+            request.raw_input_contents.append(np.ascontiguousarray(values).tobytes())
     return request
 
 

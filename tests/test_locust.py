@@ -140,10 +140,11 @@ def test_locust_sends_the_rows_asked_for(start_server, exact_model_path, tmp_pat
     ("http", "/predict", "200"),
     ("grpc", "/tensorflow.serving.PredictionService/Predict", "OK"),
     ("v2", "/v2/models/<model_name:name>/infer", "200"),
+    ("v2-grpc", "/inference.GRPCInferenceService/ModelInfer", "OK"),
 ])
 def test_locust_rows_match_what_the_server_received(start_server, exact_model_path, tmp_path, protocol, route, ok):
     server = start_server({"MODEL_PATH": str(exact_model_path), "MODEL_POLL_SECONDS": "0"})
-    host = f"grpc://{server.grpc_target}" if protocol == "grpc" else server.url
+    host = f"grpc://{server.grpc_target}" if protocol in ("grpc", "v2-grpc") else server.url
     env = locust_env(LOCUST_PROTOCOL=protocol, LOCUST_ROWS="3", LOCUST_WAIT_MIN="0.01", LOCUST_WAIT_MAX="0.05")
 
     # The JSON file is written once, at exit, with every call counted (the CSV is rewritten
@@ -217,6 +218,74 @@ def test_locust_grpc_user_counts_a_bad_answer_as_a_failure(tmp_path, answer_rows
     assert run.returncode != 0
     row = aggregated_row(tmp_path / "run")
     assert int(row["Failure Count"]) == int(row["Request Count"]) > 0, row
+
+
+class FakeInferenceService:
+    """A v2 gRPC server answering ModelMetadata with one FP32 input, and ModelInfer with a canned answer."""
+
+    def __init__(self, answer_rows: int | None) -> None:
+        from concurrent import futures
+
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
+
+        self.answer_rows = answer_rows
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        servicer = service_pb2_grpc.GRPCInferenceServiceServicer()
+        servicer.ModelMetadata = self.metadata
+        servicer.ModelInfer = self.infer
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self.server)
+        self.target = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def metadata(self, request, context):
+        from tritonclient.grpc import service_pb2
+
+        response = service_pb2.ModelMetadataResponse(name=request.name)
+        response.inputs.add(name="features", datatype="FP32", shape=[-1, 4])
+        return response
+
+    def infer(self, request, context):
+        import grpc
+        from tritonclient.grpc import service_pb2
+
+        if self.answer_rows is None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        response = service_pb2.ModelInferResponse(model_name=request.model_name)
+        response.outputs.add(name="scores", datatype="FP32", shape=[self.answer_rows, 3])
+        response.raw_output_contents.append(bytes(4 * 3 * self.answer_rows))
+        return response
+
+
+@pytest.mark.parametrize("answer_rows", [2, None], ids=["wrong-count", "resource-exhausted"])
+def test_locust_v2_grpc_user_counts_a_bad_answer_as_a_failure(tmp_path, answer_rows):
+    fake = FakeInferenceService(answer_rows)
+    env = locust_env(LOCUST_PROTOCOL="v2-grpc", LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1")
+    try:
+        run = run_headless_locust(f"grpc://{fake.target}", tmp_path / "run", env, seconds=2)
+    finally:
+        fake.server.stop(None)
+
+    assert run.returncode != 0
+    row = aggregated_row(tmp_path / "run")
+    assert int(row["Failure Count"]) == int(row["Request Count"]) > 0, row
+
+
+def test_v2_grpc_request_carries_every_input_raw(tmp_path):
+    sent = shape_script(
+        "import numpy as np\n"
+        "specs = {'features': ((2, 3), 'FP32'), 'ids': ((1,), 'INT64'), 'text': ((2,), 'BYTES')}\n"
+        "request = lf.v2_grpc_request(specs, 4, np.random.default_rng(0))\n"
+        "print(json.dumps({'model': request.model_name,\n"
+        "    'inputs': [[t.name, t.datatype, list(t.shape)] for t in request.inputs],\n"
+        "    'sizes': [len(raw) for raw in request.raw_input_contents],\n"
+        "    'text': request.raw_input_contents[2][:13].decode('latin-1')}))",
+        env={"LOCUST_PROTOCOL": "v2-grpc"})
+    assert sent["model"] == "default"
+    assert sent["inputs"] == [["features", "FP32", [4, 2, 3]], ["ids", "INT64", [4, 1]], ["text", "BYTES", [4, 2]]]
+    # 4 x 2 x 3 floats; 4 int64s; 8 strings, each a 4-byte length and "load-test".
+    assert sent["sizes"] == [4 * 2 * 3 * 4, 4 * 8, 8 * (4 + 9)]
+    assert sent["text"] == "\t\x00\x00\x00load-test"
 
 
 def shape_script(body: str, env: dict[str, str] | None = None) -> dict:

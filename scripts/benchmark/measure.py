@@ -27,7 +27,7 @@ def measure_load(server: Server, load: Load, options: Options, *, prefix: Path, 
     # /metrics is read outside the CPU window: the scrape is not part of the load.
     metrics_before = server.metrics()
     cpu_before = server.cpu_seconds()
-    url = server.url if protocol == "http" else f"grpc://{server.grpc_target}"
+    url = locust_host(server, protocol)
     stats = run_locust(url, load, duration_s=options.duration, prefix=prefix, protocol=protocol,
                        spawn_rate=options.spawn_rate)
     stats.server_cpu_s = server_cpu_s = server.cpu_seconds() - cpu_before
@@ -39,6 +39,11 @@ def measure_load(server: Server, load: Load, options: Options, *, prefix: Path, 
     log(f"{what}: {stats.requests} requests, {stats.failures} failed, mean {fmt(stats.mean_ms)} ms, "
         f"{fmt(stats.rps)} req/s, locust {stats.locust_cpu_share:.0%} of a core")
     return stats
+
+
+def locust_host(server: Server, protocol: str) -> str:
+    """Locust's --host for a LOCUST_PROTOCOL: the HTTP address, or the gRPC one with a scheme."""
+    return server.url if protocol in ("http", "v2") else f"grpc://{server.grpc_target}"
 
 
 def failure(exc: Exception, server: Server) -> str:
