@@ -307,7 +307,10 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
             document = tfs_flags.model_config_document(request.config)
         except tfs_flags.FlagError as exc:
             raise errors.BadRequest(str(exc)) from None
-        self._layer.registry.reload(document, "ReloadConfigRequest")
+        live_config = self._layer.registry.live_config
+        if live_config is None:
+            raise errors.Unavailable("this server's models come from no config it can reload")
+        live_config.reload(document, "ReloadConfigRequest")
         response = model_management_pb2.ReloadConfigResponse()
         response.status.error_code = _ERROR_CODES["OK"].number
         return response

@@ -208,146 +208,16 @@ class _Model:
 
 
 class ModelRegistry:
-    def __init__(self, default_name: str, settings: Settings | None = None, metrics: Metrics | None = None, *,
-                 on_broken: Callable[[Batcher], None] | None = None) -> None:
+    """The versions a worker serves and their labels and states: what a request is resolved
+    to. What is served is kept in line with the model config by `LiveConfig` below."""
+
+    def __init__(self, default_name: str) -> None:
         self.default_name = default_name
-        # What a batcher whose thread died calls: the process asks to be replaced.
-        self._on_broken = on_broken
         self._models: dict[str, _Model] = {}
         self._lock = threading.Lock()
+        self.live_config: LiveConfig | None = None
         self.poller: VersionPoller | None = None
         self.config_poller: ConfigPoller | None = None
-        self._settings = settings
-        self._metrics = metrics
-        # The config each served model came from; changed only under _changing, which also
-        # keeps a version poll and a config reload from loading the same version twice.
-        self.configs: dict[str, ModelConfig] = {}
-        self._changing = threading.RLock()
-        self._failed: set[tuple[str, int]] = set()
-
-    def serve(self, config: ModelConfig) -> None:
-        """Load and serve a model the registry does not serve yet, with its labels."""
-        assert self._settings is not None and self._metrics is not None
-        available = models.available_versions(config.path) if config.path else []
-        with self._changing:
-            try:
-                if available:
-                    wanted = wanted_versions(config, available)
-                    if not wanted:
-                        raise models.ModelLoadError(f"model '{config.name}': its model_version_policy "
-                                                    f"{config.version_policy} wants none of the versions in "
-                                                    f"{config.path!r}: {available}")
-                    for version in wanted:
-                        self.add(load_servable(config, self._settings, self._metrics, version,
-                                               on_broken=self._on_broken))
-                else:
-                    self.add(load_servable(config, self._settings, self._metrics, on_broken=self._on_broken))
-                self.label(config)
-            except Exception:
-                # Served in full or not at all: a live reload must not leave versions no config names.
-                for version in self.versions(config.name):
-                    self.retire(config.name, version)
-                raise
-            self.configs[config.name] = config
-
-    def label(self, config: ModelConfig) -> None:
-        labels = dict(config.version_labels)
-        served = self.versions(config.name)
-        for label, version in labels.items():
-            # As TF Serving (server_core.cc): a label may only name a version being served.
-            if version not in served:
-                raise models.ModelLoadError(f"model '{config.name}': version_labels: {label!r} names version "
-                                            f"{version}, which is not served (served: {served})")
-        self.set_labels(config.name, labels)
-
-    def apply(self, configs: list[ModelConfig]) -> None:
-        """Serve exactly these models, live, as TF Serving's ReloadConfig: new ones are loaded,
-        those left out unloaded (with drain), and changed ones get the versions and labels
-        their new policy names. A model whose load fails is not served; the others change."""
-        with self._changing:
-            wanted = {config.name: config for config in configs}
-            failures = []
-            for name in [name for name in self.configs if name not in wanted]:
-                for version in self.versions(name):
-                    self.retire(name, version)
-                del self.configs[name]
-            for config in configs:
-                try:
-                    current = self.configs.get(config.name)
-                    if current is None:
-                        self.serve(config)
-                    elif current != config:
-                        self._change(current, config)
-                except Exception as exc:
-                    log.exception("model '%s': its new config cannot be applied", config.name)
-                    failures.append(f"model '{config.name}': {type(exc).__name__}: {exc}")
-            self.default_name = configs[0].name
-            if failures:
-                raise models.ModelLoadError("; ".join(failures))
-
-    def reload(self, document: dict[str, Any], where: str) -> None:
-        """Apply a MODEL_CONFIG document (from a ReloadConfigRequest); BadRequest names what is wrong."""
-        assert self._settings is not None
-        try:
-            configs = configs_from_document(document, self._settings, where)
-            self.apply(configs)
-        except (SettingsError, models.ModelLoadError) as exc:
-            raise BadRequest(str(exc)) from None
-
-    def _change(self, current: ModelConfig, config: ModelConfig) -> None:
-        if not (config.path and models.available_versions(config.path)) or config.path != current.path:
-            raise models.ModelLoadError("only the version policy, labels and batching of a model served from a base "
-                                        "folder of numbered versions change live; remove the model and add it "
-                                        "under another name to change its path")
-        self.configs[config.name] = config
-        self._failed = {key for key in self._failed if key[0] != config.name}
-        self.sync_versions(config)
-        self.label(config)
-
-    def versioned_configs(self) -> list[ModelConfig]:
-        with self._changing:
-            return [config for config in self.configs.values()
-                    if config.path and models.available_versions(config.path)]
-
-    def sync_versions(self, config: ModelConfig, *, stopped: Callable[[], bool] = lambda: False) -> None:
-        """Load the versions the policy newly wants; retire those it no longer wants. `stopped`
-        ends it early (the server is stopping), between loads and dropping one just made."""
-        assert self._settings is not None and self._metrics is not None
-        with self._changing:
-            if self.configs.get(config.name) is not config or not config.path:
-                return  # removed or replaced while the poll had it, or no folder to poll
-            wanted = wanted_versions(config, models.available_versions(config.path))
-            if not wanted:
-                return  # an emptied folder is more likely a mistake than a wish to serve nothing
-            served = self.versions(config.name)
-            for version in wanted:
-                if stopped():
-                    return
-                if version in served or (config.name, version) in self._failed:
-                    continue
-                self.set_state(config.name, version, LOADING)
-                try:
-                    servable = load_servable(config, self._settings, self._metrics, version, on_broken=self._on_broken)
-                except Exception as exc:
-                    self._failed.add((config.name, version))
-                    message = f"{type(exc).__name__}: {exc}"
-                    if not self._settings.readyz_detail:
-                        message = without_paths(message, name=config.name, path=config.path or "")
-                    self.set_state(config.name, version, END, message[:1000])
-                    log.exception("cannot load version %d of model '%s'; serving %s", version, config.name, served)
-                    continue
-                if stopped():
-                    servable.close(drain=False)
-                    return
-                self.add(servable)
-            # Retire only what the policy dropped, and never the last version served: as TF
-            # Serving's availability-preserving policy, a failed load keeps the old one.
-            served = self.versions(config.name)
-            keep = [version for version in served if version in wanted]
-            if keep:
-                for version in served:
-                    if version not in keep:
-                        self.retire(config.name, version)
 
     def add(self, servable: Servable) -> None:
         """Serve `servable` beside the versions of its model already served."""
@@ -473,6 +343,146 @@ class ModelRegistry:
             servable.close(drain=drain, timeout_s=timeout_s)
 
 
+class LiveConfig:
+    """Keeps what a registry serves in line with the model config: models served, added,
+    changed and removed (a ReloadConfigRequest, or MODEL_CONFIG polled), and each model's
+    versions loaded and retired as its folder and version policy say (the version poller)."""
+
+    def __init__(self, registry: ModelRegistry, settings: Settings, metrics: Metrics, *,
+                 on_broken: Callable[[Batcher], None] | None = None) -> None:
+        self.registry = registry
+        self._settings = settings
+        self._metrics = metrics
+        # What a batcher whose thread died calls: the process asks to be replaced.
+        self._on_broken = on_broken
+        # The config each served model came from; changed only under _changing, which also
+        # keeps a version poll and a config reload from loading the same version twice.
+        self.configs: dict[str, ModelConfig] = {}
+        self._changing = threading.RLock()
+        self._failed: set[tuple[str, int]] = set()
+
+    def serve(self, config: ModelConfig) -> None:
+        """Load and serve a model the registry does not serve yet, with its labels."""
+        available = models.available_versions(config.path) if config.path else []
+        with self._changing:
+            try:
+                if available:
+                    wanted = wanted_versions(config, available)
+                    if not wanted:
+                        raise models.ModelLoadError(f"model '{config.name}': its model_version_policy "
+                                                    f"{config.version_policy} wants none of the versions in "
+                                                    f"{config.path!r}: {available}")
+                    for version in wanted:
+                        self.registry.add(load_servable(config, self._settings, self._metrics, version,
+                                               on_broken=self._on_broken))
+                else:
+                    self.registry.add(load_servable(config, self._settings, self._metrics, on_broken=self._on_broken))
+                self.label(config)
+            except Exception:
+                # Served in full or not at all: a live reload must not leave versions no config names.
+                for version in self.registry.versions(config.name):
+                    self.registry.retire(config.name, version)
+                raise
+            self.configs[config.name] = config
+
+    def label(self, config: ModelConfig) -> None:
+        labels = dict(config.version_labels)
+        served = self.registry.versions(config.name)
+        for label, version in labels.items():
+            # As TF Serving (server_core.cc): a label may only name a version being served.
+            if version not in served:
+                raise models.ModelLoadError(f"model '{config.name}': version_labels: {label!r} names version "
+                                            f"{version}, which is not served (served: {served})")
+        self.registry.set_labels(config.name, labels)
+
+    def apply(self, configs: list[ModelConfig]) -> None:
+        """Serve exactly these models, live, as TF Serving's ReloadConfig: new ones are loaded,
+        those left out unloaded (with drain), and changed ones get the versions and labels
+        their new policy names. A model whose load fails is not served; the others change."""
+        with self._changing:
+            wanted = {config.name: config for config in configs}
+            failures = []
+            for name in [name for name in self.configs if name not in wanted]:
+                for version in self.registry.versions(name):
+                    self.registry.retire(name, version)
+                del self.configs[name]
+            for config in configs:
+                try:
+                    current = self.configs.get(config.name)
+                    if current is None:
+                        self.serve(config)
+                    elif current != config:
+                        self._change(current, config)
+                except Exception as exc:
+                    log.exception("model '%s': its new config cannot be applied", config.name)
+                    failures.append(f"model '{config.name}': {type(exc).__name__}: {exc}")
+            self.registry.default_name = configs[0].name
+            if failures:
+                raise models.ModelLoadError("; ".join(failures))
+
+    def reload(self, document: dict[str, Any], where: str) -> None:
+        """Apply a MODEL_CONFIG document (from a ReloadConfigRequest); BadRequest names what is wrong."""
+        try:
+            configs = configs_from_document(document, self._settings, where)
+            self.apply(configs)
+        except (SettingsError, models.ModelLoadError) as exc:
+            raise BadRequest(str(exc)) from None
+
+    def _change(self, current: ModelConfig, config: ModelConfig) -> None:
+        if not (config.path and models.available_versions(config.path)) or config.path != current.path:
+            raise models.ModelLoadError("only the version policy, labels and batching of a model served from a base "
+                                        "folder of numbered versions change live; remove the model and add it "
+                                        "under another name to change its path")
+        self.configs[config.name] = config
+        self._failed = {key for key in self._failed if key[0] != config.name}
+        self.sync_versions(config)
+        self.label(config)
+
+    def versioned_configs(self) -> list[ModelConfig]:
+        with self._changing:
+            return [config for config in self.configs.values()
+                    if config.path and models.available_versions(config.path)]
+
+    def sync_versions(self, config: ModelConfig, *, stopped: Callable[[], bool] = lambda: False) -> None:
+        """Load the versions the policy newly wants; retire those it no longer wants. `stopped`
+        ends it early (the server is stopping), between loads and dropping one just made."""
+        with self._changing:
+            if self.configs.get(config.name) is not config or not config.path:
+                return  # removed or replaced while the poll had it, or no folder to poll
+            wanted = wanted_versions(config, models.available_versions(config.path))
+            if not wanted:
+                return  # an emptied folder is more likely a mistake than a wish to serve nothing
+            served = self.registry.versions(config.name)
+            for version in wanted:
+                if stopped():
+                    return
+                if version in served or (config.name, version) in self._failed:
+                    continue
+                self.registry.set_state(config.name, version, LOADING)
+                try:
+                    servable = load_servable(config, self._settings, self._metrics, version, on_broken=self._on_broken)
+                except Exception as exc:
+                    self._failed.add((config.name, version))
+                    message = f"{type(exc).__name__}: {exc}"
+                    if not self._settings.readyz_detail:
+                        message = without_paths(message, name=config.name, path=config.path or "")
+                    self.registry.set_state(config.name, version, END, message[:1000])
+                    log.exception("cannot load version %d of model '%s'; serving %s", version, config.name, served)
+                    continue
+                if stopped():
+                    servable.close(drain=False)
+                    return
+                self.registry.add(servable)
+            # Retire only what the policy dropped, and never the last version served: as TF
+            # Serving's availability-preserving policy, a failed load keeps the old one.
+            served = self.registry.versions(config.name)
+            keep = [version for version in served if version in wanted]
+            if keep:
+                for version in served:
+                    if version not in keep:
+                        self.registry.retire(config.name, version)
+
+
 class _Poller:
     """A daemon thread that calls `tick` every `interval_s` until stopped."""
 
@@ -501,16 +511,16 @@ class VersionPoller(_Poller):
 
     name = "version-poller"
 
-    def __init__(self, registry: ModelRegistry, interval_s: float) -> None:
-        self._registry = registry
+    def __init__(self, live_config: LiveConfig, interval_s: float) -> None:
+        self._live_config = live_config
         super().__init__(interval_s)
 
     def tick(self) -> None:
-        for config in self._registry.versioned_configs():
+        for config in self._live_config.versioned_configs():
             if self._stopped.is_set():
                 return
             try:
-                self._registry.sync_versions(config, stopped=self._stopped.is_set)
+                self._live_config.sync_versions(config, stopped=self._stopped.is_set)
             except Exception:
                 log.exception("version check of model '%s' failed", config.name)
 
@@ -521,10 +531,10 @@ class ConfigPoller(_Poller):
 
     name = "config-poller"
 
-    def __init__(self, registry: ModelRegistry, settings: Settings, interval_s: float) -> None:
-        self._registry = registry
+    def __init__(self, live_config: LiveConfig, settings: Settings, interval_s: float) -> None:
+        self._live_config = live_config
         self._settings = settings
-        self._last = list(registry.configs.values())
+        self._last = list(live_config.configs.values())
         super().__init__(interval_s)
 
     def tick(self) -> None:
@@ -537,7 +547,7 @@ class ConfigPoller(_Poller):
             return
         self._last = configs
         try:
-            self._registry.apply(configs)
+            self._live_config.apply(configs)
         except Exception:
             log.exception("MODEL_CONFIG applied in part")
         else:
@@ -552,14 +562,15 @@ def init_app(app: Flask, settings: Settings, metrics: Metrics) -> ModelRegistry:
         if replace_worker is not None:
             replace_worker()
 
-    registry = ModelRegistry(configs[0].name, settings, metrics, on_broken=on_broken)
+    registry = ModelRegistry(configs[0].name)
+    live = registry.live_config = LiveConfig(registry, settings, metrics, on_broken=on_broken)
     for config in configs:
-        registry.serve(config)
-    live_config = settings.model_config is not None and settings.model_config_poll_seconds > 0
-    if settings.model_poll_seconds > 0 and (live_config or registry.versioned_configs()):
-        registry.poller = VersionPoller(registry, settings.model_poll_seconds)
-    if live_config:
-        registry.config_poller = ConfigPoller(registry, settings, settings.model_config_poll_seconds)
+        live.serve(config)
+    polled_config = settings.model_config is not None and settings.model_config_poll_seconds > 0
+    if settings.model_poll_seconds > 0 and (polled_config or live.versioned_configs()):
+        registry.poller = VersionPoller(live, settings.model_poll_seconds)
+    if polled_config:
+        registry.config_poller = ConfigPoller(live, settings, settings.model_config_poll_seconds)
     app.extensions["models"] = registry
     return registry
 

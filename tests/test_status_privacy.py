@@ -95,7 +95,7 @@ def test_readyz_detail_lets_the_path_through(tmp_path, monkeypatch, detail, show
     from app import models
     from app import registry as registry_module
     from app.metrics import Metrics
-    from app.registry import ModelRegistry
+    from app.registry import LiveConfig, ModelRegistry
     from app.settings import ModelConfig, Settings
 
     def failing_load(config, settings, metrics, version=None, *, on_broken=None):
@@ -104,9 +104,10 @@ def test_readyz_detail_lets_the_path_through(tmp_path, monkeypatch, detail, show
     monkeypatch.setattr(registry_module, "load_servable", failing_load)
     (tmp_path / "3").mkdir()
     config = ModelConfig("m", str(tmp_path), 1, 0.0, 16)
-    registry = ModelRegistry("m", Settings(readyz_detail=detail), Metrics(prometheus_client.CollectorRegistry()))
-    registry.configs["m"] = config
+    registry = ModelRegistry("m")
+    live = LiveConfig(registry, Settings(readyz_detail=detail), Metrics(prometheus_client.CollectorRegistry()))
+    live.configs["m"] = config
     registry.set_state("m", 1, "AVAILABLE")
-    registry.sync_versions(config)
+    live.sync_versions(config)
     (status,) = registry.model_status("m", 3)
     assert status["status"]["error_message"] == shown.format(base=tmp_path)

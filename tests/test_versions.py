@@ -26,7 +26,7 @@ from app import models
 from app.batching import BatchObserver, Batcher
 from app.errors import NotFound
 from app.models import LoadedModel, TensorInfo
-from app.registry import ModelRegistry, Servable, wanted_versions
+from app.registry import LiveConfig, ModelRegistry, Servable, wanted_versions
 from app.settings import ModelConfig, Settings, SettingsError, model_configs
 from tests.conftest import Server
 
@@ -220,18 +220,19 @@ def test_poller_loads_a_new_version_before_serving_it_and_keeps_serving_through_
     for version in (1, 2):
         (tmp_path / str(version)).mkdir()
     config = ModelConfig("m", str(tmp_path), 1, 0.0, 16)
-    registry = ModelRegistry("m", Settings(), Metrics(prometheus_client.CollectorRegistry()))
+    registry = ModelRegistry("m")
+    live = LiveConfig(registry, Settings(), Metrics(prometheus_client.CollectorRegistry()))
     registry.add(gated_servable(1, gate, running)[0])
-    registry.configs["m"] = config
+    live.configs["m"] = config
     try:
-        registry.sync_versions(config)
+        live.sync_versions(config)
         assert seen_while_loading[2] == [status(2, "LOADING"), status(1)]
         assert registry.model_status("m") == [status(2), status(1, "END")]
         assert registry.get("m").model.version == 2
 
         (tmp_path / "3").mkdir()
-        registry.sync_versions(config)
-        registry.sync_versions(config)  # a failed version is not loaded again
+        live.sync_versions(config)
+        live.sync_versions(config)  # a failed version is not loaded again
         assert list(seen_while_loading) == [2, 3]
         failed = {"version": "3", "state": "END",
                   "status": {"error_code": "UNKNOWN", "error_message": "ModelLoadError: broken"}}
