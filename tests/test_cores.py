@@ -149,7 +149,11 @@ def test_one_usable_cpu_reaches_tensorflow_through_gunicorn(tmp_path):
 
 
 def test_importing_gunicorn_conf_changes_nothing_and_on_starting_does_the_work(monkeypatch, tmp_path):
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    # setenv first, so that monkeypatch records the variable's state before the test and puts
+    # it back: on_starting sets it in os.environ itself, and a later delenv alone would restore
+    # the folder on_exit removed, for every test after this one.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
     monkeypatch.setenv("BATCH_TIMEOUT_MS", "40000")
     monkeypatch.setenv("GRACEFUL_TIMEOUT", "30")
     before = dict(os.environ)
