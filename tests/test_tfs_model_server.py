@@ -437,6 +437,12 @@ def test_distrat_sequential_keras_saved_model_save(servers, keras_models):
     verify_predict_request(server, batch_input=True, specify_output=False, expected_output=2.0)
 
 
+def test_tf_text(servers, tfs_models):  # noqa: F811
+    """A model using TF Text's ops, which TensorFlow itself lacks."""
+    server = servers.get(*model_flags("default", tfs_models["tf_text_regression"]))
+    verify_predict_request(server, expected_output=3.0)
+
+
 # -- what this server refuses -------------------------------------------------------------------
 
 

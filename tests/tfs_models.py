@@ -26,6 +26,8 @@ sent here and the answers checked against each model's own arithmetic:
   serving_default and the x2 signatures take shape [1] (no batch dimension).
 - tf_saved_model_save: x of unknown rank -> y = 3 * 2 * x (TensorSpec(None)).
 - multiple_signatures: serving_default answers the scalar 1.0, custom_signature_key 2.0.
+- tf_text_regression: y = 0.5 x + b, where b is the number of words TF Text's
+  WhitespaceTokenizer finds in "half plus two", less one (2): an op TensorFlow itself lacks.
 - keras_sequential, keras_sequential_mirrored (build_keras, in a process of their own): a
   Keras Sequential model of input x, shape (1,), saved by tf.saved_model.save; y = x, the
   mirrored one through a Dense layer of ones made under a two-CPU MirroredStrategy.
@@ -272,6 +274,20 @@ def save_multiple_signatures(path: Path) -> None:
     tf.saved_model.save(root, str(path), signatures={"serving_default": root.f, "custom_signature_key": root.g})
 
 
+def save_tf_text_regression(path: Path) -> None:
+    import tensorflow as tf
+    import tensorflow_text
+
+    class TextRegression(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 1], tf.float32, name="x")])
+        def serve(self, x):
+            words = tensorflow_text.WhitespaceTokenizer().tokenize(tf.constant(["half plus two"]))
+            return {"y": 0.5 * x + tf.cast(words.row_lengths()[0] - 1, tf.float32)}
+
+    module = TextRegression()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})
+
+
 def save_sequential_keras(path: Path, *, mirrored: bool = False) -> None:
     """TF Serving's test_sequential_keras_saved_model_save model (test_distrat_... when mirrored).
 
@@ -323,6 +339,7 @@ GENERATORS = {
     "half_plus_two_tf2": (save_half_plus_two_tf2, (VERSION,)),
     "tf_saved_model_save": (save_tf_saved_model_save, (VERSION,)),
     "multiple_signatures": (save_multiple_signatures, (VERSION,)),
+    "tf_text_regression": (save_tf_text_regression, (VERSION,)),
 }
 
 
