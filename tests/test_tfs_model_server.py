@@ -325,6 +325,18 @@ def test_get_model_metadata_rest(half_plus_two):
         "metadata": {"signature_def": {"signature_def": HALF_PLUS_TWO_SIGNATURES}}}
 
 
+def test_tensorflow_text_is_not_imported_for_a_model_without_its_ops(half_plus_two):
+    """TF Text's ops are loaded only for a model that needs them (test_tf_text): importing them costs start-up time."""
+    assert not worker_maps_tensorflow_text(half_plus_two)
+
+
+def worker_maps_tensorflow_text(server: ModelServer) -> bool:
+    """Whether a worker process has mapped a file of the tensorflow-text package (its op libraries)."""
+    workers = server.processes()[1:]
+    assert workers
+    return any("tensorflow_text" in region.path for worker in workers for region in worker.memory_maps())
+
+
 # -- RunServer('default', half_plus_two_tf2) ----------------------------------------------------
 
 
@@ -441,6 +453,7 @@ def test_tf_text(servers, tfs_models):  # noqa: F811
     """A model using TF Text's ops, which TensorFlow itself lacks."""
     server = servers.get(*model_flags("default", tfs_models["tf_text_regression"]))
     verify_predict_request(server, expected_output=3.0)
+    assert worker_maps_tensorflow_text(server)
 
 
 # -- what this server refuses -------------------------------------------------------------------
