@@ -310,6 +310,7 @@ def _from_saved_model(path: str, *, name: str, version: int) -> LoadedModel:
                    if key != _INIT_OP_SIGNATURE}
     if not definitions:
         raise ModelLoadError(f"the SavedModel in {path} has no signatures to serve")
+    _register_op_libraries(meta_graph)
     try:
         if meta_graph.object_graph_def.nodes:
             predicts = _tf2_predicts(path, sorted(definitions))
@@ -364,6 +365,21 @@ def _serving_meta_graph(path: str) -> Any:
             return meta_graph
     tags = [list(graph.meta_info_def.tags) for graph in saved_model.meta_graphs]
     raise ModelLoadError(f"the SavedModel in {path} has no MetaGraph tagged '{_SERVE_TAG}' (it has {tags})")
+
+
+def _register_op_libraries(meta_graph: Any) -> None:
+    """TF Serving's binary links in TF Text's ops; here the tensorflow-text package registers
+    them, imported only when a model uses an op TensorFlow itself lacks (it costs start-up time).
+    Without the package, the load fails naming the op."""
+    from tensorflow.python.framework import op_def_registry
+
+    used = {op.name for op in meta_graph.meta_info_def.stripped_op_list.op}
+    if all(op_def_registry.get(name) is not None for name in used):
+        return
+    try:
+        import tensorflow_text  # noqa: F401  (importing it registers its ops)
+    except ImportError:
+        pass
 
 
 def _tf2_predicts(path: str, keys: Sequence[str]) -> dict[str, PredictFn]:

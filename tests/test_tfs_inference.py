@@ -7,8 +7,8 @@ tensorflow/serving/predict, so Classify and Regress take any signature whose inp
 'inputs' (serialized tf.Examples) and whose outputs are 'classes'/'scores' or 'outputs'
 (servables/tensorflow/classifier.cc, regressor.cc), unless ENABLE_SIGNATURE_METHOD_NAME_CHECK
 (--enable_signature_method_name_check) is on. MultiInference follows multi_inference.cc.
-tensorflow_model_server_test.py's testClassifyTf2, testRegressTf2, testMultiInferenceTf2 and
-their REST forms have their counterparts here, with the same request and the same answer.
+tensorflow_model_server_test.py's testClassifyTf2, testRegressTf2 and testMultiInferenceTf2
+have their counterparts in test_tfs_model_server.py; these tests go further.
 """
 
 from __future__ import annotations
@@ -208,27 +208,7 @@ def post(server: Server, path: str, body) -> requests.Response:
     return requests.post(server.url + path, json=body, timeout=TIMEOUT_S)
 
 
-def spec_of(response) -> tuple[str, str, int]:
-    return response.model_spec.name, response.model_spec.signature_name, response.model_spec.version.value
-
-
 # -- Classify and Regress on a TF2 SavedModel ------------------------------------------------------
-
-
-def test_classify_tf2_as_tensorflow_model_server_test(stub):
-    """testClassifyTf2: one example x = 2, one class whose score is 3; the spec names the model."""
-    response = stub.Classify(classify_request("tf2", "classify_x_to_y", [2.0]), timeout=TIMEOUT_S)
-
-    assert [[(c.label, c.score) for c in row.classes] for row in response.result.classifications] == [[("", 3.0)]]
-    assert response.model_spec.name == "tf2" and response.model_spec.signature_name == "classify_x_to_y"
-
-
-def test_regress_tf2_as_tensorflow_model_server_test(stub):
-    """testRegressTf2: x = 2 regresses to 3."""
-    response = stub.Regress(regress_request("tf2", "regress_x_to_y", [2.0, -4.0]), timeout=TIMEOUT_S)
-
-    assert [entry.value for entry in response.result.regressions] == [3.0, 0.0]
-    assert response.model_spec.signature_name == "regress_x_to_y"
 
 
 def test_classify_tf2_answers_labels_and_scores(stub):
@@ -280,21 +260,6 @@ def test_a_signature_that_does_not_fit_is_refused_over_rest(served, method, sign
 
 
 # -- MultiInference ----------------------------------------------------------------------------------
-
-
-def test_multi_inference_tf2_as_tensorflow_model_server_test(stub):
-    """testMultiInferenceTf2: regress then classify over one example x = 2; each result 3, in order,
-    each naming the model, its signature and the version."""
-    request = multi_request("tf2", [("regress_x_to_y", REGRESS_METHOD), ("classify_x_to_y", CLASSIFY_METHOD)], [2.0])
-
-    response = stub.MultiInference(request, timeout=TIMEOUT_S)
-
-    assert len(response.results) == 2
-    assert [entry.value for entry in response.results[0].regression_result.regressions] == [3.0]
-    assert [[(c.label, c.score) for c in row.classes]
-            for row in response.results[1].classification_result.classifications] == [[("", 3.0)]]
-    assert [spec_of(result) for result in response.results] == [("tf2", "regress_x_to_y", 1),
-                                                                ("tf2", "classify_x_to_y", 1)]
 
 
 def test_multi_inference_answers_in_the_tasks_order_for_every_example(stub):

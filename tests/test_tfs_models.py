@@ -1,9 +1,9 @@
-"""TF Serving's own test models (their structure, built by tests/tfs_models.py) served by a
-real server: what model_servers/tensorflow_model_server_test.py sends, and what it expects.
+"""TF Serving's own test models (their structure, built by tests/tfs_models.py) served together
+by one real server, beyond what model_servers/tensorflow_model_server_test.py asks (its tests
+have their counterparts in test_tfs_model_server.py): other TF1 export structures, two
+versions, TF2 metadata, signatures without inputs, and loading without a server.
 
-Each expected value is the model's own arithmetic (half_plus_two: y = 0.5 x + 2), exact in
-float32. The metadata expected for half_plus_two is the document TF Serving's test compares
-against (testdata/half_plus_two_model_metadata.json), written out here field by field.
+Each expected value is the model's own arithmetic (half_plus_two: y = 0.5 x + 2), exact in float32.
 """
 
 from __future__ import annotations
@@ -15,16 +15,20 @@ import numpy as np
 import pytest
 import requests
 from tensorflow_serving.apis import (
-    classification_pb2,
-    get_model_metadata_pb2,
     predict_pb2,
     prediction_service_pb2_grpc,
-    regression_pb2,
 )
 
 from app import models
 from tests.conftest import Server
-from tests.tfs_models import VERSION, tfs_models  # noqa: F401  (a fixture)
+from tests.tfs_models import (
+    HALF_PLUS_TWO_SIGNATURES,
+    UNKNOWN_RANK,
+    VERSION,
+    dims,
+    signature_document,
+    tfs_models,  # noqa: F401  (a fixture)
+)
 
 TIMEOUT_S = 60
 
@@ -35,7 +39,6 @@ SERVED = {
     "half_plus_three": "half_plus_three",
     "half_plus_two_2_versions": "half_plus_two_2_versions",
     "half_plus_two_tf2": "half_plus_two_tf2",
-    "tf_saved_model_save": "tf_saved_model_save",
     "multiple_signatures": "multiple_signatures",
     "counter": "counter",
 }
@@ -100,97 +103,6 @@ def assert_y(response, expected: float, *, model: str, version: int = VERSION,
 # -- TF1 half_plus_two: Predict, Classify, Regress, metadata, status -------------------------
 
 
-def test_grpc_predict_answers_half_plus_two_in_float_val(stub):
-    """testPredictSavedModel: x = [2.0] (shape [1], for an input declared [-1, 1]) -> y = 3.0."""
-    assert_y(stub.Predict(predict_x("default", 2.0), TIMEOUT_S), 3.0, model="default")
-    assert_y(stub.Predict(predict_x("default", 5.0, batch_input=True), TIMEOUT_S), 4.5, model="default")
-
-
-def test_grpc_classify_and_regress_on_tf_example_signatures(stub):
-    """testClassify / testRegress: one tf.Example with x = 2.0 -> score / value 3.0."""
-    classified = stub.Classify(example_request(classification_pb2.ClassificationRequest, "default",
-                                               "classify_x_to_y", 2.0), TIMEOUT_S)
-    assert [[(c.label, c.score) for c in entry.classes] for entry in classified.result.classifications] == [[("", 3.0)]]
-    assert (classified.model_spec.version.value, classified.model_spec.signature_name) == (VERSION, "classify_x_to_y")
-    regressed = stub.Regress(example_request(regression_pb2.RegressionRequest, "default", "regress_x_to_y", 2.0),
-                             TIMEOUT_S)
-    assert [entry.value for entry in regressed.result.regressions] == [3.0]
-    y2 = stub.Regress(example_request(regression_pb2.RegressionRequest, "default", "regress_x_to_y2", 2.0), TIMEOUT_S)
-    assert [entry.value for entry in y2.result.regressions] == [4.0]  # 0.5 x + 3
-
-
-def test_rest_predict_classify_regress_and_status_as_tf_serving_test_expects(server):
-    """testPredictREST, testPredictColumnarREST, testClassifyREST, testRegressREST, testGetStatusREST."""
-    assert post(server, "/v1/models/default:predict", {"instances": [2.0, 3.0, 4.0]}).json() == {
-        "predictions": [3.0, 3.5, 4.0]}
-    assert post(server, "/v1/models/default:predict", {"inputs": [2.0, 3.0, 4.0]}).json() == {
-        "outputs": [3.0, 3.5, 4.0]}
-    assert post(server, "/v1/models/default:classify", {"signature_name": "classify_x_to_y",
-                                                         "examples": [{"x": 2.0}]}).json() == {"results": [[["", 3.0]]]}
-    assert post(server, "/v1/models/default:regress", {"signature_name": "regress_x_to_y",
-                                                        "examples": [{"x": 2.0}]}).json() == {"results": [3.0]}
-    assert requests.get(server.url + "/v1/models/default", timeout=TIMEOUT_S).json() == {"model_version_status": [
-        {"version": str(VERSION), "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": ""}}]}
-
-
-def _dims(*sizes: int) -> dict:
-    return {"dim": [{"size": str(size), "name": ""} for size in sizes], "unknown_rank": False}
-
-
-UNKNOWN_RANK = {"dim": [], "unknown_rank": True}
-
-
-def _signature(method: str, inputs: dict, outputs: dict) -> dict:
-    def tensors(entries):
-        return {key: {"dtype": dtype, "tensor_shape": shape, "name": name} for key, (dtype, shape, name) in entries.items()}
-
-    return {"inputs": tensors(inputs), "outputs": tensors(outputs), "method_name": f"tensorflow/serving/{method}",
-            "defaults": {}}
-
-
-EXAMPLES = ("DT_STRING", UNKNOWN_RANK, "tf_example:0")
-HALF_PLUS_TWO_SIGNATURES = {
-    "serving_default": _signature("predict", {"x": ("DT_FLOAT", _dims(-1, 1), "x:0")},
-                                  {"y": ("DT_FLOAT", _dims(-1, 1), "y:0")}),
-    "classify_x_to_y": _signature("classify", {"inputs": EXAMPLES}, {"scores": ("DT_FLOAT", _dims(-1, 1), "y:0")}),
-    "regress_x_to_y": _signature("regress", {"inputs": EXAMPLES}, {"outputs": ("DT_FLOAT", _dims(-1, 1), "y:0")}),
-    "regress_x_to_y2": _signature("regress", {"inputs": EXAMPLES}, {"outputs": ("DT_FLOAT", _dims(-1, 1), "y2:0")}),
-    "regress_x2_to_y3": _signature("regress", {"inputs": ("DT_FLOAT", _dims(-1, 1), "x2:0")},
-                                   {"outputs": ("DT_FLOAT", _dims(-1, 1), "y3:0")}),
-}
-
-
-def test_rest_metadata_is_tf_servings_document_for_half_plus_two(server):
-    """testGetModelMetadataREST: the whole document, unknown rank and graph tensor names included."""
-    document = requests.get(server.url + "/v1/models/default/metadata", timeout=TIMEOUT_S).json()
-    assert document == {"model_spec": {"name": "default", "signature_name": "", "version": str(VERSION)},
-                        "metadata": {"signature_def": {"signature_def": HALF_PLUS_TWO_SIGNATURES}}}
-
-
-def test_grpc_metadata_gives_the_same_signature_defs(stub):
-    """testGetModelMetadata, compared field by field with the REST document's facts."""
-    request = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=["signature_def"])
-    request.model_spec.name = "default"
-    response = stub.GetModelMetadata(request, TIMEOUT_S)
-    assert (response.model_spec.name, response.model_spec.version.value, list(response.metadata)) == (
-        "default", VERSION, ["signature_def"])
-    signatures = get_model_metadata_pb2.SignatureDefMap()
-    assert response.metadata["signature_def"].Unpack(signatures)
-
-    def as_dict(proto) -> dict:
-        def tensors(mapping):
-            return {key: {"dtype": {1: "DT_FLOAT", 7: "DT_STRING"}[info.dtype],
-                          "tensor_shape": {"dim": [{"size": str(dim.size), "name": dim.name}
-                                                   for dim in info.tensor_shape.dim],
-                                           "unknown_rank": info.tensor_shape.unknown_rank},
-                          "name": info.name} for key, info in mapping.items()}
-
-        return {"inputs": tensors(proto.inputs), "outputs": tensors(proto.outputs),
-                "method_name": proto.method_name, "defaults": dict(proto.defaults)}
-
-    assert {key: as_dict(value) for key, value in signatures.signature_def.items()} == HALF_PLUS_TWO_SIGNATURES
-
-
 # -- other TF1 structures: main_op, TF 1.0 shapes, two versions ----------------------------
 
 
@@ -233,34 +145,12 @@ def test_tf2_half_plus_two_predicts_over_its_fixed_shape_signature(stub, server)
     assert_y(stub.Predict(predict_x("half_plus_two_tf2", 2.0), TIMEOUT_S), 3.0, model="half_plus_two_tf2")
     metadata = requests.get(server.url + "/v1/models/half_plus_two_tf2/metadata", timeout=TIMEOUT_S).json()
     signatures = metadata["metadata"]["signature_def"]["signature_def"]
-    assert signatures["serving_default"]["inputs"] == {"x": {"dtype": "DT_FLOAT", "tensor_shape": _dims(1),
+    assert signatures["serving_default"]["inputs"] == {"x": {"dtype": "DT_FLOAT", "tensor_shape": dims(1),
                                                              "name": "serving_default_x:0"}}
-    assert signatures["regress_x_to_y"]["inputs"]["inputs"] == {"dtype": "DT_STRING", "tensor_shape": _dims(-1),
+    assert signatures["regress_x_to_y"]["inputs"]["inputs"] == {"dtype": "DT_STRING", "tensor_shape": dims(-1),
                                                                 "name": "regress_x_to_y_inputs:0"}
     assert sorted(signatures) == ["classify_x2_to_y3", "classify_x_to_y", "regress_x2_to_y3", "regress_x_to_y",
                                   "regress_x_to_y2", "serving_default"]
-
-
-def test_tf2_classify_and_regress_need_no_method_name(stub):
-    """testClassifyTf2 / testRegressTf2: a TF2 signature's method name is always predict."""
-    regressed = stub.Regress(example_request(regression_pb2.RegressionRequest, "half_plus_two_tf2", "regress_x_to_y",
-                                             2.0), TIMEOUT_S)
-    assert [entry.value for entry in regressed.result.regressions] == [3.0]
-
-
-def test_tf_saved_model_save_with_an_input_of_unknown_rank(stub, server):
-    """test_tf_saved_model_save: y = 3 * 2 * x for x of unknown rank, no output filter."""
-    assert_y(stub.Predict(predict_x("tf_saved_model_save", 2.0, output_filter=False), TIMEOUT_S), 12.0,
-             model="tf_saved_model_save")
-    assert post(server, "/v1/models/tf_saved_model_save:predict", {"instances": [1.0, -0.5]}).json() == {
-        "predictions": [6.0, -3.0]}
-
-
-def test_multiple_signatures_with_scalar_outputs(stub):
-    """test_tf_saved_model_save_multiple_signatures: each signature answers a scalar, whatever x."""
-    assert_y(stub.Predict(predict_x("multiple_signatures", 2.0, signature_name="custom_signature_key"), TIMEOUT_S),
-             2.0, model="multiple_signatures", signature_name="custom_signature_key")
-    assert_y(stub.Predict(predict_x("multiple_signatures", 2.0), TIMEOUT_S), 1.0, model="multiple_signatures")
 
 
 def test_counter_signatures_without_inputs(server):
@@ -291,9 +181,9 @@ def test_counter_and_scalar_signatures_load_and_are_described(server):
     SignatureDef; this server names the dtype the answer has."""
     counter = requests.get(server.url + "/v1/models/counter/metadata", timeout=TIMEOUT_S).json()
     signatures = counter["metadata"]["signature_def"]["signature_def"]
-    assert signatures["incr_counter_by"] == _signature(
+    assert signatures["incr_counter_by"] == signature_document(
         "predict", {"delta": ("DT_FLOAT", UNKNOWN_RANK, "delta:0")},
-        {"output": ("DT_FLOAT", _dims(), "incr_counter_by_op/AssignAdd:0")})
+        {"output": ("DT_FLOAT", dims(), "incr_counter_by_op/AssignAdd:0")})
     assert signatures["get_counter"]["inputs"] == {}
 
 
@@ -376,32 +266,6 @@ def test_a_tensor_of_unknown_rank_takes_rows_of_any_shape():
 # -- the tensorflow_model_server command -----------------------------------------------------
 
 
-def test_the_tensorflow_model_server_command_serves_half_plus_two(tfs_models, tmp_path):  # noqa: F811
-    """TF Serving's own command line (RunServer's flags) starts this Gunicorn server."""
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO, free_port
-
-    running = Server(tmp_path, {"TFS_LISTEN_HOST": "127.0.0.1"})
-    grpc_port = free_port()
-    command = [sys.executable, "-m", "app.tfs_flags", f"--port={grpc_port}", f"--rest_api_port={running.port}",
-               "--model_name=default", f"--model_base_path={tfs_models['half_plus_two']}",
-               "--file_system_poll_wait_seconds=0"]
-    running._log = open(running.log_path, "wb")  # noqa: SIM115  (Server.stop closes it)
-    running.proc = subprocess.Popen(command, cwd=REPO, env=running.env, stdout=running._log, stderr=subprocess.STDOUT)
-    try:
-        running.wait_ready()
-        assert post(running, "/v1/models/default:predict", {"instances": [2.0, 3.0]}).json() == {
-            "predictions": [3.0, 3.5]}
-        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            response = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(predict_x("default", 2.0),
-                                                                                          TIMEOUT_S)
-        assert_y(response, 3.0, model="default")
-    finally:
-        running.stop()
-
-
 def test_the_command_refuses_an_unknown_flag_naming_it(tmp_path):
     import subprocess
     import sys
@@ -431,7 +295,7 @@ def test_metadata_of_the_loaded_models_without_a_server(tfs_models):  # noqa: F8
                        "methodName": "tensorflow/serving/regress"}
     counter = models.load_model(str(tfs_models["counter"]), name="counter")
     output = metadata.describe(counter)["metadata"]["signature_def"]["signature_def"]["incr_counter"]["outputs"]
-    assert output == {"output": {"dtype": "DT_FLOAT", "tensor_shape": _dims(), "name": "incr_counter_op/AssignAdd:0"}}
+    assert output == {"output": {"dtype": "DT_FLOAT", "tensor_shape": dims(), "name": "incr_counter_op/AssignAdd:0"}}
 
 
 def test_a_rank_one_tensor_for_an_input_declared_minus_one_by_one_is_rows_of_one_value():

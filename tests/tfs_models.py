@@ -26,6 +26,11 @@ sent here and the answers checked against each model's own arithmetic:
   serving_default and the x2 signatures take shape [1] (no batch dimension).
 - tf_saved_model_save: x of unknown rank -> y = 3 * 2 * x (TensorSpec(None)).
 - multiple_signatures: serving_default answers the scalar 1.0, custom_signature_key 2.0.
+- tf_text_regression: y = 0.5 x + b, where b is the number of words TF Text's
+  WhitespaceTokenizer finds in "half plus two", less one (2): an op TensorFlow itself lacks.
+- keras_sequential, keras_sequential_mirrored (build_keras, in a process of their own): a
+  Keras Sequential model of input x, shape (1,), saved by tf.saved_model.save; y = x, the
+  mirrored one through a Dense layer of ones made under a two-CPU MirroredStrategy.
 
 Every value is exact in float32 (halves and small integers), so answers compare with ==.
 """
@@ -33,6 +38,7 @@ Every value is exact in float32 (halves and small integers), so answers compare 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -268,6 +274,60 @@ def save_multiple_signatures(path: Path) -> None:
     tf.saved_model.save(root, str(path), signatures={"serving_default": root.f, "custom_signature_key": root.g})
 
 
+def save_tf_text_regression(path: Path) -> None:
+    import tensorflow as tf
+    import tensorflow_text
+
+    class TextRegression(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 1], tf.float32, name="x")])
+        def serve(self, x):
+            words = tensorflow_text.WhitespaceTokenizer().tokenize(tf.constant(["half plus two"]))
+            return {"y": 0.5 * x + tf.cast(words.row_lengths()[0] - 1, tf.float32)}
+
+    module = TextRegression()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})
+
+
+def save_sequential_keras(path: Path, *, mirrored: bool = False) -> None:
+    """TF Serving's test_sequential_keras_saved_model_save model (test_distrat_... when mirrored).
+
+    Its tf.keras (Keras 2) named the saved signature's tensors after the layers, x and y; Keras 3
+    names them inputs and output_0, so the signature is given here with the names Keras 2 wrote.
+    """
+    import keras
+    import tensorflow as tf
+
+    def build() -> keras.Model:
+        model = keras.models.Sequential()
+        model.add(keras.layers.Input(dtype="float32", shape=(1,), name="x"))
+        if mirrored:
+            model.add(keras.layers.Dense(1, kernel_initializer="ones", bias_initializer="zeros"))
+        model.add(keras.layers.Lambda(lambda x: x, name="y"))
+        return model
+
+    if mirrored:
+        with tf.distribute.MirroredStrategy(devices=("/cpu:0", "/cpu:1")).scope():
+            model = build()
+    else:
+        model = build()
+    serve = tf.function(lambda x: {"y": model(x)}, input_signature=[tf.TensorSpec([None, 1], tf.float32, name="x")])
+    tf.saved_model.save(model, str(path), signatures={"serving_default": serve})
+
+
+def build_keras(root: Path) -> dict[str, Path]:
+    """The two Keras models under `root/<name>/<version>`. The mirrored one needs two virtual CPUs,
+    which TensorFlow allows only before it first runs: call it in a fresh process (`python -m
+    tests.tfs_models ROOT`)."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    bases = {name: root / name for name in ("keras_sequential", "keras_sequential_mirrored")}
+    save_sequential_keras(_version_dir(bases["keras_sequential"]))
+    save_sequential_keras(_version_dir(bases["keras_sequential_mirrored"]), mirrored=True)
+    return bases
+
+
 # Model name -> (generator, version folders) under one base folder each.
 GENERATORS = {
     "half_plus_two": (save_half_plus_two_tf1, (VERSION,)),
@@ -279,6 +339,7 @@ GENERATORS = {
     "half_plus_two_tf2": (save_half_plus_two_tf2, (VERSION,)),
     "tf_saved_model_save": (save_tf_saved_model_save, (VERSION,)),
     "multiple_signatures": (save_multiple_signatures, (VERSION,)),
+    "tf_text_regression": (save_tf_text_regression, (VERSION,)),
 }
 
 
@@ -300,3 +361,43 @@ def build_all(root: Path) -> dict[str, Path]:
 def tfs_models(tmp_path_factory) -> dict[str, Path]:
     """Built once per test session (a few seconds of TensorFlow graph building)."""
     return build_all(tmp_path_factory.mktemp("tfs_models"))
+
+
+# -- the metadata TF Serving's testdata/half_plus_two_model_metadata.json holds ----------------
+
+
+def dims(*sizes: int) -> dict:
+    """A TensorShapeProto as TF Serving's REST metadata writes it."""
+    return {"dim": [{"size": str(size), "name": ""} for size in sizes], "unknown_rank": False}
+
+
+UNKNOWN_RANK = {"dim": [], "unknown_rank": True}
+
+
+def signature_document(method: str, inputs: dict, outputs: dict) -> dict:
+    """A SignatureDef as REST metadata writes it; tensors given as key -> (dtype, shape, name)."""
+    def tensors(entries):
+        return {key: {"dtype": dtype, "tensor_shape": shape, "name": name}
+                for key, (dtype, shape, name) in entries.items()}
+
+    return {"inputs": tensors(inputs), "outputs": tensors(outputs), "method_name": f"tensorflow/serving/{method}",
+            "defaults": {}}
+
+
+EXAMPLES = ("DT_STRING", UNKNOWN_RANK, "tf_example:0")
+HALF_PLUS_TWO_SIGNATURES = {
+    "serving_default": signature_document("predict", {"x": ("DT_FLOAT", dims(-1, 1), "x:0")},
+                                          {"y": ("DT_FLOAT", dims(-1, 1), "y:0")}),
+    "classify_x_to_y": signature_document("classify", {"inputs": EXAMPLES},
+                                          {"scores": ("DT_FLOAT", dims(-1, 1), "y:0")}),
+    "regress_x_to_y": signature_document("regress", {"inputs": EXAMPLES},
+                                         {"outputs": ("DT_FLOAT", dims(-1, 1), "y:0")}),
+    "regress_x_to_y2": signature_document("regress", {"inputs": EXAMPLES},
+                                          {"outputs": ("DT_FLOAT", dims(-1, 1), "y2:0")}),
+    "regress_x2_to_y3": signature_document("regress", {"inputs": ("DT_FLOAT", dims(-1, 1), "x2:0")},
+                                           {"outputs": ("DT_FLOAT", dims(-1, 1), "y3:0")}),
+}
+
+
+if __name__ == "__main__":
+    build_keras(Path(sys.argv[1]))

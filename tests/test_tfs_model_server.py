@@ -1,0 +1,469 @@
+"""TF Serving's own integration suite (model_servers/tensorflow_model_server_test.py), test by test.
+
+Each test here has the name of its counterpart there, in snake case, starts this server as that
+test starts tensorflow_model_server (RunServer in test_util/tensorflow_model_server_test_base.py:
+the same flags, through `python -m app.tfs_flags`), sends the same requests with TF Serving's
+own client stubs, and asserts what it asserts, with exact values; some assert a little more.
+The models are TF Serving's test models, built by tests/tfs_models.py.
+
+RunServer keeps one server per set of arguments; so does `servers` here, and it runs one at a
+time (a TensorFlow process each), so the tests that share flags stand together. The tests of
+that suite that cannot pass here, and why, are listed in docs/tf-serving.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import requests
+from tensorflow_serving.apis import (
+    classification_pb2,
+    get_model_metadata_pb2,
+    get_model_status_pb2,
+    inference_pb2,
+    model_service_pb2_grpc,
+    predict_pb2,
+    prediction_service_pb2_grpc,
+    regression_pb2,
+)
+
+from app.tfs_flags import FLAGS, REFUSED
+from scripts.live_server import REPO, LiveServer, free_port
+from tests.tfs_models import (
+    HALF_PLUS_TWO_SIGNATURES,
+    VERSION,
+    tfs_models,  # noqa: F401  (a fixture)
+)
+
+# TF Serving's test waits 20 s for an RPC; this machine may be shared by other test runs.
+TIMEOUT_S = 60
+HTTP_REST_TIMEOUT_MS = 5000  # RunServer's --rest_api_timeout_in_ms
+DT_FLOAT = 1
+DEFAULT_SIGNATURE = "serving_default"
+
+
+class ModelServer(LiveServer):
+    """`python -m app.tfs_flags` with RunServer's flags: its own ports, then the model's flags."""
+
+    def __init__(self, log_dir: Path, flags: tuple[str, ...]) -> None:
+        super().__init__(log_dir, {"TFS_LISTEN_HOST": "127.0.0.1"})
+        self.grpc_port = free_port()
+        self.grpc_target = f"127.0.0.1:{self.grpc_port}"
+        self.flags = flags
+        self.socket_path = log_dir / f"grpc-{self.grpc_port}.sock"
+        self._channel: grpc.Channel | None = None
+
+    def channel(self) -> grpc.Channel:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.grpc_target)
+        return self._channel
+
+    def stop(self, **kwargs) -> int:
+        if self._channel is not None:
+            self._channel.close()
+        return super().stop(**kwargs)
+
+    def command(self, *, workers: int) -> list[str]:
+        # The command has no --workers flag: gunicorn.conf.py reads WORKERS.
+        self.env["WORKERS"] = str(workers)
+        return [sys.executable, "-m", "app.tfs_flags", *self.run_server_flags(), *self.flags]
+
+    def run_server_flags(self) -> list[str]:
+        """The flags RunServer passes to every server. It also passes --grpc_socket_path and
+        --grpc_channel_arguments=grpc.so_reuseaddr=1, which are given here once this server takes them."""
+        flags = [f"--port={self.grpc_port}", f"--rest_api_port={self.port}",
+                 f"--rest_api_timeout_in_ms={HTTP_REST_TIMEOUT_MS}"]
+        if FLAGS["grpc_socket_path"].kind != REFUSED:
+            flags.append(f"--grpc_socket_path={self.socket_path}")
+        if FLAGS["grpc_channel_arguments"].kind != REFUSED:
+            flags.append("--grpc_channel_arguments=grpc.so_reuseaddr=1")
+        return flags
+
+
+class Servers:
+    """One server per flag set, as RunServer's model_servers_dict; the last one asked for runs."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.running: ModelServer | None = None
+
+    def get(self, *flags: str) -> ModelServer:
+        if self.running is None or self.running.flags != flags:
+            self.stop()
+            self.running = ModelServer(self.log_dir, flags)
+            self.running.start()
+        return self.running
+
+    def stop(self) -> None:
+        if self.running is not None:
+            running, self.running = self.running, None
+            running.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory) -> Iterator[Servers]:
+    pool = Servers(tmp_path_factory.mktemp("tfs-model-server"))
+    yield pool
+    pool.stop()
+
+
+def model_flags(name: str | None, path: Path) -> tuple[str, ...]:
+    """RunServer(model_name, model_path): --model_name and --model_base_path."""
+    return f"--model_name={name}", f"--model_base_path={path}"
+
+
+@pytest.fixture
+def half_plus_two(servers, tfs_models) -> ModelServer:  # noqa: F811
+    """RunServer('default', _GetSavedModelBundlePath())."""
+    return servers.get(*model_flags("default", tfs_models["half_plus_two"]))
+
+
+@pytest.fixture
+def half_plus_two_tf2(servers, tfs_models) -> ModelServer:  # noqa: F811
+    """RunServer('default', _GetSavedModelHalfPlusTwoTf2())."""
+    return servers.get(*model_flags("default", tfs_models["half_plus_two_tf2"]))
+
+
+@pytest.fixture(scope="module")
+def keras_models(tmp_path_factory) -> dict[str, Path]:
+    """The Keras models, saved in a process of their own (the mirrored one needs two virtual CPUs)."""
+    root = tmp_path_factory.mktemp("keras")
+    subprocess.run([sys.executable, "-m", "tests.tfs_models", str(root)], cwd=REPO, check=True, timeout=300,
+                   env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    return {name: root / name for name in ("keras_sequential", "keras_sequential_mirrored")}
+
+
+# -- the requests and checks of TF Serving's test base -------------------------------------------
+
+
+def prediction_stub(server: ModelServer) -> prediction_service_pb2_grpc.PredictionServiceStub:
+    return prediction_service_pb2_grpc.PredictionServiceStub(server.channel())
+
+
+def verify_model_spec(model_spec, name: str, signature_name: str, version: int) -> None:
+    """_VerifyModelSpec."""
+    assert (model_spec.name, model_spec.signature_name, model_spec.version.value) == (name, signature_name, version)
+
+
+def verify_predict_request(server: ModelServer, *, expected_output: float, expected_version: int = VERSION,
+                           model_name: str = "default", specify_output: bool = True, batch_input: bool = False,
+                           signature_name: str = DEFAULT_SIGNATURE, x: float = 2.0) -> None:
+    """VerifyPredictRequest: x = [2.0] (or [[2.0]]) -> y holds one DT_FLOAT, expected_output."""
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = model_name
+    request.model_spec.signature_name = signature_name
+    request.inputs["x"].dtype = DT_FLOAT
+    request.inputs["x"].float_val.append(x)
+    request.inputs["x"].tensor_shape.dim.add().size = 1
+    if batch_input:
+        request.inputs["x"].tensor_shape.dim.add().size = 1
+    if specify_output:
+        request.output_filter.append("y")
+    result = prediction_stub(server).Predict(request, TIMEOUT_S)
+    assert list(result.outputs) == ["y"]
+    assert (result.outputs["y"].dtype, list(result.outputs["y"].float_val)) == (DT_FLOAT, [expected_output])
+    verify_model_spec(result.model_spec, model_name, signature_name, expected_version)
+
+
+def predict_with_and_without_filter(server: ModelServer) -> None:
+    """_TestPredict: with and without the output filter."""
+    verify_predict_request(server, expected_output=3.0)
+    verify_predict_request(server, expected_output=3.0, specify_output=False)
+
+
+def with_example(message, signature_name: str, *xs: float):
+    """A Classify or Regress request to 'default', one tf.Example with feature x per value."""
+    request = message()
+    request.model_spec.name = "default"
+    request.model_spec.signature_name = signature_name
+    for x in xs:
+        request.input.example_list.examples.add().features.feature["x"].float_list.value.append(x)
+    return request
+
+
+def call_rest(server: ModelServer, path: str, body=None) -> dict:
+    """CallREST: POST the JSON body, or GET without one; the answer must be 200."""
+    url = server.url + path
+    answer = (requests.get(url, timeout=TIMEOUT_S) if body is None
+              else requests.post(url, data=json.dumps(body), timeout=TIMEOUT_S))
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+# -- RunServer('default', half_plus_two) --------------------------------------------------------
+
+
+def test_get_model_status(half_plus_two):
+    request = get_model_status_pb2.GetModelStatusRequest()
+    request.model_spec.name = "default"
+    stub = model_service_pb2_grpc.ModelServiceStub(half_plus_two.channel())
+    result = stub.GetModelStatus(request, TIMEOUT_S)
+    assert [(status.version, status.state, status.status.error_code, status.status.error_message)
+            for status in result.model_version_status] == [
+        (VERSION, get_model_status_pb2.ModelVersionStatus.AVAILABLE, 0, "")]
+
+
+def test_get_model_metadata(half_plus_two):
+    """Also: the signature defs are those of TF Serving's half_plus_two_model_metadata.json."""
+    request = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=["signature_def"])
+    request.model_spec.name = "default"
+    result = prediction_stub(half_plus_two).GetModelMetadata(request, TIMEOUT_S)
+    assert (result.model_spec.name, result.model_spec.version.value, list(result.metadata)) == (
+        "default", VERSION, ["signature_def"])
+    signatures = get_model_metadata_pb2.SignatureDefMap()
+    assert result.metadata["signature_def"].Unpack(signatures)
+    assert {key: signature_as_json(value) for key, value in signatures.signature_def.items()} == (
+        HALF_PLUS_TWO_SIGNATURES)
+
+
+def signature_as_json(proto) -> dict:
+    """A SignatureDef proto written as TF Serving's REST metadata writes it."""
+    def tensors(mapping):
+        return {key: {"dtype": {1: "DT_FLOAT", 7: "DT_STRING"}[info.dtype],
+                      "tensor_shape": {"dim": [{"size": str(dim.size), "name": dim.name}
+                                               for dim in info.tensor_shape.dim],
+                                       "unknown_rank": info.tensor_shape.unknown_rank},
+                      "name": info.name} for key, info in mapping.items()}
+
+    return {"inputs": tensors(proto.inputs), "outputs": tensors(proto.outputs), "method_name": proto.method_name,
+            "defaults": dict(proto.defaults)}
+
+
+def classify(server: ModelServer) -> None:
+    """_TestClassify: one example x = 2.0 on classify_x_to_y -> one class, score 3.0 (label '')."""
+    request = with_example(classification_pb2.ClassificationRequest, "classify_x_to_y", 2.0)
+    result = prediction_stub(server).Classify(request, TIMEOUT_S)
+    assert [[(c.label, c.score) for c in entry.classes] for entry in result.result.classifications] == [[("", 3.0)]]
+    verify_model_spec(result.model_spec, "default", "classify_x_to_y", VERSION)
+
+
+def regress(server: ModelServer) -> None:
+    """_TestRegress: x = 2.0 on regress_x_to_y -> 3.0; also two examples, and regress_x_to_y2."""
+    stub = prediction_stub(server)
+    result = stub.Regress(with_example(regression_pb2.RegressionRequest, "regress_x_to_y", 2.0), TIMEOUT_S)
+    assert [entry.value for entry in result.result.regressions] == [3.0]
+    verify_model_spec(result.model_spec, "default", "regress_x_to_y", VERSION)
+    two = stub.Regress(with_example(regression_pb2.RegressionRequest, "regress_x_to_y", 2.0, -4.0), TIMEOUT_S)
+    assert [entry.value for entry in two.result.regressions] == [3.0, 0.0]
+    y2 = stub.Regress(with_example(regression_pb2.RegressionRequest, "regress_x_to_y2", 2.0), TIMEOUT_S)
+    assert [entry.value for entry in y2.result.regressions] == [4.0]  # 0.5 x + 3
+
+
+def multi_inference(server: ModelServer) -> None:
+    """_TestMultiInference: regress then classify over one example x = 2.0; both 3.0, in order."""
+    request = inference_pb2.MultiInferenceRequest()
+    for signature, method in (("regress_x_to_y", "regress"), ("classify_x_to_y", "classify")):
+        task = request.tasks.add()
+        task.model_spec.name = "default"
+        task.model_spec.signature_name = signature
+        task.method_name = f"tensorflow/serving/{method}"
+    request.input.example_list.examples.add().features.feature["x"].float_list.value.append(2.0)
+    result = prediction_stub(server).MultiInference(request, TIMEOUT_S)
+    assert len(result.results) == 2
+    assert [entry.value for entry in result.results[0].regression_result.regressions] == [3.0]
+    assert [[(c.label, c.score) for c in entry.classes]
+            for entry in result.results[1].classification_result.classifications] == [[("", 3.0)]]
+    for answer, task in zip(result.results, request.tasks, strict=True):
+        verify_model_spec(answer.model_spec, "default", task.model_spec.signature_name, VERSION)
+
+
+def test_classify(half_plus_two):
+    classify(half_plus_two)
+
+
+def test_regress(half_plus_two):
+    regress(half_plus_two)
+
+
+def test_multi_inference(half_plus_two):
+    multi_inference(half_plus_two)
+
+
+def test_predict_saved_model(half_plus_two):
+    """Also: x of shape [1, 1] (a batch of one row), x = 5.0 -> 4.5."""
+    predict_with_and_without_filter(half_plus_two)
+    verify_predict_request(half_plus_two, expected_output=4.5, batch_input=True, x=5.0)
+
+
+def test_classify_rest(half_plus_two):
+    assert call_rest(half_plus_two, "/v1/models/default:classify", {
+        "signature_name": "classify_x_to_y", "examples": [{"x": 2.0}]}) == {"results": [[["", 3.0]]]}
+
+
+def test_regress_rest(half_plus_two):
+    assert call_rest(half_plus_two, "/v1/models/default:regress", {
+        "signature_name": "regress_x_to_y", "examples": [{"x": 2.0}]}) == {"results": [3.0]}
+
+
+def test_predict_rest(half_plus_two):
+    assert call_rest(half_plus_two, "/v1/models/default:predict", {"instances": [2.0, 3.0, 4.0]}) == {
+        "predictions": [3.0, 3.5, 4.0]}
+
+
+def test_predict_columnar_rest(half_plus_two):
+    assert call_rest(half_plus_two, "/v1/models/default:predict", {"inputs": [2.0, 3.0, 4.0]}) == {
+        "outputs": [3.0, 3.5, 4.0]}
+
+
+def test_get_status_rest(half_plus_two):
+    assert call_rest(half_plus_two, "/v1/models/default") == {"model_version_status": [
+        {"version": str(VERSION), "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": ""}}]}
+
+
+def test_get_model_metadata_rest(half_plus_two):
+    """The whole document of half_plus_two_model_metadata.json (compared whole; its lists hold one order)."""
+    assert call_rest(half_plus_two, "/v1/models/default/metadata") == {
+        "model_spec": {"name": "default", "signature_name": "", "version": str(VERSION)},
+        "metadata": {"signature_def": {"signature_def": HALF_PLUS_TWO_SIGNATURES}}}
+
+
+def test_tensorflow_text_is_not_imported_for_a_model_without_its_ops(half_plus_two):
+    """TF Text's ops are loaded only for a model that needs them (test_tf_text): importing them costs start-up time."""
+    assert not worker_maps_tensorflow_text(half_plus_two)
+
+
+def worker_maps_tensorflow_text(server: ModelServer) -> bool:
+    """Whether a worker process has mapped a file of the tensorflow-text package (its op libraries)."""
+    workers = server.processes()[1:]
+    assert workers
+    return any("tensorflow_text" in region.path for worker in workers for region in worker.memory_maps())
+
+
+# -- RunServer('default', half_plus_two_tf2) ----------------------------------------------------
+
+
+def test_classify_tf2(half_plus_two_tf2):
+    classify(half_plus_two_tf2)
+
+
+def test_regress_tf2(half_plus_two_tf2):
+    regress(half_plus_two_tf2)
+
+
+def test_multi_inference_tf2(half_plus_two_tf2):
+    multi_inference(half_plus_two_tf2)
+
+
+# -- --model_config_file ------------------------------------------------------------------------
+
+
+def config_text(name: str, path: Path) -> str:
+    """The ModelServerConfig testModelConfigReload writes: one model."""
+    return (f'model_config_list: {{ config: {{ name: "{name}", base_path: "{path}", '
+            'model_platform: "tensorflow" } }')
+
+
+def test_good_model_config(servers, tfs_models, tmp_path):  # noqa: F811
+    """good_model_config.txt's two models, half_plus_two and half_plus_three."""
+    config = tmp_path / "good_model_config.conf"
+    config.write_text("model_config_list: {\n" + ",\n".join(
+        f'  config: {{ name: "{name}", base_path: "{tfs_models[name]}", model_platform: "tensorflow" }}'
+        for name in ("half_plus_two", "half_plus_three")) + "\n}\n")
+    server = servers.get(f"--model_config_file={config}")
+    for name, expected in (("half_plus_two", 3.0), ("half_plus_three", 4.0)):
+        verify_predict_request(server, model_name=name, expected_output=expected)
+        verify_predict_request(server, model_name=name, expected_output=expected, specify_output=False)
+
+
+def test_bad_model_config(tmp_path):
+    """bad_model_config.txt: the server stops, its error output naming the parse error."""
+    config = tmp_path / "bad_model_config.txt"
+    config.write_text("improperly formatted file")
+    server = ModelServer(tmp_path, (f"--model_config_file={config}",))
+    done = subprocess.run(server.command(workers=1), cwd=REPO, env=server.env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, check=False)
+    assert done.returncode == 1
+    assert "Error parsing text-format tensorflow.serving.ModelServerConfig" in done.stderr
+
+
+def test_model_config_reload(servers, tfs_models, tmp_path):  # noqa: F811
+    """Polled each second, the rewritten file's model is served (polled for here, where TF Serving's
+    test sleeps 10 s); also: the model it no longer names is not."""
+    config = tmp_path / "model_config.txt"
+    config.write_text(config_text("half_plus_two", tfs_models["half_plus_two"]))
+    server = servers.get(f"--model_config_file={config}", "--model_config_file_poll_wait_seconds=1")
+    verify_predict_request(server, model_name="half_plus_two", expected_output=3.0, specify_output=False)
+    config.write_text(config_text("half_plus_three", tfs_models["half_plus_three"]))
+    wait_until_served(server, "half_plus_three")
+    verify_predict_request(server, model_name="half_plus_three", expected_output=4.0, specify_output=False)
+    with pytest.raises(grpc.RpcError) as removed:
+        verify_predict_request(server, model_name="half_plus_two", expected_output=3.0)
+    assert removed.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def wait_until_served(server: ModelServer, name: str, within_s: float = 120) -> None:
+    deadline = time.monotonic() + within_s
+    while requests.get(f"{server.url}/v1/models/{name}", timeout=TIMEOUT_S).status_code != 200:
+        assert time.monotonic() < deadline, f"{name} not served within {within_s} s"
+        time.sleep(0.1)
+
+
+def test_model_config_reload_with_zero_poll_period(servers, tfs_models, tmp_path):  # noqa: F811
+    """Not polled: after the file is rewritten, half_plus_two is still served and half_plus_three is not."""
+    config = tmp_path / "model_config.txt"
+    config.write_text(config_text("half_plus_two", tfs_models["half_plus_two"]))
+    server = servers.get(f"--model_config_file={config}", "--model_config_file_poll_wait_seconds=0")
+    verify_predict_request(server, model_name="half_plus_two", expected_output=3.0, specify_output=False)
+    config.write_text(config_text("half_plus_three", tfs_models["half_plus_three"]))
+    # What must not happen has no event to wait on: TF Serving's test gives the server one
+    # poll period and a second (here, the 1 s it would take a server that polled by default).
+    time.sleep(2)
+    verify_predict_request(server, model_name="half_plus_two", expected_output=3.0, specify_output=False)
+    with pytest.raises(grpc.RpcError) as unserved:
+        verify_predict_request(server, model_name="half_plus_three", expected_output=4.0)
+    assert unserved.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# -- models saved by tf.saved_model.save --------------------------------------------------------
+
+
+def test_tf_saved_model_save(servers, tfs_models):  # noqa: F811
+    """y = 3 * 2 * x for x of unknown rank; also over REST, two values."""
+    server = servers.get(*model_flags("default", tfs_models["tf_saved_model_save"]))
+    verify_predict_request(server, expected_output=12.0, specify_output=False)
+    assert call_rest(server, "/v1/models/default:predict", {"instances": [1.0, -0.5]}) == {"predictions": [6.0, -3.0]}
+
+
+def test_tf_saved_model_save_multiple_signatures(servers, tfs_models):  # noqa: F811
+    server = servers.get(*model_flags("default", tfs_models["multiple_signatures"]))
+    verify_predict_request(server, expected_output=2.0, signature_name="custom_signature_key")
+    verify_predict_request(server, expected_output=1.0)
+
+
+def test_sequential_keras_saved_model_save(servers, keras_models):
+    server = servers.get(*model_flags("default", keras_models["keras_sequential"]))
+    verify_predict_request(server, batch_input=True, specify_output=False, expected_output=2.0)
+
+
+def test_distrat_sequential_keras_saved_model_save(servers, keras_models):
+    """Saved under a MirroredStrategy over two CPUs; served without one."""
+    server = servers.get(*model_flags("default", keras_models["keras_sequential_mirrored"]))
+    verify_predict_request(server, batch_input=True, specify_output=False, expected_output=2.0)
+
+
+def test_tf_text(servers, tfs_models):  # noqa: F811
+    """A model using TF Text's ops, which TensorFlow itself lacks."""
+    server = servers.get(*model_flags("default", tfs_models["tf_text_regression"]))
+    verify_predict_request(server, expected_output=3.0)
+    assert worker_maps_tensorflow_text(server)
+
+
+# -- what this server refuses -------------------------------------------------------------------
+
+
+def test_tflite_models_are_refused_at_start(tfs_models, tmp_path):  # noqa: F811
+    """testPredictOnTfLite and testPredictWithSignatureDefOnTfLite: RunServer(model_type='tflite')
+    adds --prefer_tflite_model=true, and there is no TF Lite here."""
+    server = ModelServer(tmp_path, (*model_flags("default", tfs_models["half_plus_two"]), "--prefer_tflite_model=true"))
+    done = subprocess.run(server.command(workers=1), cwd=REPO, env=server.env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, check=False)
+    assert (done.returncode, done.stderr.strip()) == (1, "tensorflow_model_server flags: --prefer_tflite_model=true "
+                                                         "is not supported by this server (no TensorFlow Lite)")
