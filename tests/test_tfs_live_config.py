@@ -229,9 +229,7 @@ def test_a_reload_is_applied_by_every_worker_before_it_answers(server, channel, 
     reload(channel, config_text([("a", paths["two"], [VERSION], {"stable": VERSION})]))
     response = reload(channel, config_text([("b", paths["three"], None, {})]))
     assert (response.status.error_code, response.status.error_message) == (0, "")
-    workers = worker_channels(server, server.wait_ready(workers=2))
-    assert len(workers) == 2
-    for opened in workers.values():
+    for opened in worker_channels(server, server.wait_ready(workers=2)).values():
         with opened:
             assert y_and_version(predict(opened, "b", 2.0)) == ([4.0], VERSION)
             assert not served(opened, "a")
