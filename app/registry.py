@@ -607,6 +607,7 @@ def init_app(app: Flask, settings: Settings, metrics: Metrics) -> ModelRegistry:
     live = registry.live_config = LiveConfig(registry, settings, metrics, on_broken=on_broken)
     if latest is not None:
         _number, error = live.apply_generation(latest)
+        log.info("started with model config generation %d, the newest reload's", latest.number)
         if error:  # as in the siblings, which answered the reload with it: the rest is served
             log.error("model config generation %d applied in part: %s", latest.number, error)
     else:
