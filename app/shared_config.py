@@ -152,6 +152,8 @@ class SharedConfig:
         the same config), DeadlineExceeded naming the siblings that had not answered within
         `timeout_s` (None: no limit), ServingError naming a sibling where it failed.
         """
+        if timeout_s is not None and timeout_s >= threading.TIMEOUT_MAX:
+            timeout_s = None  # gRPC reports a call without a deadline as one 2**63 ns away: no limit
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with _exclusive(self.folder / _LOCK, timeout_s):
             latest = self.latest()

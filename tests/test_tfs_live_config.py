@@ -95,10 +95,10 @@ def polled_channel(polled_server):
         yield opened
 
 
-def reload(channel, text: str) -> model_management_pb2.ReloadConfigResponse:
+def reload(channel, text: str, timeout_s: float | None = TIMEOUT_S) -> model_management_pb2.ReloadConfigResponse:
     request = model_management_pb2.ReloadConfigRequest()
     text_format.Parse(text, request.config)
-    return model_service_pb2_grpc.ModelServiceStub(channel).HandleReloadConfigRequest(request, TIMEOUT_S)
+    return model_service_pb2_grpc.ModelServiceStub(channel).HandleReloadConfigRequest(request, timeout_s)
 
 
 def predict(channel, model: str, x: float, *, label: str = "") -> predict_pb2.PredictResponse:
@@ -227,7 +227,8 @@ def test_a_bad_reload_is_refused_with_invalid_argument_and_the_rest_applies(chan
 
 def test_a_reload_is_applied_by_every_worker_before_it_answers(server, channel, paths):
     reload(channel, config_text([("a", paths["two"], [VERSION], {"stable": VERSION})]))
-    response = reload(channel, config_text([("b", paths["three"], None, {})]))
+    # A call without a deadline waits for every worker, however long their loads take.
+    response = reload(channel, config_text([("b", paths["three"], None, {})]), timeout_s=None)
     assert (response.status.error_code, response.status.error_message) == (0, "")
     for opened in worker_channels(server, server.wait_ready(workers=2)).values():
         with opened:
