@@ -1,7 +1,7 @@
 """Gunicorn settings, all from the environment; command-line flags still override them.
 
 Importing this file only reads: the hooks do the work (on_starting checks the settings and
-prepares the metrics folder; post_fork, post_worker_init, worker_exit, child_exit, on_exit).
+prepares the metrics folder and the run folder where workers share a reloaded model config; post_fork, post_worker_init, worker_exit, child_exit, on_exit).
 The master never imports TensorFlow: the app is loaded in each worker after the fork
 (no preload_app), and post_fork sizes TensorFlow's thread pools and GPU memory in the
 worker before the model loads.
@@ -14,7 +14,7 @@ import tempfile
 
 from gunicorn import glogging
 
-from app import logs
+from app import logs, shared_config
 from app.runtime import default_workers, usable_cpus
 from app.settings import Settings, model_configs, parse, validate_pos_int
 
@@ -76,6 +76,8 @@ def on_starting(server):
                          f"{server.cfg.graceful_timeout} s, or a stopping worker could end before its queued "
                          "requests run")
     server.own_metrics_dir = prepare_metrics_dir(os.environ)
+    # Always fresh: a reload's config lasts as long as the server, as in TF Serving.
+    server.run_dir = shared_config.prepare_run_dir(os.environ)
     # Connections are descriptors: workers inherit the soft limit raised to the hard one.
     from app.worker import raise_descriptor_limit
 
@@ -145,3 +147,4 @@ def on_exit(server):
     made = getattr(server, "own_metrics_dir", None)
     if made:
         shutil.rmtree(made, ignore_errors=True)
+    shared_config.remove_run_dir(os.environ, getattr(server, "run_dir", None))

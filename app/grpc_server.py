@@ -298,7 +298,8 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         self._layer = layer
 
     def _reload(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
-        """Serve the models of request.config, live; this worker's models only (see docs/tf-serving.md)."""
+        """Serve the models of request.config, live, in every worker: answered once all applied it,
+        or with what failed where, within the call's deadline (app/shared_config.py)."""
         if request.config.WhichOneof("config") != "model_config_list":
             # TF Serving's words (model_servers/model_service_impl.cc).
             raise errors.BadRequest("ServerModelConfig type not supported by HandleReloadConfigRequest. "
@@ -310,7 +311,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         live_config = self._layer.registry.live_config
         if live_config is None:
             raise errors.Unavailable("this server's models come from no config it can reload")
-        live_config.reload(document, "ReloadConfigRequest")
+        live_config.reload(document, "ReloadConfigRequest", timeout_s=context.time_remaining())
         response = model_management_pb2.ReloadConfigResponse()
         response.status.error_code = _ERROR_CODES["OK"].number
         return response

@@ -29,7 +29,7 @@ from typing import Any
 
 from flask import Flask
 
-from app import models, padding, runtime, warmup
+from app import models, padding, runtime, shared_config, warmup
 from app.batching import Batcher, BatchObserver, BatchResult, Tensors, bucket_sizes
 from app.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
 from app.metrics import Metrics
@@ -336,6 +336,8 @@ class ModelRegistry:
         return bool(servables) and all(batcher.alive for s in servables for batcher in s.batchers.values())
 
     def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
+        if self.live_config is not None and self.live_config.shared is not None:
+            self.live_config.shared.close()  # a stopping worker takes no more reloads
         for poller in (self.config_poller, self.poller):
             if poller is not None:
                 poller.stop()
@@ -346,7 +348,10 @@ class ModelRegistry:
 class LiveConfig:
     """Keeps what a registry serves in line with the model config: models served, added,
     changed and removed (a ReloadConfigRequest, or MODEL_CONFIG polled), and each model's
-    versions loaded and retired as its folder and version policy say (the version poller)."""
+    versions loaded and retired as its folder and version policy say (the version poller).
+
+    Under Gunicorn a reload is the server's, not this worker's: `shared` publishes it to the
+    sibling workers and applies theirs here (app/shared_config.py), each generation once."""
 
     def __init__(self, registry: ModelRegistry, settings: Settings, metrics: Metrics, *,
                  on_broken: Callable[[Batcher], None] | None = None) -> None:
@@ -360,6 +365,12 @@ class LiveConfig:
         self.configs: dict[str, ModelConfig] = {}
         self._changing = threading.RLock()
         self._failed: set[tuple[str, int]] = set()
+        # The models last asked for (by start-up, a reload or the polled file), loaded or not.
+        self.requested: list[ModelConfig] = []
+        self.shared: shared_config.SharedConfig | None = None
+        # The newest reload generation applied here, and what failed in it.
+        self.generation = 0
+        self._generation_error = ""
 
     def serve(self, config: ModelConfig) -> None:
         """Load and serve a model the registry does not serve yet, with its labels."""
@@ -400,6 +411,7 @@ class LiveConfig:
         those left out unloaded (with drain), and changed ones get the versions and labels
         their new policy names. A model whose load fails is not served; the others change."""
         with self._changing:
+            self.requested = list(configs)
             wanted = {config.name: config for config in configs}
             failures = []
             for name in [name for name in self.configs if name not in wanted]:
@@ -420,13 +432,32 @@ class LiveConfig:
             if failures:
                 raise models.ModelLoadError("; ".join(failures))
 
-    def reload(self, document: dict[str, Any], where: str) -> None:
-        """Apply a MODEL_CONFIG document (from a ReloadConfigRequest); BadRequest names what is wrong."""
+    def reload(self, document: dict[str, Any], where: str, *, timeout_s: float | None = None) -> None:
+        """Apply a MODEL_CONFIG document (from a ReloadConfigRequest) here and, under Gunicorn, in
+        every sibling worker, within `timeout_s`; BadRequest names what is wrong."""
         try:
             configs = configs_from_document(document, self._settings, where)
-            self.apply(configs)
-        except (SettingsError, models.ModelLoadError) as exc:
+        except SettingsError as exc:
             raise BadRequest(str(exc)) from None
+        if self.shared is not None:
+            self.shared.publish(document, self.apply_generation, timeout_s=timeout_s)
+            return
+        try:
+            self.apply(configs)
+        except models.ModelLoadError as exc:
+            raise BadRequest(str(exc)) from None
+
+    def apply_generation(self, generation: shared_config.Generation) -> tuple[int, str]:
+        """Apply a reload published by this worker or a sibling, unless a newer one was: the
+        number of the newest applied, and what failed in it ("" if nothing)."""
+        with self._changing:
+            if generation.number > self.generation:
+                self.generation, self._generation_error = generation.number, ""
+                try:
+                    self.apply(configs_from_document(generation.document, self._settings, RELOAD))
+                except (SettingsError, models.ModelLoadError) as exc:
+                    self._generation_error = str(exc)
+            return self.generation, self._generation_error
 
     def _change(self, current: ModelConfig, config: ModelConfig) -> None:
         if not (config.path and models.available_versions(config.path)) or config.path != current.path:
@@ -483,6 +514,10 @@ class LiveConfig:
                         self.registry.retire(config.name, version)
 
 
+# Where a reloaded config came from, as its errors name it.
+RELOAD = "ReloadConfigRequest"
+
+
 class _Poller:
     """A daemon thread that calls `tick` every `interval_s` until stopped."""
 
@@ -526,15 +561,16 @@ class VersionPoller(_Poller):
 
 
 class ConfigPoller(_Poller):
-    """Reads MODEL_CONFIG again and applies it when it changed (TF Serving's
-    --model_config_file_poll_wait_seconds). A file that cannot be read keeps what is served."""
+    """Reads MODEL_CONFIG again and applies it unless it is what was last asked for (TF
+    Serving's --model_config_file_poll_wait_seconds). As TF Serving, which applies the file at
+    every poll, the file wins over a reload at the next poll. A file that cannot be read keeps
+    what is served."""
 
     name = "config-poller"
 
     def __init__(self, live_config: LiveConfig, settings: Settings, interval_s: float) -> None:
         self._live_config = live_config
         self._settings = settings
-        self._last = list(live_config.configs.values())
         super().__init__(interval_s)
 
     def tick(self) -> None:
@@ -543,9 +579,8 @@ class ConfigPoller(_Poller):
         except SettingsError as exc:
             log.error("MODEL_CONFIG not applied: %s", exc)
             return
-        if configs == self._last:
+        if configs == self._live_config.requested:
             return
-        self._last = configs
         try:
             self._live_config.apply(configs)
         except Exception:
@@ -555,22 +590,38 @@ class ConfigPoller(_Poller):
 
 
 def init_app(app: Flask, settings: Settings, metrics: Metrics) -> ModelRegistry:
-    configs = model_configs(settings)
     def on_broken(_batcher: Batcher) -> None:
         # Read when it happens: Gunicorn's post_worker_init names it once the app is loaded.
         replace_worker = app.extensions.get("replace_worker")
         if replace_worker is not None:
             replace_worker()
 
+    # Joined before the config is read: a reload published from now on reaches this worker.
+    shared = shared_config.join()
+    polled_config = settings.model_config is not None and settings.model_config_poll_seconds > 0
+    # A worker started after a reload (one Gunicorn started in place of a dead one) serves what
+    # its siblings serve. With the file polled, the file: it wins over a reload at the next poll.
+    latest = shared.latest() if shared is not None and not polled_config else None
+    configs = configs_from_document(latest.document, settings, RELOAD) if latest else model_configs(settings)
     registry = ModelRegistry(configs[0].name)
     live = registry.live_config = LiveConfig(registry, settings, metrics, on_broken=on_broken)
-    for config in configs:
-        live.serve(config)
-    polled_config = settings.model_config is not None and settings.model_config_poll_seconds > 0
-    if settings.model_poll_seconds > 0 and (polled_config or live.versioned_configs()):
+    if latest is not None:
+        _number, error = live.apply_generation(latest)
+        log.info("started with model config generation %d, the newest reload's", latest.number)
+        if error:  # as in the siblings, which answered the reload with it: the rest is served
+            log.error("model config generation %d applied in part: %s", latest.number, error)
+    else:
+        for config in configs:
+            live.serve(config)
+        live.requested = configs
+    if settings.model_poll_seconds > 0 and (polled_config or shared is not None or live.versioned_configs()):
+        # Under Gunicorn always: a reload may add a versioned model, in any worker.
         registry.poller = VersionPoller(live, settings.model_poll_seconds)
     if polled_config:
         registry.config_poller = ConfigPoller(live, settings, settings.model_config_poll_seconds)
+    if shared is not None:
+        live.shared = shared
+        shared.listen(live.apply_generation)
     app.extensions["models"] = registry
     return registry
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from app import shared_config
 from app.runtime import CPUS_PER_WORKER, UsableCpus, cgroup_cpu_quota, default_workers, usable_cpus
 from tests.conftest import REPO, SERVER_COMMAND, Server
 
@@ -171,8 +172,12 @@ def test_importing_gunicorn_conf_changes_nothing_and_on_starting_does_the_work(m
     config["on_starting"](master)
     made = os.environ["PROMETHEUS_MULTIPROC_DIR"]
     assert master.own_metrics_dir == made and os.path.isdir(made) and not os.listdir(made)
+    # Where the workers share a reloaded model config (app/shared_config.py): the server's own.
+    run_dir = os.environ[shared_config.RUN_DIR_ENV]
+    assert master.run_dir == run_dir and os.path.isdir(run_dir) and not os.listdir(run_dir)
     config["on_exit"](master)
     assert not os.path.exists(made)
+    assert not os.path.exists(run_dir) and shared_config.RUN_DIR_ENV not in os.environ
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
 
     # A folder the operator names is kept, emptied of an earlier run's values.
