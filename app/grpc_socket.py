@@ -8,7 +8,7 @@ binds, silently takes the socket from the first worker. So one worker at a time 
 - the owner is the worker that holds an exclusive flock on PATH.lock. Every other worker waits
   for the lock on a thread of its own, so when the owner exits, stopped or killed, the kernel
   hands the lock to a waiting worker; a worker started to replace one joins the wait;
-- the new owner starts a gRPC server on PATH.<pid> and renames that socket to PATH. The rename
+- the new owner starts a gRPC server on PATH.<pid>.<n> and renames that socket to PATH. The rename
   is atomic: a client finds the old socket or the new one at PATH, never no file, and a killed
   owner's socket left there is replaced the same way. PATH itself is never bound: grpc-core
   unlinks the path it bound when its server stops, which would remove the next owner's socket;
@@ -22,6 +22,7 @@ Calls on the Unix socket are one worker's: its batches, and a call limit of its 
 from __future__ import annotations
 
 import fcntl
+import itertools
 import logging
 import os
 import threading
@@ -29,6 +30,8 @@ from collections.abc import Callable
 from typing import IO, Any
 
 log = logging.getLogger(__name__)
+# Private names differ between owners of one process too (tests): grpc-core unlinks its own at stop.
+_owners = itertools.count()
 
 
 class SocketOwner:
@@ -61,7 +64,7 @@ class SocketOwner:
                 lock_file.close()  # stopping: the next worker takes it
                 return
             self._lock_file = lock_file
-            private = f"{self.path}.{os.getpid()}"
+            private = f"{self.path}.{os.getpid()}.{next(_owners)}"
             try:
                 self._server = self._serve(f"unix:{private}")
                 os.rename(private, self.path)

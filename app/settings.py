@@ -148,8 +148,8 @@ def validate_fraction(value: str) -> float:
     return number
 
 
-# sockaddr_un holds 108 bytes with the final NUL; the socket is bound as PATH.<pid> first.
-MAX_SOCKET_PATH = 107 - len(".4194304")
+# sockaddr_un holds 108 bytes with the final NUL; the socket is bound as PATH.<pid>.<n> first.
+MAX_SOCKET_PATH = 107 - len(".4194304.0")
 
 
 def validate_socket_path(value: str) -> str:

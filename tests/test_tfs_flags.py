@@ -70,7 +70,7 @@ def test_flags_take_tensorflows_forms():
                                                               "expected TF Serving's `key=value,key=value`"),
     (["--grpc_channel_arguments=a=1,,b=2"], "--grpc_channel_arguments=a=1,,b=2: expected"),
     (["--grpc_channel_arguments=grpc.so_reuseport=0"], "not `grpc.so_reuseport` other than 1"),
-    ([f"--grpc_socket_path=/{'s' * 99}"], "expected a path of at most 99 bytes once absolute"),
+    ([f"--grpc_socket_path=/{'s' * 97}"], "expected a path of at most 97 bytes once absolute"),
     (["--port=http"], "--port=http: invalid literal"),
     (["--model_name"], "--model_name needs a value"),
     (["--enable_batching=maybe"], "--enable_batching=maybe: expected true or false"),
