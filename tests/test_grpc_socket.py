@@ -80,10 +80,11 @@ def test_an_owner_stopped_while_waiting_never_serves(path):
     assert first.serving.wait(30)
     waiting = SocketOwner(path, HealthServer).start()
     assert waiting.stop(grace_s=0).is_set()
-    last = SocketOwner(path, HealthServer).start()
     first.drain(timeout_s=10)
-    assert last.serving.wait(30)  # the stopped one passed the lock on
-    assert not waiting.serving.is_set()
+    waiting.thread.join(30)  # it took the lock, and gave it up without serving
+    assert not waiting.thread.is_alive() and not waiting.serving.is_set()
+    last = SocketOwner(path, HealthServer).start()
+    assert last.serving.wait(30)  # the lock was passed on
     last.drain(timeout_s=10)
 
 
