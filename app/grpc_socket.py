@@ -47,9 +47,11 @@ class SocketOwner:
         self._inode: int | None = None
         self._stopped: threading.Event | None = None
         self.serving = threading.Event()
+        # Ends once this owner serves, or gave up; it may wait on the lock as long as the worker lives.
+        self.thread = threading.Thread(target=self._wait_then_serve, name="grpc-socket-owner", daemon=True)
 
     def start(self) -> SocketOwner:
-        threading.Thread(target=self._wait_then_serve, name="grpc-socket-owner", daemon=True).start()
+        self.thread.start()
         return self
 
     def _wait_then_serve(self) -> None:
