@@ -71,10 +71,11 @@ def max_connections(settings: Settings) -> int:
 def channel_options(settings: Settings, *, threads: int, max_bytes: int) -> list[tuple[str, int | str]]:
     """The grpc-core channel arguments, each from a setting, then GRPC_CHANNEL_ARGUMENTS.
 
-    An argument GRPC_CHANNEL_ARGUMENTS names replaces this server's own value for it, once: TF
-    Serving adds the user's arguments after its own (SetMaxMessageSize) and grpc-core keeps the
-    last of duplicate keys, so the user's win there too. grpc.so_reuseport cannot be turned
-    off there (app/settings.py): every worker binds the same port.
+    An argument GRPC_CHANNEL_ARGUMENTS names replaces this server's own value for it; each key
+    is passed once. TF Serving sets only the message size limits itself, so every other
+    argument a user gives takes effect there; here the limits are many, each a setting's
+    default, and a user's argument takes effect all the same. grpc.so_reuseport cannot be
+    turned off (app/settings.py): every worker binds the same port.
     """
     streams = settings.grpc_max_streams_per_connection
     own: list[tuple[str, int | str]] = [

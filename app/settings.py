@@ -117,10 +117,11 @@ def validate_grpc_channel_arguments(value: str) -> tuple[tuple[str, int | str], 
     """TF Serving's --grpc_channel_arguments: `key=value` pairs, comma-separated.
 
     As model_servers/server.cc reads them: a value that parses as a 32-bit integer is passed to
-    grpc-core as one, any other as a string; a key given twice keeps its last value (grpc-core
-    keeps the last of duplicate arguments). An item without exactly one `=` is refused (TF
-    Serving reads out of bounds on one without, and drops what follows a second); spaces around
-    a key are dropped. grpc.so_reuseport must stay on: every worker binds the same port.
+    grpc-core as one, any other as a string. A key given twice keeps its first value, as
+    grpc-core does with the duplicate arguments TF Serving hands it (grpc 1.85's server keeps
+    the first). An item without exactly one `=` is refused (TF Serving reads out of bounds on
+    one without, and drops what follows a second); spaces around a key are dropped.
+    grpc.so_reuseport must stay on: every worker binds the same port.
     """
     arguments: dict[str, int | str] = {}
     for item in value.split(",") if value else []:
@@ -129,7 +130,7 @@ def validate_grpc_channel_arguments(value: str) -> tuple[tuple[str, int | str], 
         if not _CHANNEL_ARGUMENT_KEY.match(key) or item.count("=") != 1:
             raise ValueError
         number = int(text) if _INT32_TEXT.match(text) else None
-        arguments[key] = number if number is not None and -2**31 <= number < 2**31 else text
+        arguments.setdefault(key, number if number is not None and -2**31 <= number < 2**31 else text)
     if arguments.get("grpc.so_reuseport", 1) != 1:
         raise ValueError
     return tuple(arguments.items())
@@ -288,7 +289,7 @@ class Settings:
     gpu_memory_fraction: float = _env(
         "GPU_MEMORY_FRACTION", validate_fraction, 0.0,
         "TF Serving's `--per_process_gpu_memory_fraction`: GPU memory per worker process as a fraction of each "
-        "GPU's total (read through NVML); 0: grow as needed. Not with `GPU_MEMORY_LIMIT_MB`.",
+        "GPU's total (from the CUDA driver); 0: grow as needed. Not with `GPU_MEMORY_LIMIT_MB`.",
         section="TensorFlow")
     log_level: str = _env("LOG_LEVEL", validate_log_level, "INFO", "Logging level of the app and Gunicorn.",
                           section="Logs and probes")
@@ -318,8 +319,8 @@ class Settings:
     grpc_channel_arguments: tuple[tuple[str, int | str], ...] = _env(
         "GRPC_CHANNEL_ARGUMENTS", validate_grpc_channel_arguments, (),
         "TF Serving's `--grpc_channel_arguments` (`grpc.max_connection_age_ms=2000,...`), passed to every "
-        "worker's gRPC server; an argument named here replaces the server's own value for it, as in TF Serving "
-        "([TF Serving](tf-serving.md#grpc-channel-arguments)).", section="gRPC")
+        "worker's gRPC server; an argument named here replaces the server's own value for it, so that it takes "
+        "effect as in TF Serving ([TF Serving](tf-serving.md#grpc-channel-arguments)).", section="gRPC")
     grpc_max_connections: int = _env(
         "GRPC_MAX_CONNECTIONS", validate_non_neg_int, 0,
         "Open gRPC connections per worker; beyond, new ones are closed at once. 0: a quarter of the "

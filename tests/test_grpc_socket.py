@@ -98,9 +98,10 @@ def options(**environ: str) -> dict[str, int | str]:
 def test_a_channel_argument_replaces_the_servers_own_value_and_others_are_added():
     own = options()
     given = options(GRPC_CHANNEL_ARGUMENTS="grpc.max_receive_message_length=64, grpc.lb_policy_name=grpclb,"
-                                           "grpc.max_connection_age_ms=9999999999")
+                                           "grpc.max_connection_age_ms=9999999999,grpc.lb_policy_name=pick_first")
     assert (own["grpc.max_receive_message_length"], given["grpc.max_receive_message_length"]) == (1000, 64)
     # Not a 32-bit integer: passed as a string, as absl::SimpleAtoi's failure makes TF Serving do.
+    # A key given twice: its first value, which grpc-core keeps of the duplicates TF Serving passes.
     assert (given["grpc.lb_policy_name"], given["grpc.max_connection_age_ms"]) == ("grpclb", "9999999999")
     assert {key: value for key, value in given.items() if key not in (
         "grpc.max_receive_message_length", "grpc.lb_policy_name", "grpc.max_connection_age_ms")} == {
@@ -112,3 +113,22 @@ def test_a_channel_argument_replaces_the_servers_own_value_and_others_are_added(
 def test_channel_arguments_tf_serving_would_misread_are_refused(text):
     with pytest.raises(SettingsError, match=r"^GRPC_CHANNEL_ARGUMENTS=.* is not valid: expected TF Serving's "):
         Settings.from_env({"GRPC_CHANNEL_ARGUMENTS": text})
+
+
+@pytest.mark.parametrize("limits, code", [((10, 100_000), grpc.StatusCode.RESOURCE_EXHAUSTED),
+                                          ((100_000, 10), grpc.StatusCode.NOT_FOUND)])
+def test_grpc_core_keeps_the_first_of_duplicate_arguments(limits, code):
+    """What docs/tf-serving.md's precedence rests on: TF Serving passes its own message size before
+    the user's arguments, and of a key given twice grpc-core applies the first value."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1),
+                         options=[("grpc.max_receive_message_length", limit) for limit in limits])
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, pytest.raises(grpc.RpcError) as refused:
+            # 1 KB: over the limit of 10 bytes, under 100,000 (then NOT_FOUND: no such service).
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="x" * 1000), timeout=10)
+        assert refused.value.code() == code
+    finally:
+        server.stop(None)
