@@ -100,6 +100,8 @@ def test_a_channel_argument_replaces_the_servers_own_value(server):
         channel.subscribe(states.append)
         assert_y(prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(
             predict_x("default", 2.0, output_filter=False), RPC_TIMEOUT_S), 3.0, model="default")
+        # The callbacks come on grpc's own thread: READY may not be noted yet when Predict returns.
+        wait_for(lambda: grpc.ChannelConnectivity.READY in states, what="the channel's READY")
         # Within 30 s: GRPC_CONNECTION_IDLE_MS (60 s) cannot be what ends the connection.
         wait_for(lambda: states[-1] != grpc.ChannelConnectivity.READY, within_s=30, what="the connection's GOAWAY")
     assert states[states.index(grpc.ChannelConnectivity.READY) + 1] == grpc.ChannelConnectivity.IDLE
