@@ -114,7 +114,7 @@ def post_worker_init(worker):
     worker.wsgi.extensions["replace_worker"] = lambda: os.kill(os.getpid(), signal.SIGTERM)
     # gRPC starts in the worker once its models are loaded: grpc's threads would not survive
     # a fork, so the master never imports it.
-    if _settings.grpc_bind:
+    if _settings.grpc_bind or _settings.grpc_socket_path:
         from app import grpc_server
 
         grpc_server.serve_in_worker(worker)
@@ -128,10 +128,10 @@ def worker_exit(server, worker):
     if app is not None and "models" in getattr(app, "extensions", {}):
         from app import shutdown_app
 
-        grpc_server = getattr(worker, "grpc_server", None)
-        if grpc_server is not None:
-            # Accepted gRPC calls finish first: they still need the batchers.
-            grpc_server.drain(timeout_s=server.cfg.graceful_timeout)
+        # Accepted gRPC calls finish first: they still need the batchers.
+        for grpc_server in (getattr(worker, "grpc_socket", None), getattr(worker, "grpc_server", None)):
+            if grpc_server is not None:
+                grpc_server.drain(timeout_s=server.cfg.graceful_timeout)
 
         shutdown_app(app, timeout_s=server.cfg.graceful_timeout)
 

@@ -28,6 +28,9 @@
   every thread cannot make the probe fail, and stalled health calls hold a thread for at
   most that long.
 
+GRPC_CHANNEL_ARGUMENTS (TF Serving's --grpc_channel_arguments) may replace any of the
+channel arguments above, as TF Serving lets its own be replaced (`channel_options`).
+
 A message that does not parse is answered INVALID_ARGUMENT (grpc-python's own path answers
 INTERNAL and logs a traceback per call).
 """
@@ -65,10 +68,17 @@ def max_connections(settings: Settings) -> int:
     return settings.grpc_max_connections or max(1, descriptor_limit() // CONNECTION_SHARE_OF_FDS)
 
 
-def channel_options(settings: Settings, *, threads: int, max_bytes: int) -> list[tuple[str, int]]:
-    """The grpc-core channel arguments, each from a setting."""
+def channel_options(settings: Settings, *, threads: int, max_bytes: int) -> list[tuple[str, int | str]]:
+    """The grpc-core channel arguments, each from a setting, then GRPC_CHANNEL_ARGUMENTS.
+
+    An argument GRPC_CHANNEL_ARGUMENTS names replaces this server's own value for it; each key
+    is passed once. TF Serving sets only the message size limits itself, so every other
+    argument a user gives takes effect there; here the limits are many, each a setting's
+    default, and a user's argument takes effect all the same. grpc.so_reuseport cannot be
+    turned off (app/settings.py): every worker binds the same port.
+    """
     streams = settings.grpc_max_streams_per_connection
-    return [
+    own: list[tuple[str, int | str]] = [
         ("grpc.so_reuseport", 1),
         ("grpc.max_receive_message_length", max_bytes),
         ("grpc.max_allowed_incoming_connections", max_connections(settings)),
@@ -79,6 +89,7 @@ def channel_options(settings: Settings, *, threads: int, max_bytes: int) -> list
         ("grpc.max_connection_age_ms", int(settings.grpc_connection_age_ms)),
         ("grpc.max_connection_age_grace_ms", int(settings.request_timeout_ms)),
     ]
+    return list({**dict(own), **dict(settings.grpc_channel_arguments)}.items())
 
 
 def build_server(settings: Settings, *, threads: int, max_bytes: int,

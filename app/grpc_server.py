@@ -46,7 +46,7 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import errors, grpc_limits, metadata, tensor_proto, tfs_flags, tls, v2_grpc
+from app import errors, grpc_limits, grpc_socket, metadata, tensor_proto, tfs_flags, tls, v2_grpc
 from app.errors import SignatureNotFound
 from app.logs import RequestRecord, accept_request_id
 from app.models import LoadedModel, Signature
@@ -407,7 +407,19 @@ def serve_in_worker(worker: Any) -> GrpcServer | None:
     if app is None or not worker.alive:
         return None
     grace_s = float(worker.cfg.graceful_timeout)
-    server = GrpcServer(app, bind=app.extensions["settings"].grpc_bind, threads=worker.cfg.threads).start()
+    settings = app.extensions["settings"]
+
+    def serve(bind: str) -> GrpcServer:
+        return GrpcServer(app, bind=bind, threads=worker.cfg.threads).start()
+
+    if settings.grpc_socket_path:
+        # One worker at a time serves the Unix socket; the others wait to take it over.
+        owner = grpc_socket.SocketOwner(settings.grpc_socket_path, serve).start()
+        worker.grpc_socket = owner
+        worker.when_stopping(lambda: owner.stop(grace_s=grace_s))
+    if not settings.grpc_bind:
+        return None
+    server = serve(settings.grpc_bind)
     worker.grpc_server = server
     worker.when_stopping(lambda: server.stop(grace_s=grace_s))
     return server

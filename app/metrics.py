@@ -3,7 +3,8 @@
 Under Gunicorn, gunicorn.conf.py points PROMETHEUS_MULTIPROC_DIR at a fresh directory
 before any worker starts: each worker's values go to files there and /metrics adds them
 up across workers (prometheus_client's multiprocess mode). Without it (tests, a plain
-`flask run`) the metrics live in the registry given to `Metrics`.
+`flask run`) the metrics live in the registry given to `Metrics`. METRICS_PATH serves the same
+page at a second path (TF Serving's monitoring config).
 """
 
 from __future__ import annotations
@@ -236,4 +237,9 @@ def init_app(app: Flask, metrics: Metrics | None = None) -> Metrics:
     app.request_class = RoutedRequest
     app.wsgi_app = _MetricsLayer(app.wsgi_app, metrics)  # type: ignore[method-assign]
     app.add_url_rule("/metrics", "metrics", metrics_view, methods=["GET"])
+    settings = app.extensions.get("settings")
+    path = settings.metrics_path if settings is not None else ""
+    if path and path != "/metrics":
+        # METRICS_PATH: where TF Serving's --monitoring_config_file puts them, same exposition.
+        app.add_url_rule(path, "metrics_path", metrics_view, methods=["GET"])
     return metrics

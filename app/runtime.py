@@ -1,5 +1,9 @@
 """TensorFlow's process set-up: thread pools and GPU memory, before the first TF op.
 
+GPU memory is capped per worker by GPU_MEMORY_LIMIT_MB, or by GPU_MEMORY_FRACTION of each GPU's
+total (TF Serving's --per_process_gpu_memory_fraction, total read from the CUDA driver), as a
+logical device of that size; with neither, memory grows as needed.
+
 Gunicorn's post_fork hook calls `configure()` once in each worker, before the app loads its
 models, with the worker count, so that N workers share the usable CPUs (`usable_cpus()`: the
 affinity, capped by a cgroup CPU quota) instead of each starting pools as wide as the machine.
@@ -17,6 +21,7 @@ level of its first. Python's own log handlers on stderr write past the capture m
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import logging
@@ -25,7 +30,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from app.settings import Settings
@@ -141,8 +146,46 @@ def _cpus(quota_us: int, period_us: int) -> float | None:
     return quota_us / period_us if quota_us > 0 and period_us > 0 else None
 
 
-def configure(settings: Settings, *, workers: int) -> dict[str, Any]:
-    """Size TF's pools to usable CPUs / workers and cap GPU memory: once, before any TF op runs."""
+def gpu_memory_limit_mb(settings: Settings, ordinal: int, *, total_bytes: Callable[[int], int]) -> int:
+    """The memory cap of GPU `ordinal` in MiB: GPU_MEMORY_LIMIT_MB, or GPU_MEMORY_FRACTION of the
+    GPU's total memory (`total_bytes(ordinal)`), rounded down; 0: no cap (memory grows as needed)."""
+    if settings.gpu_memory_limit_mb:
+        return settings.gpu_memory_limit_mb
+    if settings.gpu_memory_fraction:
+        return max(1, int(total_bytes(ordinal) * settings.gpu_memory_fraction) // 2**20)
+    return 0
+
+
+class GpuMemoryError(RuntimeError):
+    """The CUDA driver cannot say how much memory a GPU has."""
+
+
+def cuda_total_memory(ordinal: int, *, library: str = "libcuda.so.1") -> int:
+    """Total memory in bytes of CUDA device `ordinal`, from the CUDA driver, as TensorFlow reads it.
+
+    The driver numbers devices as TensorFlow's GPU list does (CUDA_VISIBLE_DEVICES and
+    CUDA_DEVICE_ORDER applied); NVML and nvidia-smi number every GPU of the host in PCI order.
+    TF Serving's fraction is of this same total (gpu_device.cc). No context is created, so
+    TensorFlow's own set-up after this is unaffected.
+    """
+    try:
+        cuda = ctypes.CDLL(library)
+    except OSError as exc:
+        raise GpuMemoryError(f"GPU_MEMORY_FRACTION: cannot load the CUDA driver ({library}): {exc}") from None
+    device, total = ctypes.c_int(), ctypes.c_size_t()
+    for call, args in (("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(device), ordinal)),
+                       ("cuDeviceTotalMem_v2", (ctypes.byref(total), device))):
+        result = getattr(cuda, call)(*args)
+        if result != 0:
+            raise GpuMemoryError(f"GPU_MEMORY_FRACTION: the CUDA driver's {call} failed for GPU {ordinal} "
+                                 f"(CUresult {result})")
+    return total.value
+
+
+def configure(settings: Settings, *, workers: int,
+              gpu_total_bytes: Callable[[int], int] = cuda_total_memory) -> dict[str, Any]:
+    """Size TF's pools to usable CPUs / workers and cap GPU memory: once, before any TF op runs.
+    `gpu_total_bytes(ordinal)`: a GPU's total memory, for GPU_MEMORY_FRACTION."""
     tf = import_tensorflow(settings)
     cpus = usable_cpus()
     # Each worker's pools get its share of the usable CPUs: N workers with pools as wide
@@ -158,18 +201,17 @@ def configure(settings: Settings, *, workers: int) -> dict[str, Any]:
     # straight to descriptor 2 (on a host without a GPU: "failed call to cuInit").
     with native_stderr_logged():
         gpus = tf.config.list_physical_devices("GPU")
-    for gpu in gpus:
-        if settings.gpu_memory_limit_mb:
-            tf.config.set_logical_device_configuration(
-                gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=settings.gpu_memory_limit_mb)]
-            )
+    limits = [gpu_memory_limit_mb(settings, ordinal, total_bytes=gpu_total_bytes) for ordinal in range(len(gpus))]
+    for gpu, limit in zip(gpus, limits, strict=True):
+        if limit:
+            tf.config.set_logical_device_configuration(gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=limit)])
         else:
             tf.config.experimental.set_memory_growth(gpu, True)
     configured = {
         "intra_op_threads": intra,
         "inter_op_threads": inter,
         "gpus": len(gpus),
-        "gpu_memory_limit_mb": settings.gpu_memory_limit_mb or None,
+        "gpu_memory_limit_mb": max(limits, default=0) or None,  # the largest, where GPUs differ
         "workers": workers,
         "usable_cpus": cpus.count,
         "usable_cpus_from": cpus.source,

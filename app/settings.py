@@ -108,6 +108,57 @@ def validate_length_buckets(value: str) -> tuple[int, ...]:
     return lengths
 
 
+# absl::SimpleAtoi's int32: optional sign, decimal digits, surrounding whitespace allowed.
+_INT32_TEXT = re.compile(r"^\s*[+-]?[0-9]+\s*$")
+_CHANNEL_ARGUMENT_KEY = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def validate_grpc_channel_arguments(value: str) -> tuple[tuple[str, int | str], ...]:
+    """TF Serving's --grpc_channel_arguments: `key=value` pairs, comma-separated.
+
+    As model_servers/server.cc reads them: a value that parses as a 32-bit integer is passed to
+    grpc-core as one, any other as a string. A key given twice keeps its first value, as
+    grpc-core does with the duplicate arguments TF Serving hands it (grpc 1.85's server keeps
+    the first). An item without exactly one `=` is refused (TF Serving reads out of bounds on
+    one without, and drops what follows a second); spaces around a key are dropped.
+    grpc.so_reuseport must stay on: every worker binds the same port.
+    """
+    arguments: dict[str, int | str] = {}
+    for item in value.split(",") if value else []:
+        key, _, text = item.partition("=")
+        key = key.strip()  # no argument name has spaces; "a=1, b=2" means b
+        if not _CHANNEL_ARGUMENT_KEY.match(key) or item.count("=") != 1:
+            raise ValueError
+        number = int(text) if _INT32_TEXT.match(text) else None
+        arguments.setdefault(key, number if number is not None and -2**31 <= number < 2**31 else text)
+    if arguments.get("grpc.so_reuseport", 1) != 1:
+        raise ValueError
+    return tuple(arguments.items())
+
+
+def validate_metrics_path(value: str) -> str:
+    if value and (not value.startswith("/") or any(char.isspace() or char in "?#" for char in value)):
+        raise ValueError
+    return value
+
+
+def validate_fraction(value: str) -> float:
+    number = float(value)
+    if not 0 <= number <= 1:
+        raise ValueError
+    return number
+
+
+# sockaddr_un holds 108 bytes with the final NUL; the socket is bound as PATH.<pid>.<n> first.
+MAX_SOCKET_PATH = 107 - len(".4194304.0")
+
+
+def validate_socket_path(value: str) -> str:
+    if value and len(os.path.abspath(value).encode()) > MAX_SOCKET_PATH:
+        raise ValueError
+    return value
+
+
 _ALLOWED: dict[Callable[[str], Any], str] = {
     validate_length_buckets: "increasing whole numbers of 1 or more, comma-separated (`16,32,64`), or empty",
     validate_pos_int: "a whole number of 1 or more",
@@ -120,6 +171,11 @@ _ALLOWED: dict[Callable[[str], Any], str] = {
     validate_optional_path: "a path",
     validate_optional_text: "text",
     validate_log_level: "DEBUG, INFO, WARNING, ERROR or CRITICAL",
+    validate_grpc_channel_arguments: "TF Serving's `key=value,key=value` (a 32-bit integer value passes as one, "
+                                     "any other as text), or empty; not `grpc.so_reuseport` other than 1",
+    validate_metrics_path: "a URL path starting with `/`, or empty",
+    validate_fraction: "a number from 0 to 1",
+    validate_socket_path: f"a path of at most {MAX_SOCKET_PATH} bytes once absolute, or empty",
 }
 
 
@@ -230,6 +286,11 @@ class Settings:
         "GPU_MEMORY_LIMIT_MB", validate_non_neg_int, 0,
         "GPU memory per worker process; 0: grow as needed. Workers × limit must fit the card.",
         section="TensorFlow")
+    gpu_memory_fraction: float = _env(
+        "GPU_MEMORY_FRACTION", validate_fraction, 0.0,
+        "TF Serving's `--per_process_gpu_memory_fraction`: GPU memory per worker process as a fraction of each "
+        "GPU's total (from the CUDA driver); 0: grow as needed. Not with `GPU_MEMORY_LIMIT_MB`.",
+        section="TensorFlow")
     log_level: str = _env("LOG_LEVEL", validate_log_level, "INFO", "Logging level of the app and Gunicorn.",
                           section="Logs and probes")
     log_format: str = _env(
@@ -240,12 +301,26 @@ class Settings:
     access_log_probes: bool = _env(
         "ACCESS_LOG_PROBES", validate_bool, False,
         "true: `/healthz`, `/readyz` and `/metrics` are access-logged too.", section="Logs and probes")
+    metrics_path: str = _env(
+        "METRICS_PATH", validate_metrics_path, "",
+        "A second path serving what `/metrics` serves, as TF Serving's `--monitoring_config_file` asks "
+        "(`/monitoring/prometheus/metrics`); empty: `/metrics` only.", section="Logs and probes")
     readyz_detail: bool = _env(
         "READYZ_DETAIL", validate_bool, False,
         "true: `/readyz` also shows model sources and the worker's pid.", section="Logs and probes")
     grpc_bind: str = _env(
         "GRPC_BIND", validate_optional_text, "0.0.0.0:8500",
         "Address of TensorFlow Serving's gRPC API in every worker; empty: no gRPC.", section="gRPC")
+    grpc_socket_path: str = _env(
+        "GRPC_SOCKET_PATH", validate_socket_path, "",
+        "TF Serving's `--grpc_socket_path`: gRPC also on this Unix socket, served by one worker at a time, "
+        "another taking over when it stops ([TF Serving](tf-serving.md#grpc-on-a-unix-socket)); empty: none.",
+        section="gRPC")
+    grpc_channel_arguments: tuple[tuple[str, int | str], ...] = _env(
+        "GRPC_CHANNEL_ARGUMENTS", validate_grpc_channel_arguments, (),
+        "TF Serving's `--grpc_channel_arguments` (`grpc.max_connection_age_ms=2000,...`), passed to every "
+        "worker's gRPC server; an argument named here replaces the server's own value for it, so that it takes "
+        "effect as in TF Serving ([TF Serving](tf-serving.md#grpc-channel-arguments)).", section="gRPC")
     grpc_max_connections: int = _env(
         "GRPC_MAX_CONNECTIONS", validate_non_neg_int, 0,
         "Open gRPC connections per worker; beyond, new ones are closed at once. 0: a quarter of the "
@@ -299,6 +374,12 @@ class Settings:
         "GRPC_TENSOR_CONTENT", validate_bool, False,
         "true: gRPC Predict writes numeric outputs as raw `tensor_content` bytes instead of the typed fields "
         "(`float_val`, ...), as TF Serving's `--enable_serialization_as_tensor_content` does.", section="gRPC")
+
+    def __post_init__(self) -> None:
+        if self.gpu_memory_limit_mb and self.gpu_memory_fraction:
+            raise SettingsError(
+                f"GPU_MEMORY_LIMIT_MB={self.gpu_memory_limit_mb} and GPU_MEMORY_FRACTION={self.gpu_memory_fraction:g} "
+                "both cap GPU memory: set one of them")
 
     @property
     def tracing_on(self) -> bool:

@@ -12,12 +12,13 @@ Each flag is one of three kinds:
 - accepted: it is allowed and changes nothing here, because what it tunes does not exist
   here (`--num_load_threads`) or is already what this server does;
 - refused: a feature this server lacks, asked for with a value other than TF Serving's
-  default (`--grpc_socket_path=/tmp/s`, `--ssl_config_file=...`). An unknown flag is refused
+  default (`--platform_config_file=...`, `--use_alts_credentials`). An unknown flag is refused
   too. Either stops start-up with a message naming the flag.
 
-The ModelServerConfig (`--model_config_file`) and BatchingParameters
-(`--batching_parameters_file`) text formats are parsed with protobuf's text_format into
-their messages, then written as our JSON model config and batching settings.
+The ModelServerConfig (`--model_config_file`), BatchingParameters
+(`--batching_parameters_file`) and MonitoringConfig (`--monitoring_config_file`) text formats
+are parsed with protobuf's text_format into their messages, then written as our JSON model
+config, batching settings and METRICS_PATH.
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from app.settings import allowed, validate_grpc_channel_arguments, validate_metrics_path, validate_socket_path
+
 MAPPED, ACCEPTED, REFUSED = "mapped", "accepted", "refused"
 # TF Serving's REST port in its Docker image and docs; this server always answers HTTP.
 DEFAULT_REST_PORT = 8501
 # max_enqueued_batches x max_batch_size can reach millions of rows (TF Serving's own test file
 # asks for 128 million); the queue also sets the threads each Gunicorn worker starts, so it is capped.
 MAX_QUEUE_ROWS_CAP = 1024
+# PrometheusExporter::kPrometheusPath: where an enabled prometheus_config without a path serves.
+PROMETHEUS_PATH = "/monitoring/prometheus/metrics"
 
 
 class FlagError(ValueError):
@@ -104,11 +109,16 @@ def _flags() -> dict[str, Flag]:
         ("enable_serialization_as_tensor_content", _bool, False, MAPPED, "GRPC_TENSOR_CONTENT"),
         ("model_config_file_poll_wait_seconds", _int, 0, MAPPED,
          "MODEL_CONFIG_POLL_SECONDS; above 0, MODEL_CONFIG is the file itself, read again at each poll"),
-        ("grpc_socket_path", _text, "", REFUSED, "no gRPC on a Unix socket"),
-        ("grpc_channel_arguments", _text, "", REFUSED, "no gRPC channel arguments"),
+        ("grpc_socket_path", _text, "", MAPPED,
+         "GRPC_SOCKET_PATH (made absolute): gRPC also on this Unix socket, from one worker at a time"),
+        ("grpc_channel_arguments", _text, "", MAPPED,
+         "GRPC_CHANNEL_ARGUMENTS: passed to every worker's gRPC server, replacing its own values"),
         ("ssl_config_file", _text, "", MAPPED, "GRPC_SSL_CONFIG_FILE: TLS for gRPC from TF Serving's SSLConfig"),
-        ("monitoring_config_file", _text, "", REFUSED, "metrics are at /metrics"),
-        ("per_process_gpu_memory_fraction", _float, 0.0, REFUSED, "use GPU_MEMORY_LIMIT_MB"),
+        ("monitoring_config_file", _text, "", MAPPED,
+         f"METRICS_PATH: prometheus_config's path (`{PROMETHEUS_PATH}` when unset) if enabled; "
+         "/metrics serves them too"),
+        ("per_process_gpu_memory_fraction", _float, 0.0, MAPPED,
+         "GPU_MEMORY_FRACTION, 0 to 1 (above 1, TF Serving's unified memory, is refused)"),
         ("rest_api_enable_cors_support", _bool, False, REFUSED, "no CORS headers"),
         ("platform_config_file", _text, "", REFUSED, "TensorFlow SavedModels only"),
         ("prefer_tflite_model", _bool, False, REFUSED, "no TensorFlow Lite"),
@@ -162,8 +172,25 @@ def parse_flags(argv: Sequence[str]) -> dict[str, Any]:
             raise FlagError(f"--{name}={text} is not supported by this server ({flag.help})")
         if name == "saved_model_tags" and value not in ("", "serve"):
             raise FlagError(f"--saved_model_tags={text}: only the 'serve' MetaGraph is loaded here")
+        _check(name, text, value)
         values[name] = value
     return values
+
+
+def _check(name: str, text: str, value: Any) -> None:
+    """What a mapped flag's setting would refuse at start, refused now with the flag's name."""
+    if name == "per_process_gpu_memory_fraction" and not 0 <= value <= 1:
+        raise FlagError(f"--{name}={text}: must be from 0 to 1 here; above 1 (unified memory) is not supported")
+    if name == "grpc_channel_arguments":
+        try:
+            validate_grpc_channel_arguments(value)
+        except ValueError:
+            raise FlagError(f"--{name}={text}: expected {allowed(validate_grpc_channel_arguments)}") from None
+    if name == "grpc_socket_path":
+        try:
+            validate_socket_path(value)
+        except ValueError:
+            raise FlagError(f"--{name}={text}: expected {allowed(validate_socket_path)}") from None
 
 
 def model_config_json(text: str) -> dict[str, Any]:
@@ -284,6 +311,45 @@ def batching_settings(text: str) -> dict[str, str]:
     return settings
 
 
+# MonitoringConfig (config/monitoring_config.proto) is not in the tensorflow-serving-api package
+# either: declared here with its field numbers, in a pool of its own, to parse the text.
+def _monitoring_config() -> Any:
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    file = descriptor_pb2.FileDescriptorProto(name="tensorflow_serving/config/monitoring_config.proto",
+                                              package="tensorflow.serving", syntax="proto3")
+    kinds = descriptor_pb2.FieldDescriptorProto
+    prometheus = file.message_type.add(name="PrometheusConfig")
+    prometheus.field.add(name="enable", number=1, type=kinds.TYPE_BOOL, label=kinds.LABEL_OPTIONAL)
+    prometheus.field.add(name="path", number=2, type=kinds.TYPE_STRING, label=kinds.LABEL_OPTIONAL)
+    file.message_type.add(name="MonitoringConfig").field.add(
+        name="prometheus_config", number=1, type=kinds.TYPE_MESSAGE, label=kinds.LABEL_OPTIONAL,
+        type_name=".tensorflow.serving.PrometheusConfig")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tensorflow.serving.MonitoringConfig"))()
+
+
+def metrics_path(text: str) -> str:
+    """A MonitoringConfig in text format, as METRICS_PATH: empty unless prometheus_config is enabled,
+    then its path, or TF Serving's own when it names none (model_servers/http_server.cc)."""
+    from google.protobuf import text_format
+
+    config = _monitoring_config()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as exc:
+        raise FlagError(f"Error parsing text-format tensorflow.serving.MonitoringConfig: {exc}") from None
+    if not config.prometheus_config.enable:
+        return ""
+    path = config.prometheus_config.path or PROMETHEUS_PATH
+    try:
+        return validate_metrics_path(path)
+    except ValueError:
+        raise FlagError(f"--monitoring_config_file: prometheus_config path {path!r}: expected "
+                        f"{allowed(validate_metrics_path)}") from None
+
+
 def environment(values: Mapping[str, Any], *, read: Callable[[str], str], config_dir: str,
                 host: str = "0.0.0.0") -> dict[str, str]:
     """The settings (environment variables) the parsed flags map to. `read` reads a config
@@ -304,6 +370,17 @@ def environment(values: Mapping[str, Any], *, read: Callable[[str], str], config
         env["GRPC_TENSOR_CONTENT"] = "true"
     if value("ssl_config_file"):
         env["GRPC_SSL_CONFIG_FILE"] = os.path.abspath(value("ssl_config_file"))
+    if value("grpc_socket_path"):
+        # Relative to where the command ran, as TF Serving's; Gunicorn runs from the repository.
+        env["GRPC_SOCKET_PATH"] = os.path.abspath(value("grpc_socket_path"))
+    if value("grpc_channel_arguments"):
+        env["GRPC_CHANNEL_ARGUMENTS"] = value("grpc_channel_arguments")
+    if value("per_process_gpu_memory_fraction"):
+        env["GPU_MEMORY_FRACTION"] = repr(value("per_process_gpu_memory_fraction"))
+    if value("monitoring_config_file"):
+        path = metrics_path(_read(read, value("monitoring_config_file"), "monitoring_config_file"))
+        if path:
+            env["METRICS_PATH"] = path
     for flag, setting in (("enable_model_warmup", "ENABLE_MODEL_WARMUP"),
                           ("enable_signature_method_name_check", "ENABLE_SIGNATURE_METHOD_NAME_CHECK")):
         if flag in values:

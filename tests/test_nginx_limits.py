@@ -1,7 +1,7 @@
 """deploy/nginx/nginx.conf's own limits, in a real nginx in front of a live Gunicorn (as tests/test_nginx.py runs it).
 
-Per-address connection limit, the header timeout, and /metrics and /readyz kept off the public
-location. The limited client connects from 127.0.0.2 (all of 127.0.0.0/8 is loopback on Linux):
+Per-address connection limit, the header timeout, and /metrics (with METRICS_PATH's copy) and
+/readyz kept off the public location. The limited client connects from 127.0.0.2 (all of 127.0.0.0/8 is loopback on Linux):
 the config leaves 127.0.0.1, the pod's own processes, unlimited.
 """
 
@@ -18,6 +18,7 @@ from scripts.slow_clients import Nginx
 from tests.conftest import REPO, Server, integer_rows
 
 PER_CLIENT = 64
+METRICS_PATH = "/monitoring/prometheus/metrics"  # TF Serving's, from its monitoring config
 SOCKET_TIMEOUT_S = 30
 
 
@@ -28,7 +29,8 @@ def nginx_installed() -> None:
 
 @pytest.fixture(scope="module")
 def gunicorn(tmp_path_factory, exact_model_path):
-    server = Server(tmp_path_factory.mktemp("nginx-limits-upstream"), {"MODEL_PATH": str(exact_model_path)})
+    server = Server(tmp_path_factory.mktemp("nginx-limits-upstream"), {"MODEL_PATH": str(exact_model_path),
+                                                                       "METRICS_PATH": METRICS_PATH})
     yield server.start()
     server.stop()
 
@@ -61,7 +63,7 @@ def test_the_shipped_limits_are_what_the_docs_say():
     assert "client_header_timeout 5s;" in text and "client_body_timeout 5s;" in text
 
 
-@pytest.mark.parametrize("path", ["/metrics", "/readyz"])
+@pytest.mark.parametrize("path", ["/metrics", METRICS_PATH, "/readyz"])
 def test_metrics_and_readiness_are_not_public(nginx, gunicorn, path):
     answer = requests.get(nginx.url + path, timeout=10)
     assert answer.status_code == 404

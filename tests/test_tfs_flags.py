@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -61,8 +62,15 @@ def test_flags_take_tensorflows_forms():
 
 @pytest.mark.parametrize("argv, message", [
     (["--no_such_flag=1"], "unknown flag --no_such_flag"),
-    (["--grpc_socket_path=/tmp/grpc.sock"], "--grpc_socket_path=/tmp/grpc.sock is not supported"),
-    (["--monitoring_config_file=/m.txt"], "--monitoring_config_file=/m.txt is not supported"),
+    (["--platform_config_file=/p.config"], "--platform_config_file=/p.config is not supported"),
+    (["--rest_api_enable_cors_support"], "--rest_api_enable_cors_support=true is not supported"),
+    (["--per_process_gpu_memory_fraction=1.5"], "above 1 (unified memory) is not supported"),
+    (["--per_process_gpu_memory_fraction=-0.1"], "must be from 0 to 1 here"),
+    (["--grpc_channel_arguments=grpc.max_connection_age_ms"], "--grpc_channel_arguments=grpc.max_connection_age_ms: "
+                                                              "expected TF Serving's `key=value,key=value`"),
+    (["--grpc_channel_arguments=a=1,,b=2"], "--grpc_channel_arguments=a=1,,b=2: expected"),
+    (["--grpc_channel_arguments=grpc.so_reuseport=0"], "not `grpc.so_reuseport` other than 1"),
+    ([f"--grpc_socket_path=/{'s' * 97}"], "expected a path of at most 97 bytes once absolute"),
     (["--port=http"], "--port=http: invalid literal"),
     (["--model_name"], "--model_name needs a value"),
     (["--enable_batching=maybe"], "--enable_batching=maybe: expected true or false"),
@@ -70,7 +78,7 @@ def test_flags_take_tensorflows_forms():
     (["model"], "takes only --flag=value"),
 ])
 def test_unknown_unsupported_and_malformed_flags_stop_with_a_message_naming_them(argv, message):
-    with pytest.raises(FlagError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(FlagError, match=re.escape(message)):
         parse_flags(argv)
 
 
@@ -80,6 +88,54 @@ def test_tf_servings_defaults_for_refused_features_are_accepted():
                         "--enable_serialization_as_tensor_content=false"]) == {
         "grpc_socket_path": "", "enable_profiler": True, "model_config_file_poll_wait_seconds": 0,
         "enable_serialization_as_tensor_content": False}
+
+
+# TF Serving's testdata/monitoring_config.txt, as written.
+TF_SERVING_MONITORING = 'prometheus_config: {\n  enable: true,\n  path: "/monitoring/prometheus/metrics"\n}\n'
+
+
+@pytest.mark.parametrize("text, path", [
+    (TF_SERVING_MONITORING, "/monitoring/prometheus/metrics"),
+    ('prometheus_config { enable: true path: "/tfs/metrics" }', "/tfs/metrics"),
+    # No path: PrometheusExporter::kPrometheusPath, as http_server.cc chooses.
+    ("prometheus_config { enable: true }", "/monitoring/prometheus/metrics"),
+])
+def test_an_enabled_monitoring_config_sets_the_metrics_path(text, path):
+    env = env_for(["--model_base_path=/m", "--monitoring_config_file=/mon.txt"], {"/mon.txt": text})
+    assert env["METRICS_PATH"] == path
+
+
+@pytest.mark.parametrize("text", ["", 'prometheus_config { enable: false path: "/tfs/metrics" }'])
+def test_a_monitoring_config_not_enabled_adds_no_path(text):
+    assert "METRICS_PATH" not in env_for(["--model_base_path=/m", "--monitoring_config_file=/mon.txt"],
+                                         {"/mon.txt": text})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("prometheus_config { enabled: true }", "Error parsing text-format tensorflow.serving.MonitoringConfig: "),
+    ('prometheus_config { enable: true path: "metrics" }', "prometheus_config path 'metrics': expected a URL path"),
+])
+def test_a_bad_monitoring_config_is_refused(text, message):
+    with pytest.raises(FlagError, match=re.escape(message)):
+        env_for(["--model_base_path=/m", "--monitoring_config_file=/mon.txt"], {"/mon.txt": text})
+
+
+def test_socket_path_channel_arguments_and_gpu_fraction_map_to_their_settings(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    env = env_for(["--model_base_path=/m", "--port=0", "--grpc_socket_path=tfs.sock",
+                   "--grpc_channel_arguments=grpc.max_connection_age_ms=2000,grpc.lb_policy_name=grpclb",
+                   "--per_process_gpu_memory_fraction=0.25"])
+    assert {key: env[key] for key in ("GRPC_BIND", "GRPC_SOCKET_PATH", "GRPC_CHANNEL_ARGUMENTS",
+                                      "GPU_MEMORY_FRACTION")} == {
+        "GRPC_BIND": "", "GRPC_SOCKET_PATH": str(tmp_path / "tfs.sock"),
+        "GRPC_CHANNEL_ARGUMENTS": "grpc.max_connection_age_ms=2000,grpc.lb_policy_name=grpclb",
+        "GPU_MEMORY_FRACTION": "0.25"}
+
+
+def test_tf_servings_defaults_of_the_new_flags_set_nothing():
+    env = env_for(["--model_base_path=/m", "--grpc_socket_path=", "--grpc_channel_arguments=",
+                   "--per_process_gpu_memory_fraction=0", "--monitoring_config_file="])
+    assert not {"GRPC_SOCKET_PATH", "GRPC_CHANNEL_ARGUMENTS", "GPU_MEMORY_FRACTION", "METRICS_PATH"} & set(env)
 
 
 def test_a_model_server_config_becomes_our_json_model_config(tmp_path):

@@ -35,7 +35,6 @@ from tensorflow_serving.apis import (
     regression_pb2,
 )
 
-from app.tfs_flags import FLAGS, REFUSED
 from scripts.live_server import REPO, LiveServer, free_port
 from tests.tfs_models import (
     HALF_PLUS_TWO_SIGNATURES,
@@ -77,15 +76,10 @@ class ModelServer(LiveServer):
         return [sys.executable, "-m", "app.tfs_flags", *self.run_server_flags(), *self.flags]
 
     def run_server_flags(self) -> list[str]:
-        """The flags RunServer passes to every server. It also passes --grpc_socket_path and
-        --grpc_channel_arguments=grpc.so_reuseaddr=1, which are given here once this server takes them."""
-        flags = [f"--port={self.grpc_port}", f"--rest_api_port={self.port}",
-                 f"--rest_api_timeout_in_ms={HTTP_REST_TIMEOUT_MS}"]
-        if FLAGS["grpc_socket_path"].kind != REFUSED:
-            flags.append(f"--grpc_socket_path={self.socket_path}")
-        if FLAGS["grpc_channel_arguments"].kind != REFUSED:
-            flags.append("--grpc_channel_arguments=grpc.so_reuseaddr=1")
-        return flags
+        """The flags RunServer passes to every server."""
+        return [f"--port={self.grpc_port}", f"--rest_api_port={self.port}",
+                f"--rest_api_timeout_in_ms={HTTP_REST_TIMEOUT_MS}",
+                f"--grpc_socket_path={self.socket_path}", "--grpc_channel_arguments=grpc.so_reuseaddr=1"]
 
 
 class Servers:
