@@ -108,6 +108,7 @@ class RawH2:
         self.conn.initiate_connection()
         self.flush()
         self.events: list[h2.events.Event] = []
+        self.pending = b""
 
     def flush(self) -> None:
         if data := self.conn.data_to_send():
@@ -128,7 +129,7 @@ class RawH2:
             self.sock.settimeout(max(0.01, deadline - time.monotonic()))
             try:
                 data = self.sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 raise TimeoutError(f"not done within {within_s} s; events {self.events[-5:]}") from None
             except ConnectionResetError:
                 return False
@@ -138,10 +139,16 @@ class RawH2:
         return True
 
     def receive(self, data: bytes) -> None:
-        # After a GOAWAY h2's connection is closed: frames still in flight are of no interest.
-        if goaway(self.events) is None:
-            self.events.extend(self.conn.receive_data(data))
-            self.flush()
+        """Hand h2 one whole frame at a time, none after a GOAWAY: h2's connection is closed
+        then, and frames still in flight behind it would raise."""
+        self.pending += data
+        while len(self.pending) >= 9 and goaway(self.events) is None:
+            size = 9 + int.from_bytes(self.pending[:3], "big")
+            if len(self.pending) < size:
+                break
+            frame, self.pending = self.pending[:size], self.pending[size:]
+            self.events.extend(self.conn.receive_data(frame))
+        self.flush()
 
     def read_ready(self) -> None:
         """Whatever frames have arrived, without waiting for more."""
@@ -242,8 +249,8 @@ def test_one_address_holds_at_most_its_calls_and_others_are_served(tmp_path_fact
             streams = {client.headers_only() for _ in range(STREAMS_PER_CONNECTION)}
             client.flush()
             # nginx opens a stream's window once it has taken the call in (and counted it).
-            client.read_until(lambda events: streams <= {e.stream_id for e in events
-                                                         if isinstance(e, h2.events.WindowUpdated)})
+            client.read_until(lambda events, streams=streams: streams <= {
+                e.stream_id for e in events if isinstance(e, h2.events.WindowUpdated)})
         # The next call from that address, a whole one, is refused by nginx as a gRPC status.
         extra = RawH2(front.grpc_port, "127.0.0.2")
         stream = extra.headers_only(HEALTH)
@@ -291,24 +298,45 @@ def test_rapid_resets_get_a_goaway_after_keepalive_requests_streams(nginx, exact
     client = RawH2(nginx.grpc_port)
     opened = 0
     try:
-        # HEADERS then RST_STREAM, over and over (CVE-2023-44487), in bursts of 50, until the
-        # GOAWAY; bounded at three times the streams nginx should allow.
+        # HEADERS then RST_STREAM, over and over (CVE-2023-44487), 10 streams a burst; a PING
+        # after each, and its ACK awaited, so that nginx reads one burst at a time (fewer new
+        # streams in one read than its per-read limit, which the next test meets).
         while goaway(client.events) is None and opened < 3 * STREAMS_BEFORE_GOAWAY:
-            for _ in range(50):
-                stream = client.headers_only()
-                client.conn.reset_stream(stream, h2.errors.ErrorCodes.CANCEL)
-                opened += 1
+            reset_streams(client, 10)
+            opened += 10
+            mark = opened.to_bytes(8, "big")
+            client.conn.ping(mark)
             client.flush()
-            client.read_ready()
-        client.read_until(goaway)
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # nginx closed after its GOAWAY, while this client was still writing
+            client.read_until(lambda events, mark=mark: goaway(events) or any(
+                isinstance(e, h2.events.PingAckReceived) and e.ping_data == mark for e in events))
     finally:
         client.close()
     terminated = goaway(client.events)
     assert terminated is not None, f"no GOAWAY after {opened} streams"
     assert terminated.error_code == h2.errors.ErrorCodes.NO_ERROR
-    # Client streams are odd: the 1,000th is 1,999; nothing later was taken.
-    assert terminated.last_stream_id <= 2 * STREAMS_BEFORE_GOAWAY - 1
+    # Client streams are odd: the 1,000th is 1,999, and nginx took none after it.
+    assert (opened, terminated.last_stream_id) == (STREAMS_BEFORE_GOAWAY, 2 * STREAMS_BEFORE_GOAWAY - 1)
     rows = integer_rows(2, seed=53)
     assert predict(nginx.grpc_target, rows) == exact_model(rows).numpy().tolist()
+
+
+def test_a_burst_of_resets_in_one_read_gets_a_goaway_at_once(nginx, same_worker):
+    # Debian's CVE-2023-44487 fix in nginx 1.22.1 (as nginx 1.25.3's): more than twice
+    # http2_max_concurrent_streams new streams in one read are refused, and a connection with
+    # more than 100 refused streams is sent away. 200 resets in one write meet both.
+    client = RawH2(nginx.grpc_port)
+    try:
+        reset_streams(client, 200)
+        client.flush()
+        client.read_until(goaway)
+    finally:
+        client.close()
+    terminated = goaway(client.events)
+    assert terminated.error_code == h2.errors.ErrorCodes.NO_ERROR
+    assert terminated.last_stream_id < 2 * 200 - 1
+    assert health(nginx.grpc_target) == health_pb2.HealthCheckResponse.SERVING
+
+
+def reset_streams(client: RawH2, count: int) -> None:
+    for _ in range(count):
+        client.conn.reset_stream(client.headers_only(), h2.errors.ErrorCodes.CANCEL)
