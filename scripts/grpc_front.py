@@ -1,14 +1,16 @@
 """gRPC straight to the workers and through nginx's gRPC front, in one run: load, then rapid resets.
 
-    python scripts/grpc_front.py                                   # about 3 minutes
-    python scripts/grpc_front.py --duration 10 --users 1,8 --resets 50000
+    python scripts/grpc_front.py                                   # about 6 minutes
+    python scripts/grpc_front.py --duration 10 --users 1,8 --rounds 1 --resets 50000
 
 One Gunicorn (the built-in default model, its `default` benchmark configuration: 1 worker,
 the server's defaults) and one nginx running deploy/nginx/nginx.conf with its ports swapped
 for free loopback ones (as the tests run it), both measured in the same run:
 1. load: Locust's gRPC user (locustfile.py, LOCUST_PROTOCOL=grpc, one-row Predict calls) in a
-   closed loop at each --users count, first straight to the workers' gRPC port, then through
-   nginx; req/s, p50, p99, failures, and the CPU of the server and of nginx per call;
+   closed loop at each --users count, straight to the workers' gRPC port and through nginx,
+   --rounds times, the order swapped each round so that neither path always runs first on a
+   machine whose load drifts; req/s, p50, p99, failures, and the CPU of the server and of
+   nginx per call;
 2. rapid reset (CVE-2023-44487): --resets HEADERS + RST_STREAM pairs written as fast as one
    client can, in bursts of 100, first straight to the workers, then through nginx. A
    connection the peer ends (GOAWAY or close) is opened again until every pair is sent, as an
@@ -167,11 +169,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=int, default=20, help="seconds per load point")
     parser.add_argument("--users", default="1,8", help="closed-loop Locust users, comma-separated")
+    parser.add_argument("--rounds", type=int, default=2, help="load rounds, each path once a round")
     parser.add_argument("--resets", type=int, default=50000, help="HEADERS + RST_STREAM pairs per target")
     args = parser.parse_args()
     users = [int(count) for count in args.users.split(",")]
     with tempfile.TemporaryDirectory(prefix="grpc-front-") as temp:
         work_dir = Path(temp)
+        for order in range(args.rounds):
+            (work_dir / f"round-{order}").mkdir()
         server = Server(CONFIGS_BY_NAME[REFERENCE], model_path=None, log_path=work_dir / "gunicorn.log").start()
         try:
             front = Nginx(work_dir / "nginx", upstream_port=server.port,
@@ -181,10 +186,13 @@ def main() -> None:
                 load = ["| path | users | req/s | p50 ms | p99 ms | failures | server CPU ms/call | "
                         "nginx CPU ms/call | Locust CPU |", "|---|---|---|---|---|---|---|---|---|"]
                 for count in users:
-                    for label, target in targets.items():
-                        load.append(load_row(label, target, count, duration_s=args.duration, work_dir=work_dir,
-                                             server=server, front=front))
-                        print(load[-1], flush=True)
+                    for order in range(args.rounds):
+                        paths = list(targets.items())[::-1 if order % 2 else 1]
+                        for label, target in paths:
+                            load.append(load_row(label, target, count, duration_s=args.duration,
+                                                 work_dir=work_dir / f"round-{order}", server=server,
+                                                 front=front))
+                            print(load[-1], flush=True)
                 resets = ["| path | pairs sent | seconds to send | connections | how they ended | "
                           "server CPU s | nginx CPU s |", "|---|---|---|---|---|---|---|"]
                 for label, target in targets.items():
