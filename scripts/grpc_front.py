@@ -12,7 +12,8 @@ for free loopback ones (as the tests run it), both measured in the same run:
    machine whose load drifts; req/s, p50, p99, failures, and the CPU of the server and of
    nginx per call;
 2. rapid reset (CVE-2023-44487): --resets HEADERS + RST_STREAM pairs written as fast as one
-   client can, in bursts of 100, first straight to the workers, then through nginx. A
+   client can, in bursts of 100, from 127.0.0.2 (an address nginx limits: it leaves 127.0.0.1
+   alone), first straight to the workers, then through nginx. A
    connection the peer ends (GOAWAY or close) is opened again until every pair is sent, as an
    attacker would; the table says how many connections that took, what ended them, and the
    CPU the server and nginx spent until the server was quiet again.
@@ -43,6 +44,8 @@ from scripts.benchmark.server import Server  # noqa: E402
 from scripts.slow_clients import Nginx  # noqa: E402
 
 BURST = 100
+# The attacker's address: all of 127.0.0.0/8 is loopback on Linux, and nginx.conf exempts only 127.0.0.1.
+ATTACKER = "127.0.0.2"
 PREDICT = "/tensorflow.serving.PredictionService/Predict"
 
 
@@ -99,7 +102,7 @@ class Resetter:
             self._one_connection(total)
 
     def _one_connection(self, total: int) -> None:
-        sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=10, source_address=(ATTACKER, 0))
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
         conn.initiate_connection()
         self.connections += 1

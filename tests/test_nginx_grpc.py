@@ -236,6 +236,22 @@ def test_upstream_down_is_unavailable(tmp_path, gunicorn):
     assert caught.value.details() == "the model server is not answering; retry later"
 
 
+def test_metadata_past_16_kib_is_refused_by_nginx_and_less_passes(nginx):
+    # Two 9,000-byte values: each field fits a 16 KiB buffer, the header list does not. nginx
+    # ends the connection (GOAWAY ENHANCE_YOUR_CALM): the client sees UNAVAILABLE, where the
+    # worker itself would answer RESOURCE_EXHAUSTED.
+    with grpc.insecure_channel(nginx.grpc_target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=10, metadata=[("x-a", "a" * 9000), ("x-b", "b" * 9000)])
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "GOAWAY" in caught.value.details()
+    with grpc.insecure_channel(nginx.grpc_target) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10,
+                                                            metadata=[("x-a", "a" * 7000), ("x-b", "b" * 7000)])
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
 # ---------------------------------------------------------------------------- hostile clients
 
 
