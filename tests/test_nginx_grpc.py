@@ -304,7 +304,7 @@ def test_an_idle_connection_gets_a_goaway(nginx, same_worker):
     client = RawH2(nginx.grpc_port, "127.0.0.2")
     try:
         # The preface and SETTINGS, then nothing: nginx sends GOAWAY and closes.
-        client.read_until(goaway)
+        assert client.read_until(goaway), f"closed without a GOAWAY; events {client.events}"
         assert goaway(client.events).error_code == h2.errors.ErrorCodes.NO_ERROR
     finally:
         client.close()
@@ -348,6 +348,7 @@ def test_a_burst_of_resets_in_one_read_gets_a_goaway_at_once(nginx, same_worker)
     finally:
         client.close()
     terminated = goaway(client.events)
+    assert terminated is not None, f"no GOAWAY; events {client.events[-5:]}"
     assert terminated.error_code == h2.errors.ErrorCodes.NO_ERROR
     assert terminated.last_stream_id < 2 * 200 - 1
     assert health(nginx.grpc_target) == health_pb2.HealthCheckResponse.SERVING
