@@ -38,6 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 NGINX_CONF = REPO / "deploy" / "nginx" / "nginx.conf"
 # The slow clients' pace: one byte per connection per interval.
 TRICKLE_INTERVAL_S = 1.0
+# The workers' gRPC port behind nginx's gRPC front (GRPC_BIND in compose and Kubernetes).
+GRPC_UPSTREAM_PORT = 8510
 
 
 def free_port() -> int:
@@ -59,15 +61,20 @@ def raise_fd_limit(needed: int) -> int:
 
 
 def render_nginx_conf(*, listen_port: int, upstream_port: int, temp_dir: Path, text: str | None = None,
-                      overrides: dict[str, str] | None = None) -> str:
+                      overrides: dict[str, str] | None = None, grpc_listen_port: int | None = None,
+                      grpc_upstream_port: int = GRPC_UPSTREAM_PORT) -> str:
     """The shipped config on loopback ports, its /tmp paths inside temp_dir.
 
-    `overrides` replaces the value of a directive (e.g. {"proxy_read_timeout": "1s"}).
+    The gRPC front listens on `grpc_listen_port` (a free port if None) and passes to
+    `grpc_upstream_port`. `overrides` replaces the value of a directive wherever it appears
+    (e.g. {"proxy_read_timeout": "1s"}).
     """
     text = NGINX_CONF.read_text() if text is None else text
     replacements = {
         r"listen 8080;": f"listen 127.0.0.1:{listen_port};",
         r"server 127\.0\.0\.1:8000;": f"server 127.0.0.1:{upstream_port};",
+        r"listen 8500 http2;": f"listen 127.0.0.1:{grpc_listen_port or free_port()} http2;",
+        rf"server 127\.0\.0\.1:{GRPC_UPSTREAM_PORT};": f"server 127.0.0.1:{grpc_upstream_port};",
         r"/tmp/": f"{temp_dir}/",
         r"access_log /dev/stdout model_server;": f"access_log {temp_dir}/access.log model_server;",
     }
@@ -83,14 +90,20 @@ def render_nginx_conf(*, listen_port: int, upstream_port: int, temp_dir: Path, t
 class Nginx:
     """A real nginx in the foreground (daemon off), as an unprivileged user may run it."""
 
-    def __init__(self, temp_dir: Path, *, upstream_port: int, overrides: dict[str, str] | None = None) -> None:
+    def __init__(self, temp_dir: Path, *, upstream_port: int, overrides: dict[str, str] | None = None,
+                 grpc_upstream_port: int = GRPC_UPSTREAM_PORT) -> None:
         self.temp_dir = temp_dir
         temp_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # The gRPC front's port: "127.0.0.1:port", as grpc.insecure_channel takes it.
+        self.grpc_port = free_port()
+        self.grpc_target = f"127.0.0.1:{self.grpc_port}"
         self.conf = temp_dir / "nginx.conf"
         self.conf.write_text(render_nginx_conf(listen_port=self.port, upstream_port=upstream_port,
-                                               temp_dir=temp_dir, overrides=overrides))
+                                               temp_dir=temp_dir, overrides=overrides,
+                                               grpc_listen_port=self.grpc_port,
+                                               grpc_upstream_port=grpc_upstream_port))
         self.proc: subprocess.Popen | None = None
 
     def command(self, *extra: str) -> list[str]:

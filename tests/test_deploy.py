@@ -135,6 +135,20 @@ def nginx_listen_port() -> int:
     return int(port)
 
 
+def nginx_grpc_listen_port() -> int:
+    """The port of nginx's gRPC front."""
+    [port] = re.findall(r"^\s*listen (\d+) http2;", (REPO / "deploy" / "nginx" / "nginx.conf").read_text(),
+                        re.MULTILINE)
+    return int(port)
+
+
+def nginx_grpc_upstream() -> str:
+    """host:port nginx's gRPC front passes to: the workers' GRPC_BIND where nginx is in front."""
+    [address] = re.findall(r"upstream model_server_grpc \{\s*server ([\d.]+:\d+);",
+                           (REPO / "deploy" / "nginx" / "nginx.conf").read_text())
+    return address
+
+
 def grpc_port() -> int:
     from app.settings import Settings
 
@@ -326,7 +340,10 @@ def test_probes_get_routes_of_the_app_on_the_gunicorn_port(name, get_routes, def
         assert http_get["path"] == path
         assert path in get_routes
         assert port_number(server, http_get["port"]) == default_port
-    assert [p["containerPort"] for p in server["ports"]] == [default_port, grpc_port()]
+    # gRPC is bound to the pod's loopback, where nginx's gRPC front passes calls: no container port.
+    assert [p["containerPort"] for p in server["ports"]] == [default_port]
+    assert env_of(server)["GRPC_BIND"] == nginx_grpc_upstream()
+    assert nginx_grpc_upstream().startswith("127.0.0.1:")
 
 
 @pytest.mark.parametrize("name", DEPLOYMENTS)
@@ -378,9 +395,11 @@ def test_service_hpa_and_pdb_select_the_deployment(name):
                                              "name": deployment["metadata"]["name"]}
     ports = {port["name"]: port for port in service["spec"]["ports"]}
     assert set(ports) == {"http", "grpc"}
-    # HTTP goes to the nginx sidecar, gRPC to Gunicorn's workers.
-    assert port_number(container(deployment, "nginx"), ports["http"]["targetPort"]) == nginx_listen_port()
-    assert port_number(container(deployment), ports["grpc"]["targetPort"]) == ports["grpc"]["port"] == grpc_port()
+    # HTTP and gRPC both go to the nginx sidecar; gRPC clients keep TF Serving's port.
+    nginx = container(deployment, "nginx")
+    assert port_number(nginx, ports["http"]["targetPort"]) == nginx_listen_port()
+    assert port_number(nginx, ports["grpc"]["targetPort"]) == ports["grpc"]["port"] == nginx_grpc_listen_port()
+    assert nginx_grpc_listen_port() == grpc_port()
 
 
 def test_scaling_guide_states_what_the_autoscalers_do():
@@ -441,8 +460,10 @@ def test_compose_services_build_the_dockerfile_targets(stages, default_port):
     assert set(services) == {"api", "nginx", "api-gpu", "locust", "prometheus", "grafana"}
     assert services["api"]["build"]["target"] == "cpu"
     assert services["api-gpu"]["build"]["target"] == "gpu"
-    # Gunicorn and gRPC on loopback only: nginx's 8080 is the public door (docs/reliability.md).
-    expected_ports = {f"127.0.0.1:8000:{default_port}", f"127.0.0.1:8500:{grpc_port()}", f"8080:{nginx_listen_port()}"}
+    # Gunicorn on loopback only: nginx's 8080 and gRPC front are the public doors (docs/reliability.md);
+    # the workers' gRPC is on the container's loopback, so it is not published at all.
+    expected_ports = {f"127.0.0.1:8000:{default_port}", f"{grpc_port()}:{nginx_grpc_listen_port()}",
+                      f"8080:{nginx_listen_port()}"}
     assert set(services["api"]["ports"]) == expected_ports
     assert services["locust"]["build"]["target"] == "loadtest"
     # Load goes through nginx, as clients' would.
@@ -467,7 +488,11 @@ def test_compose_passes_every_setting_with_the_servers_default(monkeypatch):
     for service in ("api", "api-gpu"):
         environment = config["services"][service]["environment"]
         assert sorted(environment) == sorted(name for name, _ in compose_settings()), service
-    environment = config["services"]["api"]["environment"]
+    # api's workers serve gRPC on loopback behind nginx's front; otherwise both get the same list.
+    api = dict(config["services"]["api"]["environment"])
+    assert api.pop("GRPC_BIND") == nginx_grpc_upstream()
+    environment = config["services"]["api-gpu"]["environment"]
+    assert api == {name: value for name, value in environment.items() if name != "GRPC_BIND"}
     # The container gets exactly the server's defaults: settings and gunicorn.conf.py read them so.
     for name, value in environment.items():
         monkeypatch.setenv(name, str(value))
@@ -627,7 +652,7 @@ def test_nginx_sidecar_runs_the_shipped_config(default_port):
     assert manifest("nginx-configmap.yaml")["data"]["nginx.conf"] == shipped
     assert {"mountPath": "/etc/nginx/nginx.conf", "subPath": "nginx.conf", "name": "nginx-conf",
             "readOnly": True} in nginx["volumeMounts"]
-    assert [p["containerPort"] for p in nginx["ports"]] == [nginx_listen_port()]
+    assert [p["containerPort"] for p in nginx["ports"]] == [nginx_listen_port(), nginx_grpc_listen_port()]
     # nginx reaches Gunicorn over the pod's loopback, at gunicorn.conf.py's port.
     assert f"server 127.0.0.1:{default_port};" in shipped
     assert nginx["securityContext"]["readOnlyRootFilesystem"] is True
