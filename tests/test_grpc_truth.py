@@ -164,7 +164,8 @@ class _Unserializable(grpc.GenericRpcHandler):
 
 def test_an_answer_that_cannot_be_serialized_is_logged_internal(caplog):
     metrics = Metrics(CollectorRegistry())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=[grpc_record.CallRecords(Requests(metrics))])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
+                         interceptors=[grpc_record.CallRecords(Requests(metrics))])
     server.add_generic_rpc_handlers((_Unserializable(),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
