@@ -29,11 +29,11 @@ from typing import Any
 
 import grpc
 
+from app.grpc_limits import HEALTH_PREFIX
 from app.logs import RequestRecord, accept_request_id
 from app.serving import Requests
 
 REQUEST_ID_KEY = "x-request-id"
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
 # A client's deadline and the server's are the same instant, give or take the time its headers
 # took to arrive; a call cancelled this close to its deadline was cancelled by it.
 DEADLINE_SLACK_S = 0.1
