@@ -38,12 +38,22 @@ REQUEST_ID_KEY = "x-request-id"
 # took to arrive; a call cancelled this close to its deadline was cancelled by it.
 DEADLINE_SLACK_S = 0.1
 
-_current: contextvars.ContextVar[RequestRecord] = contextvars.ContextVar("model_server_grpc_record")
+_current: contextvars.ContextVar[_Call] = contextvars.ContextVar("model_server_grpc_record")
 
 
 def current() -> RequestRecord:
     """The record of the call this thread serves (LookupError outside a recorded call)."""
-    return _current.get()
+    return _current.get().record
+
+
+def when_written(callback: Callable[[str], None]) -> bool:
+    """Call `callback` with the status of the call this thread serves once its record is
+    written (the tracing interceptor ends its span so); False outside a recorded call."""
+    call = _current.get(None)
+    if call is None:
+        return False
+    call.written.append(callback)
+    return True
 
 
 def cancelled(context: grpc.ServicerContext) -> bool:
@@ -59,7 +69,8 @@ def cancelled(context: grpc.ServicerContext) -> bool:
 class _Call:
     """One call's record, written by whichever of its handler and its end comes last."""
 
-    __slots__ = ("record", "_context", "_requests", "_route", "_lock", "_parts_left", "raised", "reply_failed")
+    __slots__ = ("record", "_context", "_requests", "_route", "_lock", "_parts_left", "raised", "reply_failed",
+                 "written")
 
     def __init__(self, requests: Requests, route: str) -> None:
         self._requests = requests
@@ -68,6 +79,7 @@ class _Call:
         self._parts_left = 2
         self.raised = False
         self.reply_failed = False
+        self.written: list[Callable[[str], None]] = []
 
     def start(self, context: grpc.ServicerContext) -> RequestRecord:
         """Open the record, on the call's own thread; echo the request id to the client."""
@@ -94,6 +106,8 @@ class _Call:
             last = self._parts_left == 0
         if last:
             self._requests.finish(self.record)
+            for callback in self.written:
+                callback(str(self.record.status))
 
     def _status(self) -> grpc.StatusCode:
         context = self._context
@@ -130,7 +144,8 @@ class CallRecords(grpc.ServerInterceptor):
 
 def _recorded(call: _Call, behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable:
     def recorded(argument: Any, context: grpc.ServicerContext) -> Any:
-        token = _current.set(call.start(context))
+        call.start(context)
+        token = _current.set(call)
         try:
             return behavior(argument, context)
         except BaseException:

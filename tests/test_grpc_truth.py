@@ -114,41 +114,38 @@ def test_a_call_whose_deadline_passed_while_its_rows_ran_is_logged_and_counted_d
     assert line_of(ledger, "late-mid-call")["status"] == "DEADLINE_EXCEEDED"
 
 
-def stalled_reader(target: str) -> tuple[socket.socket, h2.connection.H2Connection]:
-    """An HTTP/2 connection whose client grants the server no window: no answer's message can be sent."""
+def unread_predict(target: str, rows, *, timeout: str, headers: tuple = ()) -> dict[str, str]:
+    """A Predict whose client grants the server no flow-control window, so that no answer's
+    message can be sent: the trailers that end it (its deadline's, `timeout` as grpc-timeout)."""
     host, port = target.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=30)
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
     conn.local_settings = h2.settings.Settings(client=True,
                                                initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
     conn.initiate_connection()
-    return sock, conn
+    body = predict_request("default", rows).SerializeToString()
+    conn.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":path", PREDICT), (":authority", "x"),
+                          ("content-type", "application/grpc"), ("te", "trailers"), ("grpc-timeout", timeout),
+                          *headers])
+    conn.send_data(1, b"\x00" + struct.pack(">I", len(body)) + body, end_stream=True)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(conn.data_to_send())
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline, "no status within 30 s"
+            data = sock.recv(65536)
+            assert data, "closed by the server before a status"
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.TrailersReceived):
+                    return dict(event.headers)
+            sock.sendall(conn.data_to_send())
 
 
 def test_an_answer_still_unsent_at_the_deadline_is_logged_and_counted_deadline_exceeded(server):
     """The handler answers at once; the client reads nothing, so the answer waits in the
     server until the call's deadline ends it, and the client gets DEADLINE_EXCEEDED."""
     ledger = Ledger(server)
-    sock, conn = stalled_reader(server.grpc_target)
-    body = predict_request("default", integer_rows(2, seed=4)).SerializeToString()
-    conn.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":path", PREDICT), (":authority", "x"),
-                          ("content-type", "application/grpc"), ("te", "trailers"), ("grpc-timeout", "2S"),
-                          ("x-request-id", "never-read")])
-    conn.send_data(1, b"\x00" + struct.pack(">I", len(body)) + body, end_stream=True)
-    trailers: dict[str, str] = {}
-    try:
-        sock.sendall(conn.data_to_send())
-        deadline = time.monotonic() + 30
-        while not trailers:
-            assert time.monotonic() < deadline, "no status within 30 s"
-            data = sock.recv(65536)
-            assert data, "closed by the server before a status"
-            for event in conn.receive_data(data):
-                if isinstance(event, h2.events.TrailersReceived):
-                    trailers = dict(event.headers)
-            sock.sendall(conn.data_to_send())
-    finally:
-        sock.close()
+    trailers = unread_predict(server.grpc_target, integer_rows(2, seed=4), timeout="2S",
+                              headers=(("x-request-id", "never-read"),))
     assert trailers["grpc-status"] == str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
     ledger.settle(collections.Counter({(PREDICT, "DEADLINE_EXCEEDED"): 1}))
     assert line_of(ledger, "never-read")["status"] == "DEADLINE_EXCEEDED"
