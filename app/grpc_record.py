@@ -2,8 +2,8 @@
 
 A call's status is not settled when its handler returns: grpc-core can still fail to deliver
 the answer. The client cancels or its deadline passes while the reply is being made or sent,
-the connection drops, grpc-core refuses the server's own metadata; the client then gets
-CANCELLED, DEADLINE_EXCEEDED or INTERNAL, whatever the handler returned. So `CallRecords`,
+or the connection drops; the client then gets CANCELLED or DEADLINE_EXCEEDED, whatever the
+handler returned. So `CallRecords`,
 the server's first interceptor, opens the record as a call reaches its thread (before the
 limits' guard, so calls the guard refuses or cancels are recorded too) and writes it once
 both the handler has returned and grpc-core has reported the call's end
@@ -14,8 +14,11 @@ both the handler has returned and grpc-core has reported the call's end
 - else the status grpc-core sent: the handler's code (`context.abort`), INTERNAL when the
   answer could not be serialized, UNKNOWN when the handler raised without a code, else OK.
 
-What the client's own library refuses after it arrived (an answer over the client's message
-or metadata limit) never reaches the server; such a call is recorded with the status sent.
+What the server is not told: a call grpc-core ends itself (metadata over the server's
+limit, reply metadata it will not send) reaches it cancelled, and is recorded CANCELLED
+while its client got RESOURCE_EXHAUSTED or INTERNAL; what the client's own library refuses
+after the answer arrived (over the client's message or metadata limit) is recorded with the
+status sent.
 
 Health checks are not recorded: the probes' calls, as /healthz and /readyz over HTTP.
 """
