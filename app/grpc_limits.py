@@ -92,13 +92,14 @@ def channel_options(settings: Settings, *, threads: int, max_bytes: int) -> list
     return list({**dict(own), **dict(settings.grpc_channel_arguments)}.items())
 
 
-def build_server(settings: Settings, *, threads: int, max_bytes: int,
+def build_server(settings: Settings, *, threads: int, max_bytes: int, records: grpc.ServerInterceptor | None = None,
                  interceptors: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:
     """A worker's grpc.server with every limit above; services are added by the caller. The
-    limits' guard comes first, so that other `interceptors` (tracing) see only admitted calls."""
+    limits' guard comes after `records` (the call records, which see the calls it refuses)
+    and before other `interceptors` (tracing), which see only admitted calls."""
     calls = _CountingPool(max_workers=threads, thread_name_prefix="grpc")
     guard = _CallGuard(calls, max_calls=threads, receive_timeout_s=settings.grpc_receive_timeout_ms / 1000.0)
-    return grpc.server(calls, interceptors=[guard, *interceptors],
+    return grpc.server(calls, interceptors=[*([records] if records else []), guard, *interceptors],
                        options=channel_options(settings, threads=threads, max_bytes=max_bytes))
 
 

@@ -13,7 +13,7 @@ module only translates protos: a call goes through the request layer REST uses
 client's gRPC deadline, capped by REQUEST_TIMEOUT_MS) and errors, mapped to TensorFlow
 Serving's status codes in `STATUS_CODES`. Each call is counted in model_server_requests
 (route: the full method name, method: GRPC, status: the code's name) and written to the
-access log, like an HTTP request.
+access log, like an HTTP request, with the status its client got (app/grpc_record.py).
 
 On SIGTERM the server stops taking calls at once and lets every accepted one finish; the
 worker's exit waits for them before the batchers close.
@@ -46,9 +46,9 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import errors, grpc_limits, grpc_socket, metadata, tensor_proto, tfs_flags, tls, v2_grpc
+from app import errors, grpc_limits, grpc_record, grpc_socket, metadata, tensor_proto, tfs_flags, tls, v2_grpc
 from app.errors import SignatureNotFound
-from app.logs import RequestRecord, accept_request_id
+from app.logs import RequestRecord
 from app.models import LoadedModel, Signature
 from app.registry import Servable
 from app.serving import (
@@ -56,7 +56,6 @@ from app.serving import (
     Classes,
     ModelSpec,
     RequestLayer,
-    Requests,
     Task,
     braced,
     check_rows,
@@ -65,8 +64,6 @@ from app.serving import (
 )
 
 log = logging.getLogger(__name__)
-
-REQUEST_ID_KEY = "x-request-id"
 
 
 # The one map from the server's errors to gRPC status codes; the most specific class wins.
@@ -113,27 +110,21 @@ def model_spec(proto: Any) -> ModelSpec:
 
 
 class _Observed:
-    """Wraps each handler: the request record (metrics, access log), request id and status, once for all."""
+    """Wraps each handler: errors to gRPC status codes, once for all.
 
-    def __init__(self, requests: Requests) -> None:
-        self._requests = requests
+    The call's record (access line, metrics, request id) is app/grpc_record.py's: it is
+    written once the call ended, with the status its client got.
+    """
 
     def __call__(self, route: str, handler: Callable[[Any, RequestRecord, grpc.ServicerContext], Any]) -> Callable:
         def observed(request: Any, context: grpc.ServicerContext) -> Any:
-            request_id = accept_request_id(dict(context.invocation_metadata()).get(REQUEST_ID_KEY, ""))
-            record = self._requests.start("GRPC", route, request_id)
-            context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
-            code, message = grpc.StatusCode.OK, ""
             try:
-                return handler(request, record, context)
+                return handler(request, grpc_record.current(), context)
             except errors.ServingError as exc:
                 code, message = status_code(exc), details(exc)
             except Exception as exc:
                 log.exception("unhandled error in %s", route)
                 code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
-            finally:
-                record.status = code.name
-                self._requests.finish(record)
             context.abort(code, message)
 
         return observed
@@ -357,11 +348,12 @@ class GrpcServer:
     def __init__(self, app: Flask, *, bind: str, threads: int) -> None:
         models = get_layer(app)
         max_bytes = models.max_request_bytes  # REST's body limit: MAX_REQUEST_BYTES, or derived from the models
-        observed = _Observed(models.requests)
+        observed = _Observed()
         self.health = HealthServicer(models)
         # Connections, streams, metadata, calls, receive timeout, Health's own threads (app/grpc_limits.py).
         tracing = app.extensions.get("tracing")
         self._server = grpc_limits.build_server(app.extensions["settings"], threads=threads, max_bytes=max_bytes,
+                                                records=grpc_record.CallRecords(models.requests),
                                                 interceptors=tracing.grpc_interceptors() if tracing else ())
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
             PredictionServicer(models, observed, max_bytes=max_bytes,

@@ -44,6 +44,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
+from app import grpc_record
 from app.batching import BatchObserver
 from app.logs import PROBE_PATHS, RequestRecord
 from app.metrics import ROUTE_KEY
@@ -325,10 +326,17 @@ class _GrpcTracing(grpc.ServerInterceptor):
                 raise
             finally:
                 _current.reset(token)
-                span.set_attribute("rpc.grpc.status_code", code.value[0])
-                if code != grpc.StatusCode.OK:
-                    span.set_status(Status(StatusCode.ERROR, code.name))
-                traced_request.end()
+                # The span ends with the call's record, with the status its client got
+                # (app/grpc_record.py); with the handler's where no record is kept.
+                if not grpc_record.when_written(lambda status: _end_grpc_span(traced_request, status)):
+                    _end_grpc_span(traced_request, code.name)
 
         return grpc.unary_unary_rpc_method_handler(traced, request_deserializer=handler.request_deserializer,
                                                    response_serializer=handler.response_serializer)
+
+
+def _end_grpc_span(request: RequestTrace, status: str) -> None:
+    request.span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[status].value[0])
+    if status != grpc.StatusCode.OK.name:
+        request.span.set_status(Status(StatusCode.ERROR, status))
+    request.end()

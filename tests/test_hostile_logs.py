@@ -5,6 +5,7 @@ Raw sockets, so the request line reaches the server as an attacker writes it.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import re
@@ -19,6 +20,7 @@ import requests
 
 from app import logs
 from tests.conftest import Server, wait_for
+from tests.grpc_ledger import Ledger
 
 SOCKET_TIMEOUT_S = 30
 FORGED = ("2026-11-25T00:00:00.000+00:00 INFO [1] app.access: access method=GET path=/admin status=200 "
@@ -81,6 +83,7 @@ def test_a_request_id_with_a_final_newline_is_replaced(text_server):
 
 
 def test_a_grpc_request_id_with_a_final_newline_gets_the_logged_status_and_a_new_id(text_server):
+    ledger = Ledger(text_server)
     host, port = text_server.grpc_target.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT_S)
     # h2 would refuse to send a newline in a header value; an attacker's client does not.
@@ -111,8 +114,9 @@ def test_a_grpc_request_id_with_a_final_newline_gets_the_logged_status_and_a_new
     assert headers["grpc-message"] == "Missing ModelSpec"
     new_id = headers["x-request-id"]
     assert new_id != "id\n" and len(new_id) == 32
-    [line] = wait_for(lambda: lines_with(text_server, f"request_id={new_id}"), what="the access line")
-    assert "status=INVALID_ARGUMENT" in line
+    ledger.settle(collections.Counter({("/tensorflow.serving.ModelService/GetModelStatus", "INVALID_ARGUMENT"): 1}))
+    [line] = ledger.lines()
+    assert (line["request_id"], line["status"]) == (new_id, "INVALID_ARGUMENT")
 
 
 def test_lone_surrogate_is_400_and_one_json_log_line(json_server):

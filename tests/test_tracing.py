@@ -31,6 +31,7 @@ from app.batching import Batcher, BatchObserver
 from app.settings import Settings
 from app.tensor_proto import from_ndarray
 from tests.conftest import integer_rows
+from tests.test_grpc_truth import unread_predict
 
 TEST_HOOKS = ("-c", "tests/gunicorn_test_hooks.py")
 REST_REQUESTS, GRPC_REQUESTS = 8, 4
@@ -137,7 +138,17 @@ def test_concurrent_requests_are_traced_and_each_predict_call_links_the_requests
             prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(
                 request, timeout=60, metadata=(("traceparent", grpc_refused[0]),))
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    # An answer the client never reads before its deadline: the span ends with the client's status.
+    unread = traceparent()
+    trailers = unread_predict(server.grpc_target, integer_rows(1, seed=99), timeout="2S",
+                              headers=(("traceparent", unread[0]),))
+    assert trailers["grpc-status"] == str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
     assert server.stop() == 0  # the worker flushes its spans as it exits
+
+    [unread_span] = [span for span in receiver.spans
+                     if span.trace_id.hex() == unread[1] and span.kind == Span.SPAN_KIND_SERVER]
+    assert attributes(unread_span)["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert unread_span.status.code == unread_span.status.STATUS_CODE_ERROR
 
     [rest_span] = [span for span in receiver.spans if span.trace_id.hex() == rest_refused[1]]
     assert attributes(rest_span)["http.response.status_code"] == 404
@@ -145,10 +156,12 @@ def test_concurrent_requests_are_traced_and_each_predict_call_links_the_requests
     assert attributes(grpc_span)["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
     assert grpc_span.status.code == grpc_span.status.STATUS_CODE_ERROR
 
-    spans = [span for span in receiver.spans if span not in (rest_span, grpc_span)]
+    spans = [span for span in receiver.spans if span not in (rest_span, grpc_span)
+             and span.trace_id.hex() != unread[1]]
     assert {resource["service.name"] for resource in receiver.resources} == {"traced-test"}
     by_id = {span.span_id: span for span in spans}
-    predicts = [span for span in spans if span.name == "predict"]
+    predicts = [span for span in spans if span.name == "predict"
+                and all(link.trace_id.hex() != unread[1] for link in span.links)]
     served = Counter(link.span_id for span in predicts for link in span.links)
     for (name, _rows, _header, trace_id, parent_id), (batch_requests, batch_rows) in zip(sent, batches):
         in_trace = [span for span in spans if span.trace_id.hex() == trace_id]
