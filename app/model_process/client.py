@@ -22,7 +22,7 @@ from flask import Flask
 from app.batching import BatchResult, Tensors
 from app.batching.rows import request_rows
 from app.errors import DeadlineExceeded
-from app.model_process import meta
+from app.model_process import meta, protos
 from app.model_process.link import ModelProcessLink, batch_result
 from app.model_process.supervisor import socket_path
 from app.registry import ModelRegistry, Servable
@@ -139,6 +139,8 @@ class RemoteModels:
 
 def init_app(app: Flask, settings: Settings) -> ModelRegistry:
     """The worker's registry, filled from its model process (the first connection waits for it)."""
+    # Before gRPC's front door (post_worker_init) imports TF Serving's protos.
+    protos.without_tensorflow()
     folder = os.environ[FOLDER_VARIABLE]
     # Workers spread over the model processes by pid: with one model process, all share it.
     path = socket_path(folder, os.getpid() % settings.model_processes)
