@@ -64,15 +64,22 @@ class RemoteBatcher:
         self.fill_under_load = info["fill_under_load"]
         self.whole = info["whole"]
         self.padding = info["padded"] or None
-        # Queues and counts live in the model process: its metrics show them.
-        self.queued_rows = 0
-        self.batches_run = 0
+        self.key = meta.batcher_key(model, version, signature)
         # A model process that is down is restarting: not ready, but this worker is alive.
         self.broken = False
 
     @property
     def alive(self) -> bool:
         return self.link.up
+
+    # Queues and counts live in the model process: asked there (for /readyz, not per request).
+    @property
+    def queued_rows(self) -> int:
+        return self.link.stats().get(self.key, [0, 0])[0]
+
+    @property
+    def batches_run(self) -> int:
+        return self.link.stats().get(self.key, [0, 0])[1]
 
     def predict(self, inputs: Tensors, *, timeout_s: float, client_gone: Callable[[], bool] | None = None,
                 trace: Any = None) -> BatchResult:

@@ -109,6 +109,14 @@ class ModelProcessLink:
         if connection is not None:
             connection.close()
 
+    def stats(self, timeout_s: float = 5.0) -> dict[str, list[int]]:
+        """Rows queued and batches run of each batcher in the model process; {} while it is down."""
+        try:
+            header, _ = self.request({"op": "stats"}).result(timeout_s)
+        except (errors.ServingError, concurrent.futures.TimeoutError):
+            return {}
+        return header["stats"]
+
     # -- requests ------------------------------------------------------------------------------
 
     def request(self, header: dict[str, Any], arrays: Mapping[str, np.ndarray] | None = None,

@@ -23,6 +23,16 @@ def describe(registry: ModelRegistry) -> dict[str, Any]:
     return {"default": registry.default_name, "models": models}
 
 
+def batcher_stats(registry: ModelRegistry) -> dict[str, tuple[int, int]]:
+    """Rows queued and batches run of every batcher, by `batcher_key` (/readyz in a worker)."""
+    return {batcher_key(servable.model.name, servable.model.version, key): (batcher.queued_rows, batcher.batches_run)
+            for servable in registry.servables() for key, batcher in servable.batchers.items()}
+
+
+def batcher_key(model: str, version: int, signature: str) -> str:
+    return f"{model}/{version}/{signature}"
+
+
 def _labels(registry: ModelRegistry, name: str) -> dict[str, int]:
     live = registry.live_config
     config = live.configs.get(name) if live is not None else None

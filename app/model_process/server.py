@@ -74,6 +74,8 @@ class WorkerConnection:
             self._predict(header, payload)
         elif header["op"] == "describe":
             self.send({"op": "described", "id": header["id"], "meta": meta.describe(self.models)})
+        elif header["op"] == "stats":
+            self.send({"op": "stats", "id": header["id"], "stats": meta.batcher_stats(self.models)})
 
     def _predict(self, header: dict[str, Any], payload: bytes) -> None:
         request_id = header["id"]
