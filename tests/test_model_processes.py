@@ -50,7 +50,7 @@ def config(tmp_path_factory, exact_model_path) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, config):
     served = Server(tmp_path_factory.mktemp("model-processes-logs"),
-                    {"MODEL_CONFIG": str(config), "MODEL_PROCESSES": "1", "MODEL_POLL_SECONDS": "0",
+                    {"MODEL_CONFIG": str(config), "MODEL_PROCESSES": "1", "MODEL_POLL_SECONDS": "1",
                      "LOG_FORMAT": "json"})
     served.start(workers=2)
     yield served
@@ -128,6 +128,25 @@ def test_bad_requests_are_refused_in_the_worker_with_the_default_modes_words(ser
     answer = post(server, path, body)
     assert answer.status_code == status, answer.text
     assert words in answer.json()["error"]
+
+
+def test_a_version_added_to_the_folder_reaches_every_worker(server, config):
+    """The model process polls the folder; both workers learn of version 3 from it."""
+    shutil.copytree(config.parent / "hp2" / "1", config.parent / "hp2" / "3")
+    examples = {"signature_name": "regress_x_to_y", "examples": [{"x": [5.0]}]}
+    serving: set[int] = set()
+
+    def every_worker_serves_it() -> bool:
+        answer = post(server, "/v1/models/hp2/versions/3:regress", examples, headers={"Connection": "close"})
+        if answer.status_code == 200:
+            assert answer.json() == {"results": [4.5]}
+            serving.add(access_line(server, answer.headers["X-Request-ID"])["pid"])
+        return serving == {worker.pid for worker in workers(server)}
+
+    wait_for(every_worker_serves_it, within_s=120, what="version 3 served by both workers")
+    status = requests.get(server.url + "/v1/models/hp2", timeout=30).json()["model_version_status"]
+    assert [(entry["version"], entry["state"]) for entry in status] == [("3", "AVAILABLE"), ("2", "AVAILABLE"),
+                                                                        ("1", "AVAILABLE")]
 
 
 def test_requests_from_two_workers_share_one_predict_call(server, exact_model):
