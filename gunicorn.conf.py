@@ -86,13 +86,13 @@ def on_starting(server):
 
 def start_model_processes(server):
     """MODEL_PROCESSES: the models load once, in processes of their own, before any worker forks;
-    workers find their sockets through MODEL_PROCESS_FOLDER (app/model_process/)."""
+    workers find their sockets through the folder named in their environment (app/model_process/)."""
     from app.model_process import supervisor
 
     # Fresh interpreters, not forks: the master never imports TensorFlow, and must not.
     server.model_processes = supervisor.start(_settings.model_processes, drain_s=server.cfg.graceful_timeout,
                                               environ=os.environ)
-    os.environ["MODEL_PROCESS_FOLDER"] = server.model_processes.folder
+    os.environ[supervisor.FOLDER_VARIABLE] = server.model_processes.folder
 
 
 def prepare_metrics_dir(environ):

@@ -24,14 +24,12 @@ from app.batching.rows import request_rows
 from app.errors import DeadlineExceeded
 from app.model_process import meta, protos
 from app.model_process.link import ModelProcessLink, batch_result
-from app.model_process.supervisor import socket_path
+from app.model_process.supervisor import FOLDER_VARIABLE, socket_path
 from app.registry import ModelRegistry, Servable
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Where gunicorn.conf.py tells its workers the model processes listen.
-FOLDER_VARIABLE = "MODEL_PROCESS_FOLDER"
 # Whether the request being handed over is pinned: the registry knows it, the batcher call does not carry it.
 _PINNED: contextvars.ContextVar[bool] = contextvars.ContextVar("pinned", default=False)
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
+# Where gunicorn.conf.py tells its workers the model processes listen (not a setting: the master sets it).
+FOLDER_VARIABLE = "MODEL_PROCESS_FOLDER"
 # Between two restarts of a model process that keeps dying, so that a broken model does not spin.
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)
 
