@@ -58,6 +58,11 @@ class WorkerConnection:
         finally:
             self.closed.set()
             stream.close()
+            self.sock.close()
+            # Each arena's memory goes once nothing maps it: requests still running hold their
+            # inputs, and an answer packed after this fails quietly (nobody reads it).
+            self.inbox.close()
+            self.outbox.close()
 
     def send(self, header: dict[str, Any], payload: list[bytes] | None = None) -> None:
         if self.closed.is_set():
