@@ -54,7 +54,7 @@ def test_arrays_cross_in_the_arena_and_strings_and_overflow_in_the_payload(arena
 def test_frames_and_descriptors_cross_a_unix_socket(arena):
     left, right = socket.socketpair(socket.AF_UNIX)
     with left, right:
-        wire.send_descriptor(left, arena.fd)
+        wire.send_descriptor(left, arena.descriptor)
         received = Arena(wire.receive_descriptor(right))
         arena.buffer[:5] = b"hello"
         assert bytes(received.buffer[:5]) == b"hello"
@@ -81,4 +81,4 @@ def test_a_model_process_error_is_raised_in_the_worker_as_the_same_class(name, r
 
 
 def _shared_fd(arena: Arena) -> int:
-    return os.dup(arena.fd)
+    return os.dup(arena.descriptor)

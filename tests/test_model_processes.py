@@ -58,14 +58,25 @@ def server(tmp_path_factory, config):
 
 
 def workers(server: Server) -> list[psutil.Process]:
-    master = psutil.Process(server.proc.pid)
-    return [child for child in master.children() if "gunicorn" in " ".join(child.cmdline())]
+    """The live workers (a killed one, not yet reaped, is a zombie without a command line)."""
+    found = []
+    for child in psutil.Process(server.proc.pid).children():
+        try:
+            if "gunicorn" in " ".join(child.cmdline()):
+                found.append(child)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            pass
+    return found
 
 
 def model_process(server: Server) -> psutil.Process:
-    master = psutil.Process(server.proc.pid)
-    return next(process for process in master.children(recursive=True)
-                if "app.model_process.server" in process.cmdline())
+    for process in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if "app.model_process.server" in process.cmdline():
+                return process
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            pass
+    raise LookupError("no model process")
 
 
 def loaded_libraries(process: psutil.Process) -> str:
@@ -173,6 +184,20 @@ def test_requests_from_two_workers_share_one_predict_call(server, exact_model):
     assert len({access_line(server, rid)["pid"] for rid in ids}) == 2, "30 pairs, none over two workers"
     assert server.metric("model_server_batch_size_requests_count", model="paired") - calls == pairs
     assert server.metric("model_server_batch_size_requests_sum", model="paired") - batched == 2 * pairs
+
+
+def test_a_killed_worker_leaves_the_model_process_serving(server, exact_model):
+    kept = model_process(server)
+    victim = workers(server)[0]
+    victim.send_signal(signal.SIGKILL)
+    wait_for(lambda: victim.pid not in {worker.pid for worker in workers(server)} and len(workers(server)) == 2,
+             what="the killed worker replaced")
+    server.wait_ready(workers=2)
+    rows = integer_rows(2, seed=30)
+    for _ in range(6):
+        answer = server.predict(rows, path="/v1/models/exact:predict", headers={"Connection": "close"})
+        assert answer.json() == {"predictions": exact_model(rows).numpy().tolist()}
+    assert model_process(server).pid == kept.pid
 
 
 def test_a_killed_model_process_fails_its_requests_with_503_and_a_new_one_serves_exact_answers(server, exact_model):

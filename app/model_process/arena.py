@@ -23,10 +23,14 @@ ALIGNMENT = 64
 class Arena:
     """A mapped memory file; `allocate` and `free` serve its one writer (thread-safe)."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    def __init__(self, fd: int, *, keep_descriptor: bool = False) -> None:
         self.size = os.fstat(fd).st_size
         self.memory = mmap.mmap(fd, self.size)
+        # The mapping holds the memory; the descriptor is kept only until it is sent to the peer,
+        # so that nothing but live mappings (and the arrays that read them) keeps an arena alive.
+        self.fd: int | None = fd
+        if not keep_descriptor:
+            self.drop_descriptor()
         self.buffer = memoryview(self.memory)
         self._lock = threading.Lock()
         # Free blocks as sorted (offset, size); allocated blocks by offset.
@@ -37,7 +41,18 @@ class Arena:
     def create(cls, size: int, name: str = "model-server-arena") -> Arena:
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         os.ftruncate(fd, size)
-        return cls(fd)
+        return cls(fd, keep_descriptor=True)
+
+    @property
+    def descriptor(self) -> int:
+        if self.fd is None:
+            raise ValueError("this arena's descriptor was sent and dropped")
+        return self.fd
+
+    def drop_descriptor(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def allocate(self, nbytes: int) -> int | None:
         """The offset of a free block of at least `nbytes`, or None when none is free (first fit)."""
@@ -79,4 +94,4 @@ class Arena:
             self.memory.close()
         except BufferError:
             pass  # an array still reads from it; the mapping goes when that array does
-        os.close(self.fd)
+        self.drop_descriptor()

@@ -49,7 +49,8 @@ class _Connection:
         try:
             self.sock.connect(path)
             self.outbox = Arena.create(arena_bytes)
-            wire.send_descriptor(self.sock, self.outbox.fd)
+            wire.send_descriptor(self.sock, self.outbox.descriptor)
+            self.outbox.drop_descriptor()
             self.inbox = Arena(wire.receive_descriptor(self.sock))
         except BaseException:
             self.sock.close()

@@ -44,7 +44,8 @@ class WorkerConnection:
         self.models = models
         self.inbox = Arena(wire.receive_descriptor(sock))
         self.outbox = Arena.create(arena_bytes)
-        wire.send_descriptor(sock, self.outbox.fd)
+        wire.send_descriptor(sock, self.outbox.descriptor)
+        self.outbox.drop_descriptor()
         self._send_lock = threading.Lock()
         self.closed = threading.Event()
 
