@@ -78,10 +78,23 @@ def on_starting(server):
     server.own_metrics_dir = prepare_metrics_dir(os.environ)
     # Always fresh: a reload's config lasts as long as the server, as in TF Serving.
     server.run_dir = shared_config.prepare_run_dir(os.environ)
+    if _settings.model_processes:
+        start_model_processes(server)
     # Connections are descriptors: workers inherit the soft limit raised to the hard one.
     from app.worker import raise_descriptor_limit
 
     raise_descriptor_limit()
+
+
+def start_model_processes(server):
+    """MODEL_PROCESSES: the models load once, in processes of their own, before any worker forks;
+    workers find their sockets through the folder named in their environment (app/model_process/)."""
+    from app.model_process import supervisor
+
+    # Fresh interpreters, not forks: the master never imports TensorFlow, and must not.
+    server.model_processes = supervisor.start(_settings.model_processes, drain_s=server.cfg.graceful_timeout,
+                                              environ=os.environ)
+    os.environ[supervisor.FOLDER_VARIABLE] = server.model_processes.folder
 
 
 def prepare_metrics_dir(environ):
@@ -102,6 +115,10 @@ def prepare_metrics_dir(environ):
 def post_fork(server, worker):
     # Before anything slow: a stop signal from now on is the worker's, not the master's.
     worker.catch_early_stops()
+    if _settings.model_processes:
+        # The models run in the model processes; this worker imports no TensorFlow.
+        worker.tensorflow = {"model_processes": _settings.model_processes}
+        return
     from app import runtime
 
     # Before the app loads its models; post_worker_init hands the app what was set.
@@ -144,6 +161,11 @@ def child_exit(server, worker):
 
 
 def on_exit(server):
+    model_processes = getattr(server, "model_processes", None)
+    if model_processes is not None:
+        # The workers are gone: what the model processes still hold drains, then they stop.
+        model_processes.stop(timeout_s=server.cfg.graceful_timeout + 5)
+        shutil.rmtree(model_processes.folder, ignore_errors=True)
     made = getattr(server, "own_metrics_dir", None)
     if made:
         shutil.rmtree(made, ignore_errors=True)

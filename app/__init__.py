@@ -28,11 +28,17 @@ def create_app(settings: Settings | None = None, *, replace_worker: Callable[[],
     app.extensions["settings"] = settings
     app.extensions["replace_worker"] = replace_worker
     app.extensions["tensorflow"] = {}
-    runtime.import_tensorflow(settings)
+    if not settings.model_processes:
+        runtime.import_tensorflow(settings)
     logs.init_app(app, access=settings.access_log, probes=settings.access_log_probes,
                   writer=logs.start_access_writer())
     serving_metrics = metrics.init_app(app)
-    models = registry.init_app(app, settings, serving_metrics)
+    if settings.model_processes:
+        from app.model_process import client  # only in this mode: the default never imports it
+
+        models = client.init_app(app, settings)
+    else:
+        models = registry.init_app(app, settings, serving_metrics)
     limits.init_app(app, settings, models)
     serving.init_app(app, settings, models)
     api.init_app(app)
@@ -48,5 +54,9 @@ def shutdown_app(app: Flask, *, timeout_s: float | None = None) -> None:
     from app.registry import get_registry
 
     get_registry(app).close(drain=True, timeout_s=timeout_s)
+    if "model_process_link" in app.extensions:
+        from app.model_process import client
+
+        client.shutdown(app, timeout_s)
     logs.flush_access_log()
 

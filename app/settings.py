@@ -375,6 +375,17 @@ class Settings:
         "true: gRPC Predict writes numeric outputs as raw `tensor_content` bytes instead of the typed fields "
         "(`float_val`, ...), as TF Serving's `--enable_serialization_as_tensor_content` does.", section="gRPC")
 
+    model_processes: int = _env(
+        "MODEL_PROCESSES", validate_non_neg_int, 0,
+        "Model processes apart from the HTTP and gRPC workers: Gunicorn's master starts this many, each loads "
+        "the models once and runs the batchers, and workers hand them rows through shared memory "
+        "([model processes](scaling.md#model-processes)). 0: every worker loads its own copy.",
+        section="Model processes")
+    model_process_arena_mb: int = _env(
+        "MODEL_PROCESS_ARENA_MB", validate_pos_int, 32,
+        "Shared memory per worker and model process, each way, for the rows handed over; an array that does "
+        "not fit travels over the socket instead.", section="Model processes")
+
     def __post_init__(self) -> None:
         if self.gpu_memory_limit_mb and self.gpu_memory_fraction:
             raise SettingsError(

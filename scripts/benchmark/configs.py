@@ -74,6 +74,11 @@ CONFIGS = [
            "batching that waits up to 20 ms for a batch to fill", True),
     Config("default", 1, {}, "the shipped default: batch as soon as the model is free, 1 worker", False),
     Config("default-2w", 2, {}, "the shipped default with 2 workers", False),
+    # MODEL_PROCESSES (docs/scaling.md#model-processes): one model copy whatever the worker count.
+    Config("default-4w", 4, {}, "the shipped default with 4 workers", False, in_full_run=False),
+    Config("procs-1w", 1, {"MODEL_PROCESSES": "1"}, "1 model process, 1 worker", False, in_full_run=False),
+    Config("procs-2w", 2, {"MODEL_PROCESSES": "1"}, "1 model process, 2 workers", False, in_full_run=False),
+    Config("procs-4w", 4, {"MODEL_PROCESSES": "1"}, "1 model process, 4 workers", False, in_full_run=False),
     # Not servers: what Gunicorn and Flask cost around the same model (scripts/floor_app.py).
     Config("floor", 1, {"GRPC_BIND": ""}, "the floor: Gunicorn and Flask around the same model, nothing of app/ in a "
            "request (scripts/floor_app.py; fixed answers)", True, app=FLOOR_APP, in_full_run=False),

@@ -1,0 +1,167 @@
+"""The worker's side of MODEL_PROCESSES: a registry whose batchers live in a model process.
+
+The request layer (app/serving.py) and the front doors use the same `ModelRegistry` and
+`Servable` as in the default mode, filled from the model process's description: versions,
+labels, states and signatures are resolved and checked here, in the worker. Only the
+batcher is remote: `RemoteBatcher.predict` hands the rows to the model process and waits
+for its answer within the request's deadline. Nothing here imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextvars
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask
+
+from app.batching import BatchResult, Tensors
+from app.batching.rows import request_rows
+from app.errors import DeadlineExceeded
+from app.model_process import meta, protos
+from app.model_process.link import ModelProcessLink, batch_result
+from app.model_process.supervisor import FOLDER_VARIABLE, socket_path
+from app.registry import ModelRegistry, Servable
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# Whether the request being handed over is pinned: the registry knows it, the batcher call does not carry it.
+_PINNED: contextvars.ContextVar[bool] = contextvars.ContextVar("pinned", default=False)
+
+
+class RemoteRegistry(ModelRegistry):
+    """The registry of the default mode, which tells the model process whether a request is pinned:
+    there, too, a version retired meanwhile refuses a pinned request and sends on an unpinned one."""
+
+    def predict(self, servable: Servable, inputs: Tensors, *, pinned: bool = False,
+                **kwargs: Any) -> tuple[Servable, BatchResult]:
+        token = _PINNED.set(pinned)
+        try:
+            return super().predict(servable, inputs, pinned=pinned, **kwargs)
+        finally:
+            _PINNED.reset(token)
+
+
+class RemoteBatcher:
+    """A batcher in the model process, as the worker's registry and request layer see it."""
+
+    def __init__(self, link: ModelProcessLink, model: str, version: int, signature: str, info: dict[str, Any]) -> None:
+        self.link = link
+        self.model = model
+        self.version = version
+        self.signature = signature
+        self.name = info["name"]
+        self.max_request_rows = info["max_request_rows"]
+        self.max_batch_size = info["max_batch_size"]
+        self.batch_timeout_s = info["batch_timeout_s"]
+        self.fill_under_load = info["fill_under_load"]
+        self.whole = info["whole"]
+        self.padding = info["padded"] or None
+        self.key = meta.batcher_key(model, version, signature)
+        # A model process that is down is restarting: not ready, but this worker is alive.
+        self.broken = False
+
+    @property
+    def alive(self) -> bool:
+        return self.link.up
+
+    # Queues and counts live in the model process: asked there (for /readyz, not per request).
+    @property
+    def queued_rows(self) -> int:
+        return self.link.stats().get(self.key, [0, 0])[0]
+
+    @property
+    def batches_run(self) -> int:
+        return self.link.stats().get(self.key, [0, 0])[1]
+
+    def predict(self, inputs: Tensors, *, timeout_s: float, client_gone: Callable[[], bool] | None = None,
+                trace: Any = None) -> BatchResult:
+        """Hand the rows to the model process and wait for them, at most `timeout_s`."""
+        if not self.whole:
+            request_rows(inputs, max_rows=self.max_request_rows, name=self.name)
+        if client_gone is not None and client_gone():
+            # The layer answers ClientGone (499); asked here, once, before the rows leave the worker.
+            raise concurrent.futures.CancelledError()
+        header = {"op": "predict", "model": self.model, "version": self.version, "signature": self.signature,
+                  "pinned": _PINNED.get(), "timeout_s": timeout_s}
+        future = self.link.request(header, inputs)
+        try:
+            return batch_result(future.result(timeout=timeout_s))
+        except concurrent.futures.TimeoutError:
+            # The model process drops the rows at the same deadline, if they have not run.
+            raise DeadlineExceeded(f"no result from model '{self.name}' within {timeout_s * 1000:.0f} ms") from None
+
+    def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
+        """Nothing to stop here: the link drains the requests of the whole worker (shutdown_app)."""
+
+
+class RemoteModels:
+    """Keeps a worker's registry in line with what its model process serves."""
+
+    def __init__(self, registry: ModelRegistry, link: ModelProcessLink) -> None:
+        self.registry = registry
+        self.link = link
+        self._lock = threading.Lock()
+
+    def apply(self, description: dict[str, Any]) -> None:
+        with self._lock:
+            retiring = []
+            served = {entry["name"] for entry in description["models"]}
+            for entry in description["models"]:
+                retiring += self._apply_model(entry)
+            for name, _ in self.registry.items():
+                if name not in served:
+                    retiring += [(name, version) for version in self.registry.versions(name)]
+            self.registry.default_name = description["default"]
+        for name, version in retiring:
+            # Retiring waits for the requests inside the version: never on the link's reader thread.
+            threading.Thread(target=self.registry.retire, args=(name, version), daemon=True).start()
+
+    def _apply_model(self, entry: dict[str, Any]) -> list[tuple[str, int]]:
+        name = entry["name"]
+        served = set(self.registry.versions(name))
+        wanted = {version["version"]: version for version in entry["versions"]}
+        for number, version in wanted.items():
+            if number not in served:
+                self.registry.add(self._servable(name, version))
+        self.registry.set_labels(name, {label: int(version) for label, version in entry["labels"].items()})
+        for state in entry["states"]:
+            number = int(state["version"])
+            if number not in served and number not in wanted:
+                self.registry.set_state(name, number, state["state"], state["status"]["error_message"])
+        return [(name, number) for number in served if number not in wanted]
+
+    def _servable(self, name: str, version: dict[str, Any]) -> Servable:
+        batchers = {key: RemoteBatcher(self.link, name, version["version"], key, info)
+                    for key, info in version["batchers"].items()}
+        return Servable(meta.loaded_model(name, version), batchers)  # type: ignore[arg-type]
+
+
+def init_app(app: Flask, settings: Settings) -> ModelRegistry:
+    """The worker's registry, filled from its model process (the first connection waits for it)."""
+    # Before gRPC's front door (post_worker_init) imports TF Serving's protos.
+    protos.without_tensorflow()
+    folder = os.environ[FOLDER_VARIABLE]
+    # Workers spread over the model processes by pid: with one model process, all share it.
+    path = socket_path(folder, os.getpid() % settings.model_processes)
+    registry = RemoteRegistry("")
+    holder: list[RemoteModels] = []
+    link = ModelProcessLink(path, arena_bytes=settings.model_process_arena_mb << 20,
+                            on_meta=lambda description: holder[0].apply(description))
+    remote = RemoteModels(registry, link)
+    holder.append(remote)
+    remote.apply(link.connect())
+    app.extensions["models"] = registry
+    app.extensions["model_process_link"] = link
+    return registry
+
+
+def shutdown(app: Flask, timeout_s: float | None) -> None:
+    link: ModelProcessLink | None = app.extensions.get("model_process_link")
+    if link is not None:
+        link.drain(timeout_s)

@@ -1,0 +1,92 @@
+"""What a model process tells its workers about the models it serves, as plain JSON values.
+
+Workers need a model's signatures (to parse and validate requests), its versions, labels
+and states (to resolve them), and its batchers' limits (to refuse early); never the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.model_process.wire import dtype_from_text, dtype_text
+from app.models import LoadedModel, Signature, TensorInfo
+from app.registry import ModelRegistry
+
+
+def describe(registry: ModelRegistry) -> dict[str, Any]:
+    """Every model the registry serves: versions, labels and states (model process side)."""
+    models = []
+    for name, _ in registry.items():
+        versions = [_servable(registry.get(name, version)) for version in registry.versions(name)]
+        models.append({"name": name, "labels": _labels(registry, name), "versions": versions,
+                       "states": registry.model_status(name)})
+    return {"default": registry.default_name, "models": models}
+
+
+def batcher_stats(registry: ModelRegistry) -> dict[str, tuple[int, int]]:
+    """Rows queued and batches run of every batcher, by `batcher_key` (/readyz in a worker)."""
+    return {batcher_key(servable.model.name, servable.model.version, key): (batcher.queued_rows, batcher.batches_run)
+            for servable in registry.servables() for key, batcher in servable.batchers.items()}
+
+
+def batcher_key(model: str, version: int, signature: str) -> str:
+    return f"{model}/{version}/{signature}"
+
+
+def _labels(registry: ModelRegistry, name: str) -> dict[str, int]:
+    live = registry.live_config
+    config = live.configs.get(name) if live is not None else None
+    return dict(config.version_labels) if config is not None else {}
+
+
+def _servable(servable: Any) -> dict[str, Any]:
+    model = servable.model
+    return {
+        "version": model.version,
+        "source": model.source,
+        "load_s": model.load_s,
+        "warmup_s": model.warmup_s,
+        "default_signature": model.default_signature,
+        "signatures": [_signature(signature) for signature in model.signatures.values()],
+        "batchers": {key: {"name": batcher.name, "max_request_rows": batcher.max_request_rows,
+                           "max_batch_size": batcher.max_batch_size, "batch_timeout_s": batcher.batch_timeout_s,
+                           "fill_under_load": batcher.fill_under_load, "whole": batcher.whole,
+                           "padded": batcher.padding is not None}
+                     for key, batcher in servable.batchers.items()},
+    }
+
+
+def _signature(signature: Signature) -> dict[str, Any]:
+    return {"name": signature.name, "method_name": signature.method_name,
+            "inputs": [_tensor(info) for info in signature.inputs],
+            "outputs": [_tensor(info) for info in signature.outputs]}
+
+
+def _tensor(info: TensorInfo) -> dict[str, Any]:
+    return {"name": info.name, "shape": list(info.shape), "dtype": dtype_text(info.dtype), "tf_dtype": info.tf_dtype,
+            "tensor_name": info.tensor_name, "dims": None if info.dims is None else list(info.dims)}
+
+
+def loaded_model(name: str, version: dict[str, Any]) -> LoadedModel:
+    """A model as a worker sees it: its signatures, and predict functions that must never run here."""
+    signatures = {entry["name"]: Signature(entry["name"], entry["method_name"],
+                                           [_info(item) for item in entry["inputs"]],
+                                           [_info(item) for item in entry["outputs"]], _not_here(name))
+                  for entry in version["signatures"]}
+    main = signatures[version["default_signature"]]
+    return LoadedModel(name, version["version"], version["source"], main.inputs, main.outputs, main.predict,
+                       load_s=version["load_s"], warmup_s=version["warmup_s"], signatures=signatures)
+
+
+def _info(item: dict[str, Any]) -> TensorInfo:
+    dims = None if item["dims"] is None else tuple(item["dims"])
+    return TensorInfo(item["name"], tuple(item["shape"]), dtype_from_text(item["dtype"]), item["tf_dtype"],
+                      item["tensor_name"], dims)
+
+
+def _not_here(name: str) -> Any:
+    # A fresh function per signature: LoadedModel finds its main signature by its predict's identity.
+    def predict(_inputs: Any) -> Any:
+        raise RuntimeError(f"model '{name}' runs in a model process, not in this worker")
+
+    return predict

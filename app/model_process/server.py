@@ -1,0 +1,240 @@
+"""The model process: loads the models once, runs their batchers, and serves workers over a Unix socket.
+
+`python -m app.model_process.server --socket PATH --ready-fd N` loads and warms every model
+through the same code a worker uses in the default mode (registry.init_app: versions,
+labels, pollers, warm-up), binds the socket, and only then writes `ready` to the
+descriptor it was given. Each worker connection has one thread that reads its frames and
+submits their rows to the batchers; an answer goes back from the batch thread's
+done-callback, written into this process's arena for that worker.
+
+SIGTERM: stop accepting connections, answer everything submitted (the batchers drain),
+then exit. A batch thread that dies ends the process the same way, and the supervisor
+starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import logging
+import os
+import signal
+import socket
+import threading
+from typing import Any
+
+from flask import Flask
+
+from app import logs, metrics, registry, runtime
+from app.batching import BatchResult
+from app.errors import NotFound, PredictFailed, ServingError
+from app.model_process import meta, wire
+from app.model_process.arena import Arena
+from app.registry import ModelRegistry, Servable
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class WorkerConnection:
+    """One worker's connection: its frames in, answers out through this side's arena."""
+
+    def __init__(self, sock: socket.socket, models: ModelRegistry, arena_bytes: int) -> None:
+        self.sock = sock
+        self.models = models
+        self.inbox = Arena(wire.receive_descriptor(sock))
+        self.outbox = Arena.create(arena_bytes)
+        wire.send_descriptor(sock, self.outbox.descriptor)
+        self.outbox.drop_descriptor()
+        self._send_lock = threading.Lock()
+        self.closed = threading.Event()
+
+    def serve(self) -> None:
+        stream = self.sock.makefile("rb", buffering=1 << 16)
+        try:
+            while (frame := wire.receive(stream)) is not None:
+                self._handle(*frame)
+        except OSError:
+            pass  # the worker went away mid-frame
+        finally:
+            self.closed.set()
+            stream.close()
+            self.sock.close()
+            # Each arena's memory goes once nothing maps it: requests still running hold their
+            # inputs, and an answer packed after this fails quietly (nobody reads it).
+            self.inbox.close()
+            self.outbox.close()
+
+    def send(self, header: dict[str, Any], payload: list[bytes] | None = None) -> None:
+        if self.closed.is_set():
+            return
+        try:
+            wire.send(self.sock, self._send_lock, header, payload or ())
+        except OSError:
+            self.closed.set()  # the worker died: its requests still run, unanswered
+
+    def _handle(self, header: dict[str, Any], payload: bytes) -> None:
+        for offset in header.get("free", ()):
+            self.outbox.free(offset)
+        if header["op"] == "predict":
+            self._predict(header, payload)
+        elif header["op"] == "describe":
+            self.send({"op": "described", "id": header["id"], "meta": meta.describe(self.models)})
+        elif header["op"] == "stats":
+            self.send({"op": "stats", "id": header["id"], "stats": meta.batcher_stats(self.models)})
+
+    def _predict(self, header: dict[str, Any], payload: bytes) -> None:
+        request_id = header["id"]
+        try:
+            servable = self._enter(header["model"], header["version"], pinned=header["pinned"])
+        except ServingError as exc:
+            self._error(request_id, exc)
+            return
+        try:
+            inputs = wire.unpack(header["inputs"], self.inbox, payload, copy=False)
+            batcher = servable.batchers[servable.signature(header["signature"]).name]
+            future = batcher.submit(inputs, timeout_s=header["timeout_s"])
+        except Exception as exc:
+            servable.leave()
+            self._error(request_id, exc)
+            return
+        future.add_done_callback(lambda done: self._answer(request_id, servable, done))
+
+    def _enter(self, name: str, version: int, *, pinned: bool) -> Servable:
+        """The version the worker resolved; if it was retired meanwhile, the newest (unpinned only)."""
+        try:
+            servable = self.models.get(name, version)
+            if servable.enter():
+                return servable
+        except NotFound:
+            if pinned:
+                raise
+        if pinned:
+            raise NotFound(f"{registry.servable_not_found(name, version)}: version {version} of model {name!r} "
+                           "was unloaded before this request reached it")
+        servable = self.models.get(name)
+        if not servable.enter():
+            raise NotFound(registry.servable_not_found(name, None))
+        return servable
+
+    def _answer(self, request_id: int, servable: Servable, future: concurrent.futures.Future[BatchResult]) -> None:
+        servable.leave()
+        try:
+            result = future.result(0)
+        except BaseException as exc:  # a failed, expired or cancelled request: its error goes back
+            self._error(request_id, exc)
+            return
+        box = wire.Outbox(self.outbox)
+        try:
+            outputs = box.pack(result.outputs)
+        except Exception as exc:
+            box.release()
+            self._error(request_id, exc)
+            return
+        self.send({"op": "result", "id": request_id, "version": servable.model.version, "outputs": outputs,
+                   "batch_rows": result.batch_rows, "batch_requests": result.batch_requests}, box.payload)
+
+    def _error(self, request_id: int, exc: BaseException) -> None:
+        error = exc if isinstance(exc, ServingError) else PredictFailed.from_exception(exc)
+        if isinstance(error, PredictFailed) and error.detail:
+            log.error("request failed in the model process: %s", error.detail)
+        self.send({"op": "error", "id": request_id, "error": type(error).__name__, "message": error.message,
+                   "key": getattr(error, "key", ""), "retry_after": error.headers.get("Retry-After")})
+
+
+class ModelProcess:
+    """The models, the socket, and the connections of the workers."""
+
+    def __init__(self, settings: Settings, socket_path: str, *, drain_s: float) -> None:
+        self.settings = settings
+        self.socket_path = socket_path
+        self.drain_s = drain_s
+        self.app = Flask(__name__)  # only a holder for the parts' extensions, as in a worker
+        self.app.extensions["replace_worker"] = self.stop
+        self.stopping = threading.Event()
+        self.connections: list[WorkerConnection] = []
+        self._listener: socket.socket | None = None
+
+    def load(self) -> None:
+        self.app.extensions["tensorflow"] = runtime.configure(self.settings, workers=self.settings.model_processes)
+        serving_metrics = metrics.Metrics()
+        self.models = registry.init_app(self.app, self.settings, serving_metrics)
+        self._watch_versions()
+
+    def listen(self) -> None:
+        if os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)  # left by the process this one replaces
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.socket_path)
+        listener.listen(256)
+        self._listener = listener
+
+    def serve(self) -> None:
+        assert self._listener is not None, "listen() first"
+        arena_bytes = self.settings.model_process_arena_mb << 20
+        while not self.stopping.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                break  # closed by stop()
+            try:
+                connection = WorkerConnection(sock, self.models, arena_bytes)
+            except OSError:
+                sock.close()
+                continue
+            self.connections = [known for known in self.connections if not known.closed.is_set()] + [connection]
+            threading.Thread(target=connection.serve, name="worker-connection", daemon=True).start()
+
+    def stop(self) -> None:
+        """Take no new connection; the batchers then drain what was submitted (see main)."""
+        self.stopping.set()
+        if self._listener is not None:
+            self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+
+    def close(self) -> None:
+        self.models.close(drain=True, timeout_s=self.drain_s)
+
+    def _watch_versions(self) -> None:
+        # Versions and configs change here (the pollers); workers learn it from a pushed description.
+        interval = min(x for x in (self.settings.model_poll_seconds, self.settings.model_config_poll_seconds, 1.0)
+                       if x > 0)
+        if not (self.models.poller or self.models.config_poller):
+            return
+        threading.Thread(target=self._push_changes, args=(interval,), name="version-push", daemon=True).start()
+
+    def _push_changes(self, interval: float) -> None:
+        last = meta.describe(self.models)
+        while not self.stopping.wait(interval):
+            now = meta.describe(self.models)
+            if now != last:
+                last = now
+                for connection in list(self.connections):
+                    connection.send({"op": "described", "id": None, "meta": now})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--ready-fd", type=int, required=True)
+    parser.add_argument("--drain-s", type=float, default=30.0, help="the longest a stop waits for the batchers")
+    args = parser.parse_args(argv)
+    settings = Settings.from_env()
+    logs.configure_logging(settings.log_level, settings.log_format)
+    process = ModelProcess(settings, args.socket, drain_s=args.drain_s)
+    # Until the models are loaded a stop has nothing to drain: the default handler ends the process.
+    process.load()
+    runtime.freeze_heap()
+    process.listen()
+    signal.signal(signal.SIGTERM, lambda *_: process.stop())
+    os.write(args.ready_fd, b"ready")
+    os.close(args.ready_fd)
+    log.info("model process %d serving %s on %s", os.getpid(), [name for name, _ in process.models.items()],
+             args.socket)
+    process.serve()
+    process.close()
+    log.info("model process %d stopped", os.getpid())
+
+
+if __name__ == "__main__":
+    main()
