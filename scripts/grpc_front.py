@@ -40,24 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts.benchmark.configs import CONFIGS_BY_NAME, REFERENCE, Load  # noqa: E402
 from scripts.benchmark.locust import run_locust  # noqa: E402
-from scripts.benchmark.server import Server  # noqa: E402
+from scripts.benchmark.server import Server, cpu_seconds  # noqa: E402
 from scripts.slow_clients import Nginx  # noqa: E402
 
 BURST = 100
 # The attacker's address: all of 127.0.0.0/8 is loopback on Linux, and nginx.conf exempts only 127.0.0.1.
 ATTACKER = "127.0.0.2"
 PREDICT = "/tensorflow.serving.PredictionService/Predict"
-
-
-def cpu_seconds(processes: list[psutil.Process]) -> float:
-    total = 0.0
-    for process in processes:
-        try:
-            times = process.cpu_times()
-            total += times.user + times.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def nginx_processes(front: Nginx) -> list[psutil.Process]:

@@ -25,6 +25,7 @@ import numpy as np
 
 from app import errors
 from app.batching import BatchResult
+from app.batching.work import settle
 from app.model_process import wire
 from app.model_process.arena import Arena
 
@@ -171,12 +172,12 @@ class ModelProcessLink:
         for offset in entry.blocks:
             connection.outbox.free(offset)
         if header["op"] == "error":
-            wire_settle(entry.future, exception=rebuild_error(header))
+            settle(entry.future, exception=rebuild_error(header))
             return
         outputs = wire.unpack(header.get("outputs", []), connection.inbox, payload, copy=True)
         with self._lock:
             self._read_blocks.extend(wire.blocks(header.get("outputs", [])))
-        wire_settle(entry.future, result=(header, outputs))
+        settle(entry.future, result=(header, outputs))
 
     def _lost(self, connection: _Connection) -> None:
         with self._lock:
@@ -189,7 +190,7 @@ class ModelProcessLink:
             reconnect, self._reconnecting = not self._reconnecting, True
         error = errors.Unavailable("the model process serving this request exited; retry")
         for entry in failed.values():
-            wire_settle(entry.future, exception=error)
+            settle(entry.future, exception=error)
         connection.close()
         connection.outbox.close()
         connection.inbox.close()
@@ -210,17 +211,6 @@ class ModelProcessLink:
             log.info("model process at %s serves again", self.path)
             self.on_meta(meta)
             return
-
-
-def wire_settle(future: concurrent.futures.Future[Any], *, result: Any = None,
-                exception: BaseException | None = None) -> None:
-    try:
-        if exception is not None:
-            future.set_exception(exception)
-        else:
-            future.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass
 
 
 def rebuild_error(header: dict[str, Any]) -> errors.ServingError:

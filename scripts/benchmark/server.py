@@ -49,14 +49,7 @@ class Server(LiveServer):
 
     def cpu_seconds(self) -> float:
         """User + system CPU of the master and every worker, alive now."""
-        total = 0.0
-        for process in self.processes():
-            try:
-                times = process.cpu_times()
-                total += times.user + times.system
-            except psutil.NoSuchProcess:
-                pass
-        return total
+        return cpu_seconds(self.processes())
 
     def wait_quiet(self, *, within_s: float, idle_share: float = 0.05, window_s: float = 0.5) -> float:
         """Wait until the server uses under `idle_share` of a core: the last load's backlog is done."""
@@ -77,3 +70,15 @@ class Server(LiveServer):
         except subprocess.TimeoutExpired:
             log(f"{self.config.name}: killed after it did not stop within {within_s:g} s; see {self.log_path.name}")
             return -signal.SIGKILL
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    """User + system CPU of these processes; one that has exited counts nothing."""
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
