@@ -236,12 +236,12 @@ def test_a_killed_model_process_fails_its_requests_with_503_and_a_new_one_serves
     assert model_process(server).pid != first.pid
     # Every worker serves again, exact answers included. A worker reconnects on its own backoff,
     # so it may still answer "restarting" (503) after another worker served: wait for ten in a row.
-    def ten_answers() -> list[dict]:
-        return [server.predict(rows, path="/v1/models/exact:predict", headers={"Connection": "close"}).json()
-                for _ in range(10)]
+    def ten_answers() -> list[dict] | None:
+        answers = [server.predict(rows, path="/v1/models/exact:predict", headers={"Connection": "close"}).json()
+                   for _ in range(10)]
+        return answers if all("error" not in answer for answer in answers) else None
 
-    answers = wait_for(lambda: (got := ten_answers()) if all("error" not in a for a in got) else None,
-                       within_s=60, what="ten answers in a row from every worker")
+    answers = wait_for(ten_answers, within_s=60, what="ten answers in a row from every worker")
     assert answers == [expected] * 10
 
 
