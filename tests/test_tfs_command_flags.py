@@ -8,6 +8,8 @@ their flags (each test's own flags are a subset; none changes another's answer) 
 Gunicorn workers, so that the Unix socket is served by one of several. The assertions are
 TF Serving's: '# TYPE' on the Prometheus page; Predict x=2.0 -> y=3.0, DT_FLOAT, one value,
 model 'default', signature 'serving_default', version 123 (VerifyPredictRequest).
+The server also takes TF Serving's documented `--enable_batching --batching_parameters_file=...`,
+with the Sicara article's file, whose values reach the served model's batcher.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import requests
 from tensorflow_serving.apis import prediction_service_pb2_grpc
 
 from tests.conftest import REPO, Server, free_port, wait_for
+from tests.test_tfs_flags import SICARA_BATCHING
 from tests.test_tfs_models import assert_y, predict_x
 from tests.tfs_models import tfs_models  # noqa: F401  (a fixture)
 
@@ -39,6 +42,7 @@ WORKERS = 2
 def server(tfs_models, tmp_path_factory):  # noqa: F811
     files = tmp_path_factory.mktemp("tfs-command")
     (files / "monitoring_config.txt").write_text(MONITORING_CONFIG)
+    (files / "batching.config").write_text(SICARA_BATCHING)
     running = Server(tmp_path_factory.mktemp("tfs-command-logs"), {"TFS_LISTEN_HOST": "127.0.0.1",
                                                                    "WORKERS": str(WORKERS)})
     running.grpc_target = f"127.0.0.1:{free_port()}"
@@ -48,7 +52,8 @@ def server(tfs_models, tmp_path_factory):  # noqa: F811
                f"--grpc_socket_path={running.socket_path}", "--model_name=default",
                f"--model_base_path={tfs_models['half_plus_two']}",
                f"--monitoring_config_file={files / 'monitoring_config.txt'}",
-               f"--grpc_channel_arguments={CHANNEL_ARGUMENTS}"]
+               f"--grpc_channel_arguments={CHANNEL_ARGUMENTS}",
+               "--enable_batching", f"--batching_parameters_file={files / 'batching.config'}"]
     running._log = open(running.log_path, "wb")  # noqa: SIM115  (Server.stop closes it)
     running.proc = subprocess.Popen(command, cwd=REPO, env=running.env, stdout=running._log, stderr=subprocess.STDOUT)
     try:
@@ -80,6 +85,13 @@ def test_prometheus_endpoint(server):
     families = {line for line in page.text.splitlines() if line.startswith("# TYPE")}
     assert families == {line for line in requests.get(f"{server.url}/metrics", timeout=60).text.splitlines()
                         if line.startswith("# TYPE")}
+
+
+def test_the_sicara_batching_file_sets_the_served_models_batcher(server):
+    """max_batch_size 20 and batch_timeout_micros 500000 (500 ms), and Predict answers with them."""
+    served = requests.get(f"{server.url}/readyz", timeout=60).json()["models"]["default"]
+    assert (served["max_batch_size"], served["batch_timeout_ms"]) == (20, 500.0)
+    assert_y(predict(server.grpc_target), 3.0, model="default")
 
 
 def test_predict_uds(server):

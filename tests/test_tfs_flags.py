@@ -132,6 +132,21 @@ def test_socket_path_channel_arguments_and_gpu_fraction_map_to_their_settings(mo
         "GPU_MEMORY_FRACTION": "0.25"}
 
 
+# The flags issue 26 lists whose translation no other test here gives a value other than the
+# default: each changes exactly its own setting, or (grpc_max_threads) nothing at all.
+@pytest.mark.parametrize("flag, changed", [
+    ("--file_system_poll_wait_seconds=5", {"MODEL_POLL_SECONDS": "5"}),
+    ("--rest_api_num_threads=6", {"THREADS": "6"}),
+    ("--tensorflow_inter_op_parallelism=2", {"TF_INTER_OP_THREADS": "2"}),
+    ("--tensorflow_intra_op_parallelism=3", {"TF_INTRA_OP_THREADS": "3"}),
+    ("--grpc_max_threads=9", {}),
+])
+def test_poll_and_thread_flags_change_only_their_own_setting(flag, changed):
+    left_out = env_for(["--model_base_path=/m"])
+    env = env_for(["--model_base_path=/m", flag])
+    assert {key: value for key, value in env.items() if left_out.get(key) != value} == changed
+
+
 def test_tf_servings_defaults_of_the_new_flags_set_nothing():
     env = env_for(["--model_base_path=/m", "--grpc_socket_path=", "--grpc_channel_arguments=",
                    "--per_process_gpu_memory_fraction=0", "--monitoring_config_file="])
