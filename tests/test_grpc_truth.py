@@ -159,6 +159,11 @@ class _Unserializable(grpc.GenericRpcHandler):
                                                    response_serializer=lambda response: response.SerializeToString())
 
 
+def access_lines(caplog) -> list[dict]:
+    logs.flush_access_log()
+    return [entry.fields for entry in caplog.records if entry.name == "app.access"]
+
+
 def test_an_answer_that_cannot_be_serialized_is_logged_internal(caplog):
     metrics = Metrics(CollectorRegistry())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
@@ -172,13 +177,12 @@ def test_an_answer_that_cannot_be_serialized_is_logged_internal(caplog):
             with pytest.raises(grpc.RpcError) as raised:
                 channel.unary_unary("/test.Service/Answer")(b"", timeout=30,
                                                            metadata=(("x-request-id", "unserializable"),))
-            labels = {"route": "/test.Service/Answer", "method": "GRPC", "status": "INTERNAL"}
-            wait_for(lambda: metrics.registry.get_sample_value("model_server_requests_total", labels),
-                     what="the call counted")
-            logs.flush_access_log()
+            # The record counts the call, then writes its line: waiting for the line waits for both.
+            wait_for(lambda: access_lines(caplog), what="the call's access line")
     finally:
         server.stop(None)
     assert raised.value.code() == grpc.StatusCode.INTERNAL
-    [line] = [entry.fields for entry in caplog.records if entry.name == "app.access"]
+    [line] = access_lines(caplog)
+    labels = {"route": "/test.Service/Answer", "method": "GRPC", "status": "INTERNAL"}
     assert (line["status"], line["request_id"]) == ("INTERNAL", "unserializable")
     assert metrics.registry.get_sample_value("model_server_requests_total", labels) == 1
