@@ -53,6 +53,12 @@ def utc_timestamp(created: float) -> str:
     return datetime.fromtimestamp(created, tz=UTC).isoformat(timespec="milliseconds")
 
 
+# What JSON lets through raw, but a reader may take for a line break (NEL, U+2028, U+2029) or
+# a terminal for a control (the C1 set, DEL): orjson writes them as they are, and only inside
+# strings, where a \u escape means the same to any JSON parser.
+_JSON_RAW = re.compile("[\x7f-\x9f\u2028\u2029]")
+
+
 class JsonFormatter(logging.Formatter):
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         return utc_timestamp(record.created)
@@ -69,11 +75,12 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         try:
-            return orjson.dumps(entry).decode()
+            line = orjson.dumps(entry).decode()
         except (TypeError, ValueError):
             # A lone surrogate or a value orjson cannot write: the record is still one line,
             # never a "--- Logging error ---" that loses it.
-            return orjson.dumps({key: _json_safe(value) for key, value in entry.items()}).decode()
+            line = orjson.dumps({key: _json_safe(value) for key, value in entry.items()}).decode()
+        return _JSON_RAW.sub(lambda found: f"\\u{ord(found.group()):04x}", line)
 
 
 class TextFormatter(logging.Formatter):

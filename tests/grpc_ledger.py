@@ -1,9 +1,6 @@
-"""What a live server logged and counted for its gRPC calls, held against what its clients got.
+"""The checks of tests/ledger.py around an attack on a live server's gRPC port.
 
-`Ledger` reads, since it was opened, the access lines of gRPC calls and the change in
-model_server_requests_total{method="GRPC"}, each as a count per (route, status).
-
-`siege` is the one set of assertions every attack test makes, around the attack:
+`siege` is the one set of assertions every gRPC attack test makes, around the attack:
 
 - the worker's pid is unchanged: no client made it exit;
 - the health Check answers SERVING and a normal Predict answers the model's own scores
@@ -17,99 +14,28 @@ model_server_requests_total{method="GRPC"}, each as a count per (route, status).
 
 from __future__ import annotations
 
-import collections
-import json
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import grpc
-import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
+from tests import ledger
 from tests.conftest import Server, integer_rows, wait_for
+from tests.ledger import GRPC, watching
 
 PREDICT = "/tensorflow.serving.PredictionService/Predict"
-# Growth of the worker's resident memory an attack may leave, as a share of where it started.
-# A loaded worker holds about 550 MiB; glibc and grpc-core keep freed memory for reuse, and
-# the first 50,000-stream reset storm leaves 64-90 MiB more, later storms 0-28 MiB each
-# (docs/reliability.md); a leak of a few KiB a call would pass 138 MiB within a storm or two.
-RSS_GROWTH = 0.25
-_TEXT_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S*)')
-
-Counts = collections.Counter[tuple[str, str]]
 
 
-def access_lines(text: str) -> list[dict[str, str]]:
-    """The gRPC access lines in a server's log text, JSON or text format, as fields."""
-    found = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            entry = json.loads(line)
-            if entry.get("logger") != "app.access":
-                continue
-        elif " app.access: access " in line:
-            entry = {key: value.strip('"') for key, value in _TEXT_FIELD.findall(line.split(" app.access: ", 1)[1])}
-        else:
-            continue
-        if entry.get("method") == "GRPC":
-            found.append({key: str(value) for key, value in entry.items()})
-    return found
+class Ledger(ledger.Ledger):
+    """The gRPC calls' access lines and counts, per method path and status."""
 
-
-def grpc_counts(server: Server) -> Counts:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = requests.get(server.url + "/metrics", timeout=30).text
-    counts: Counts = collections.Counter()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "model_server_requests_total" and sample.labels.get("method") == "GRPC":
-                counts[sample.labels["route"], sample.labels["status"]] += int(sample.value)
-    return counts
-
-
-class Ledger:
     def __init__(self, server: Server) -> None:
-        self.server = server
-        self._counts = grpc_counts(server)
-        self._log_at = len(server.log())
-
-    def lines(self) -> list[dict[str, str]]:
-        return access_lines(self.server.log()[self._log_at:])
-
-    def logged(self) -> Counts:
-        return collections.Counter((line["path"], line["status"]) for line in self.lines())
-
-    def counted(self) -> Counts:
-        now = grpc_counts(self.server)
-        return collections.Counter({key: now[key] - self._counts[key] for key in now if now[key] != self._counts[key]})
-
-    def settle(self, expected: Counts, *, within_s: float = 30) -> None:
-        """Wait until the log and the counts reach `expected` (lines are written off the call's
-        thread, after its end), then assert both equal it."""
-        expected = +expected
-        try:
-            wait_for(lambda: self.logged() == expected and self.counted() == expected, within_s=within_s)
-        except TimeoutError:
-            pass  # the assertion says how they differ
-        logged, counted = self.logged(), self.counted()
-        assert logged == counted == expected, f"logged {dict(logged)}, counted {dict(counted)}, " \
-                                              f"expected {dict(expected)}"
+        super().__init__(server, GRPC)
 
 
-def worker_pid(server: Server) -> int:
-    return requests.get(server.url + "/readyz", timeout=10).json()["pid"]
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        [line] = [line for line in status if line.startswith("VmRSS:")]
-    return int(line.split()[1]) * 1024
-
-
-class Siege:
+class Siege(ledger.Watch):
     """One attack's watch: what its clients got, and the server still serving while it holds.
 
     Its own channel connects before the attack, as a client's kept channel would: an attack
@@ -117,17 +43,12 @@ class Siege:
     """
 
     def __init__(self, server: Server, model, *, ledger: bool) -> None:
-        self.server = server
         self.model = model
-        self.pid = worker_pid(server)
         self.channel = grpc.insecure_channel(server.grpc_target)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._predict = prediction_service_pb2_grpc.PredictionServiceStub(self.channel)
         self._check_health()
-        self.rss_before = rss_bytes(self.pid)
-        self.ledger = Ledger(server) if ledger else None
-        self.expected: Counts = collections.Counter()
-        self.predicted = 0
+        super().__init__(server, GRPC, ledger=ledger)
 
     def got(self, route: str, status: grpc.StatusCode | str, count: int = 1) -> None:
         """`count` calls to `route` whose clients got `status`."""
@@ -170,24 +91,13 @@ class Siege:
             return False
         return True
 
-    def check(self) -> None:
+    def close(self) -> None:
         self.channel.close()
-        assert self.predicted, "no Predict was answered while the attack held"
-        rss_after = rss_bytes(self.pid)
-        assert rss_after <= self.rss_before * (1 + RSS_GROWTH), f"VmRSS {self.rss_before} -> {rss_after} bytes"
-        assert worker_pid(self.server) == self.pid, "the worker was replaced"
-        if self.ledger is not None:
-            self.ledger.settle(self.expected)
 
 
 @contextmanager
 def siege(server: Server, model, *, ledger: bool = True) -> Iterator[Siege]:
     """Watch an attack on `server`; on a clean exit, make every assertion of the module docstring.
     With ledger=False (an attack whose calls no client can count), the log and counts are not compared."""
-    watch = Siege(server, model, ledger=ledger)
-    try:
+    with watching(Siege(server, model, ledger=ledger)) as watch:
         yield watch
-    except BaseException:
-        watch.channel.close()
-        raise
-    watch.check()

@@ -1,6 +1,9 @@
 """Forged log lines and unencodable text against live Gunicorn servers: one request, one log line.
 
-Raw sockets, so the request line reaches the server as an attacker writes it.
+Raw sockets, so the request line reaches the server as an attacker writes it. Each HTTP attack
+runs inside tests/http_ledger.py's `siege`: the worker's pid is unchanged, `/healthz` and a
+normal predict answer, its memory stays within a bound, and each request has exactly one
+access line and one count, with the status its client got.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import json
 import logging
 import re
 import socket
+import urllib.parse
 
 import grpc
 import h2.config
@@ -21,6 +25,7 @@ import requests
 from app import logs
 from tests.conftest import Server, wait_for
 from tests.grpc_ledger import Ledger
+from tests.http_ledger import siege
 
 SOCKET_TIMEOUT_S = 30
 FORGED = ("2026-11-25T00:00:00.000+00:00 INFO [1] app.access: access method=GET path=/admin status=200 "
@@ -59,13 +64,26 @@ def lines_with(server: Server, text: str) -> list[str]:
     return [line for line in server.log().splitlines() if text in line]
 
 
-@pytest.mark.parametrize("injected", ["%0d%0a", "%0a", "%c2%85", "%e2%80%a8", "%0b%0c", "%1b%5b2K%0d"])
-def test_a_path_cannot_write_a_second_log_line(text_server, injected):
-    request_id = f"forge-{abs(hash(injected))}"
-    path = f"/x{injected}{requests.utils.quote(FORGED)}%1b[2K"
-    answer = raw_request(text_server, f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Request-ID: {request_id}\r\n"
-                                      "Connection: close\r\n\r\n".encode())
+INJECTIONS = ["%0d%0a", "%0a", "%c2%85", "%e2%80%a8", "%0b%0c", "%1b%5b2K%0d"]
+
+
+def forged_path(injected: str) -> str:
+    return f"/x{injected}{requests.utils.quote(FORGED)}%1b[2K"
+
+
+def forge(server: Server, injected: str, request_id: str) -> None:
+    answer = raw_request(server, f"GET {forged_path(injected)} HTTP/1.1\r\nHost: x\r\nX-Request-ID: {request_id}\r\n"
+                                 "Connection: close\r\n\r\n".encode())
     assert answer.startswith(b"HTTP/1.1 404 ")
+
+
+@pytest.mark.parametrize("injected", INJECTIONS)
+def test_a_path_cannot_write_a_second_log_line(text_server, exact_model, injected):
+    request_id = f"forge-{abs(hash(injected))}"
+    with siege(text_server, exact_model) as watch:
+        forge(text_server, injected, request_id)
+        watch.got("GET", 404)
+        watch.serving()
     [line] = wait_for(lambda: lines_with(text_server, request_id), what="the access line")
     log = text_server.log()
     assert "\x1b" not in log and "\x85" not in log and "\u2028" not in log and "\r" not in log
@@ -73,6 +91,19 @@ def test_a_path_cannot_write_a_second_log_line(text_server, injected):
     assert not any(other.startswith("2026-11-25T00:00:00.000") for other in log.splitlines())
     assert re.match(r'\S+ INFO \[\d+\] app\.access: access method=GET path="/x\\', line), line
     assert line.endswith(f"request_id={request_id}")
+
+
+@pytest.mark.parametrize("injected", INJECTIONS)
+def test_a_path_is_one_json_log_line_holding_it_whole(json_server, exact_model, injected):
+    request_id = f"forge-json-{abs(hash(injected))}"
+    with siege(json_server, exact_model) as watch:
+        forge(json_server, injected, request_id)
+        watch.got("GET", 404)
+        watch.serving()
+    [line] = lines_with(json_server, f'"request_id":"{request_id}"')
+    assert json.loads(line)["path"] == urllib.parse.unquote(forged_path(injected), errors="replace")
+    log = json_server.log()
+    assert "\x1b" not in log and "\x85" not in log and "\u2028" not in log and "\r" not in log
 
 
 def test_a_request_id_with_a_final_newline_is_replaced(text_server):
@@ -119,10 +150,13 @@ def test_a_grpc_request_id_with_a_final_newline_gets_the_logged_status_and_a_new
     assert (line["request_id"], line["status"]) == (new_id, "INVALID_ARGUMENT")
 
 
-def test_lone_surrogate_is_400_and_one_json_log_line(json_server):
+def test_lone_surrogate_is_400_and_one_json_log_line(json_server, exact_model):
     body = b'{"signature_name": "\\ud800", "instances": [[1, 2, 3, NaN]]}'
-    answer = requests.post(json_server.url + "/predict", data=body, timeout=30,
-                           headers={"Content-Type": "application/json", "X-Request-ID": "surrogate-1"})
+    with siege(json_server, exact_model) as watch:
+        answer = requests.post(json_server.url + "/predict", data=body, timeout=30,
+                               headers={"Content-Type": "application/json", "X-Request-ID": "surrogate-1"})
+        watch.got("POST", answer.status_code)
+        watch.serving()
     assert answer.status_code == 400
     assert answer.json() == {"error": "malformed JSON: the request body holds a lone surrogate (\\ud800): "
                                       "a string is not valid Unicode"}
@@ -133,11 +167,14 @@ def test_lone_surrogate_is_400_and_one_json_log_line(json_server):
 
 @pytest.mark.parametrize("route", ["/v1/models/default:predict", "/v1/models/default:classify",
                                    "/v1/models/default:regress"])
-def test_lone_surrogate_is_400_on_every_route(json_server, route):
+def test_lone_surrogate_is_400_on_every_route(json_server, exact_model, route):
     body = (b'{"signature_name": "\\udc00", "instances": [[1, 2, 3, NaN]], '
             b'"examples": [{"x": "\\ud800"}], "context": {"y": Infinity}}')
-    answer = requests.post(json_server.url + route, data=body, timeout=30,
-                           headers={"Content-Type": "application/json"})
+    with siege(json_server, exact_model) as watch:
+        answer = requests.post(json_server.url + route, data=body, timeout=30,
+                               headers={"Content-Type": "application/json"})
+        watch.got("POST", answer.status_code)
+        watch.serving()
     assert answer.status_code == 400
     assert "lone surrogate" in answer.json()["error"]
     assert "Logging error" not in json_server.log()
@@ -151,6 +188,15 @@ def test_the_json_formatter_never_fails():
     entry = json.loads(line)
     assert entry["message"] == "bad \\ud800 text" and entry["path"] == "/\\udfff"
     assert entry["other"].startswith("<object object at ")
+
+
+def test_the_json_formatter_escapes_what_a_reader_could_take_for_a_line_break_or_a_control():
+    record = logging.makeLogRecord({"msg": "access", "name": "app.access", "levelno": logging.INFO,
+                                    "levelname": "INFO", "fields": {"path": "/a\x85b\u2028c\u2029d\x9b2K\x7f"}})
+    line = logs.JsonFormatter().format(record)
+    assert line.isascii() and len(line.splitlines()) == 1
+    assert line.endswith('"path":"/a\\u0085b\\u2028c\\u2029d\\u009b2K\\u007f"}')
+    assert json.loads(line)["path"] == "/a\x85b\u2028c\u2029d\x9b2K\x7f"
 
 
 def test_the_text_formatter_escapes_every_field():
@@ -167,9 +213,12 @@ def test_the_text_formatter_escapes_every_field():
 LONG_NAME = "s" * 60_000
 
 
-def test_a_long_signature_name_is_not_echoed_whole_over_rest(json_server):
+def test_a_long_signature_name_is_not_echoed_whole_over_rest(json_server, exact_model):
     body = {"signature_name": LONG_NAME, "instances": [[1, 2, 3, 4]]}
-    answer = requests.post(json_server.url + "/v1/models/default:predict", json=body, timeout=30)
+    with siege(json_server, exact_model) as watch:
+        answer = requests.post(json_server.url + "/v1/models/default:predict", json=body, timeout=30)
+        watch.got("POST", answer.status_code)
+        watch.serving()
     assert answer.status_code == 400
     full = (f'Serving signature name: "{LONG_NAME}" not found in signature def (unknown signature_name; '
             "model 'default' v1 has ['serving_default'])")
@@ -196,16 +245,23 @@ def test_a_long_signature_name_gives_a_grpc_status_the_client_can_read(text_serv
 # -- URLs -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("version", ["%EF%BC%91", "%D9%A1", "%E0%A5%A7"])  # fullwidth, Arabic-Indic, Devanagari 1
-def test_versions_are_ascii_digits_only(json_server, version):
-    answer = requests.get(f"{json_server.url}/v1/models/default/versions/{version}", timeout=10)
+def test_versions_are_ascii_digits_only(json_server, exact_model, version):
+    with siege(json_server, exact_model) as watch:
+        answer = requests.get(f"{json_server.url}/v1/models/default/versions/{version}", timeout=10)
+        watch.got("GET", answer.status_code)
+        watch.serving()
+        assert requests.get(f"{json_server.url}/v1/models/default/versions/1", timeout=10).status_code == 200
+        watch.got("GET", 200)
     assert answer.status_code == 400
     assert answer.json() == {"error": f"Malformed request: GET /v1/models/default/versions/{version}"}
-    assert requests.get(f"{json_server.url}/v1/models/default/versions/1", timeout=10).status_code == 200
 
 
-def test_a_double_slash_is_not_redirected_by_host(json_server):
-    answer = requests.get(f"{json_server.url}/v1//models/default", timeout=10, allow_redirects=False,
-                          headers={"Host": "attacker.example"})
+def test_a_double_slash_is_not_redirected_by_host(json_server, exact_model):
+    with siege(json_server, exact_model) as watch:
+        answer = requests.get(f"{json_server.url}/v1//models/default", timeout=10, allow_redirects=False,
+                              headers={"Host": "attacker.example"})
+        watch.got("GET", answer.status_code)
+        watch.serving()
     assert answer.status_code == 400
     assert "Location" not in answer.headers
     assert answer.json() == {"error": "Malformed request: GET /v1//models/default"}

@@ -21,6 +21,7 @@ from tensorflow_serving.apis import (
 )
 
 from tests.conftest import Server, wait_for
+from tests.http_ledger import siege
 from tests.test_versions import save_half_plus
 
 TIMEOUT_S = 60
@@ -70,9 +71,21 @@ def test_a_failed_load_shows_its_cause_but_not_its_path_over_rest_and_grpc(serve
     assert answer.json() == {"predictions": [2.0, 3.0]}
 
 
+def half_plus_one(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x + 1.0
+
+
+def small_numbers(seed: int) -> np.ndarray:
+    return np.arange(seed, seed + 3, dtype=np.float32)
+
+
 def test_an_unknown_model_is_not_found_without_naming_the_models_served(served):
     server, _ = served
-    answer = requests.post(f"{server.url}/v1/models/nope:predict", json={"instances": [[1.0]]}, timeout=TIMEOUT_S)
+    with siege(server, half_plus_one, path=f"/v1/models/{NAME}:predict", rows=small_numbers) as watch:
+        answer = requests.post(f"{server.url}/v1/models/nope:predict", json={"instances": [[1.0]]},
+                               timeout=TIMEOUT_S)
+        watch.got("POST", answer.status_code)
+        watch.serving()
     assert answer.status_code == 404 and answer.json() == {"error": NOT_FOUND}
 
     request = predict_pb2.PredictRequest()
