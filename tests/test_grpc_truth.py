@@ -159,30 +159,49 @@ class _Unserializable(grpc.GenericRpcHandler):
                                                    response_serializer=lambda response: response.SerializeToString())
 
 
-def access_lines(caplog) -> list[dict]:
-    logs.flush_access_log()
-    return [entry.fields for entry in caplog.records if entry.name == "app.access"]
+class _Lines(logging.Handler):
+    """The access lines themselves, on app.access: an earlier test's logging set-up (a
+    dictConfig in this process) may have disabled that logger or cut it off from the root
+    logger, where caplog listens."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.fields: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.fields.append(record.fields)  # type: ignore[attr-defined]
+
+    def __call__(self) -> list[dict]:
+        logs.flush_access_log()
+        return self.fields
 
 
-def test_an_answer_that_cannot_be_serialized_is_logged_internal(caplog):
+def test_an_answer_that_cannot_be_serialized_is_logged_internal():
     metrics = Metrics(CollectorRegistry())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
                          interceptors=[grpc_record.CallRecords(Requests(metrics))])
     server.add_generic_rpc_handlers((_Unserializable(),))
     port = server.add_insecure_port("127.0.0.1:0")
+    lines, access = _Lines(), logging.getLogger("app.access")
+    level, disabled = access.level, access.disabled
+    access.addHandler(lines)
+    access.setLevel(logging.INFO)
+    access.disabled = False
     server.start()
     try:
-        with caplog.at_level(logging.INFO, logger="app.access"), \
-                grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             with pytest.raises(grpc.RpcError) as raised:
                 channel.unary_unary("/test.Service/Answer")(b"", timeout=30,
                                                            metadata=(("x-request-id", "unserializable"),))
             # The record counts the call, then writes its line: waiting for the line waits for both.
-            wait_for(lambda: access_lines(caplog), what="the call's access line")
+            wait_for(lines, what="the call's access line")
     finally:
         server.stop(None)
+        access.removeHandler(lines)
+        access.setLevel(level)
+        access.disabled = disabled
     assert raised.value.code() == grpc.StatusCode.INTERNAL
-    [line] = access_lines(caplog)
+    [line] = lines()
     labels = {"route": "/test.Service/Answer", "method": "GRPC", "status": "INTERNAL"}
     assert (line["status"], line["request_id"]) == ("INTERNAL", "unserializable")
     assert metrics.registry.get_sample_value("model_server_requests_total", labels) == 1

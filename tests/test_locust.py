@@ -160,8 +160,11 @@ def test_locust_rows_match_what_the_server_received(start_server, exact_model_pa
     # A call cut off as Locust stops its users can reach the server uncounted: one per user at most.
     assert counted <= received <= counted + USERS
     # Every call the server received held the rows Locust was asked to send: its batches'
-    # real rows add up to 3 per call.
-    assert server.metric("model_server_batch_size_rows_sum", model="default") == 3 * received
+    # real rows add up to 3 per call. A gRPC call Locust cut off as it stopped may have run and
+    # still be recorded CANCELLED, the status its client got (app/grpc_record.py).
+    cut_off = server.metric("model_server_requests_total", route=route, status="CANCELLED")
+    assert cut_off <= USERS
+    assert 3 * received <= server.metric("model_server_batch_size_rows_sum", model="default") <= 3 * (received + cut_off)
 
 
 class FakePredictionService:
