@@ -36,6 +36,7 @@ from tensorflow_serving.apis import (
 )
 
 from scripts.live_server import REPO, LiveServer, free_port
+from tests.conftest import wait_for
 from tests.tfs_models import (
     HALF_PLUS_TWO_SIGNATURES,
     VERSION,
@@ -386,18 +387,12 @@ def test_model_config_reload(servers, tfs_models, tmp_path):  # noqa: F811
     server = servers.get(f"--model_config_file={config}", "--model_config_file_poll_wait_seconds=1")
     verify_predict_request(server, model_name="half_plus_two", expected_output=3.0, specify_output=False)
     config.write_text(config_text("half_plus_three", tfs_models["half_plus_three"]))
-    wait_until_served(server, "half_plus_three")
+    wait_for(lambda: requests.get(f"{server.url}/v1/models/half_plus_three", timeout=TIMEOUT_S).ok,
+             within_s=120, what="half_plus_three served")
     verify_predict_request(server, model_name="half_plus_three", expected_output=4.0, specify_output=False)
     with pytest.raises(grpc.RpcError) as removed:
         verify_predict_request(server, model_name="half_plus_two", expected_output=3.0)
     assert removed.value.code() == grpc.StatusCode.NOT_FOUND
-
-
-def wait_until_served(server: ModelServer, name: str, within_s: float = 120) -> None:
-    deadline = time.monotonic() + within_s
-    while requests.get(f"{server.url}/v1/models/{name}", timeout=TIMEOUT_S).status_code != 200:
-        assert time.monotonic() < deadline, f"{name} not served within {within_s} s"
-        time.sleep(0.1)
 
 
 def test_model_config_reload_with_zero_poll_period(servers, tfs_models, tmp_path):  # noqa: F811
