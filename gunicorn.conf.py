@@ -117,7 +117,8 @@ def post_fork(server, worker):
     worker.catch_early_stops()
     if _settings.model_processes:
         # The models run in the model processes; this worker imports no TensorFlow.
-        worker.tensorflow = {"model_processes": _settings.model_processes}
+        worker.tensorflow = {"model_processes": _settings.model_processes,
+                             "model_process_gpus": server.model_processes.gpus}  # CUDA_VISIBLE_DEVICES of each
         return
     from app import runtime
 

@@ -182,6 +182,31 @@ def cuda_total_memory(ordinal: int, *, library: str = "libcuda.so.1") -> int:
     return total.value
 
 
+# cuInit's CUresult on a host whose driver sees no device (CUDA_VISIBLE_DEVICES empty, say).
+CUDA_ERROR_NO_DEVICE = 100
+
+
+def cuda_device_count(*, library: str = "libcuda.so.1") -> int:
+    """How many GPUs the CUDA driver shows this process (CUDA_VISIBLE_DEVICES applied); 0 without a driver.
+
+    As cuda_total_memory: no context is created and TensorFlow is not imported, so the model
+    processes' supervisor can ask. A driver whose cuInit fails leaves TensorFlow on the CPU too
+    ("failed call to cuInit"): 0, with a warning unless the driver simply sees no device.
+    """
+    try:
+        cuda = ctypes.CDLL(library)
+    except OSError:
+        return 0
+    count = ctypes.c_int()
+    for call, args in (("cuInit", (0,)), ("cuDeviceGetCount", (ctypes.byref(count),))):
+        result = getattr(cuda, call)(*args)
+        if result != 0:
+            if result != CUDA_ERROR_NO_DEVICE:
+                log.warning("the CUDA driver's %s failed (CUresult %d): no GPU is used", call, result)
+            return 0
+    return count.value
+
+
 def configure(settings: Settings, *, workers: int,
               gpu_total_bytes: Callable[[int], int] = cuda_total_memory) -> dict[str, Any]:
     """Size TF's pools to usable CPUs / workers and cap GPU memory: once, before any TF op runs.
@@ -216,6 +241,8 @@ def configure(settings: Settings, *, workers: int,
         "usable_cpus": cpus.count,
         "usable_cpus_from": cpus.source,
     }
+    if "CUDA_VISIBLE_DEVICES" in os.environ:  # a model process's own GPU (app/model_process/supervisor.py)
+        configured["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
     log.info("tensorflow configured in pid %d: %s", os.getpid(), configured)
     return configured
 

@@ -284,12 +284,13 @@ class Settings:
         "TensorFlow inter-op threads per worker; 0: usable CPUs ÷ workers, at least 1.", section="TensorFlow")
     gpu_memory_limit_mb: int = _env(
         "GPU_MEMORY_LIMIT_MB", validate_non_neg_int, 0,
-        "GPU memory per worker process; 0: grow as needed. Workers × limit must fit the card.",
+        "GPU memory per worker process (per model process with `MODEL_PROCESSES`: one GPU each); 0: grow as "
+        "needed. Workers × limit must fit the card.",
         section="TensorFlow")
     gpu_memory_fraction: float = _env(
         "GPU_MEMORY_FRACTION", validate_fraction, 0.0,
-        "TF Serving's `--per_process_gpu_memory_fraction`: GPU memory per worker process as a fraction of each "
-        "GPU's total (from the CUDA driver); 0: grow as needed. Not with `GPU_MEMORY_LIMIT_MB`.",
+        "TF Serving's `--per_process_gpu_memory_fraction`: GPU memory per worker (or model) process as a "
+        "fraction of each GPU's total (from the CUDA driver); 0: grow as needed. Not with `GPU_MEMORY_LIMIT_MB`.",
         section="TensorFlow")
     log_level: str = _env("LOG_LEVEL", validate_log_level, "INFO", "Logging level of the app and Gunicorn.",
                           section="Logs and probes")
@@ -379,7 +380,8 @@ class Settings:
         "MODEL_PROCESSES", validate_non_neg_int, 0,
         "Model processes apart from the HTTP and gRPC workers: Gunicorn's master starts this many, each loads "
         "the models once and runs the batchers, and workers hand them rows through shared memory "
-        "([model processes](scaling.md#model-processes)). 0: every worker loads its own copy.",
+        "([model processes](scaling.md#model-processes)). 0: every worker loads its own copy. With GPUs: a "
+        "multiple of the GPUs visible, each model process on one of them.",
         section="Model processes")
     model_process_arena_mb: int = _env(
         "MODEL_PROCESS_ARENA_MB", validate_pos_int, 32,
