@@ -48,7 +48,7 @@ OUT = REPO / "docs" / "model-processes-benchmark.md"
 FEATURES = WIDE_MODEL["features"]
 MODELS = {
     "tiny": f"{FEATURES:,} floats in, one Dense(3) layer: almost no compute, what lies around the model is measured",
-    "wide": f"the wide model: {WIDE_MODEL_NAME}",
+    "wide": WIDE_MODEL_NAME,
 }
 CONNECTIONS = 32
 REFERENCE = "default-1w"
