@@ -1,0 +1,172 @@
+"""scripts/process_bench.py's pieces: wrk driven for real against a small local HTTP server, the check
+of a server's answer, and the page's targets. The benchmark itself (TensorFlow servers, PyTriton) is
+not run here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scripts import process_bench
+
+
+@contextmanager
+def local_server(answer: Callable[[BaseHTTPRequestHandler, bytes], None]) -> Iterator[tuple[str, list[bytes]]]:
+    """A threaded HTTP/1.1 server on a free loopback port; `answer` replies to each POST. Yields its URL and the
+    bodies it received, in order."""
+    received: list[bytes] = []
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as wrk expects
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            with lock:
+                received.append(body)
+            answer(self, body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v2/models/default/infer", received
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def reply(status: int, payload: bytes = b"{}") -> Callable[[BaseHTTPRequestHandler, bytes], None]:
+    def answer(handler: BaseHTTPRequestHandler, body: bytes) -> None:
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(payload)))
+        handler.end_headers()
+        handler.wfile.write(payload)
+    return answer
+
+
+def hang_up(handler: BaseHTTPRequestHandler, body: bytes) -> None:
+    handler.close_connection = True  # no answer at all: wrk sees the connection closed under a request
+
+
+@pytest.fixture
+def body(tmp_path: Path) -> Path:
+    path = tmp_path / "body.json"
+    path.write_bytes(process_bench.infer_body(np.array([[0.5, -1.25, 3.0]], dtype=np.float32)))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def wrk_installed() -> None:
+    assert shutil.which("wrk"), "the wrk binary is needed (.ci/run installs Debian's package)"
+
+
+def test_wrk_posts_the_body_and_counts_every_answered_request(body: Path):
+    with local_server(reply(200)) as (url, received):
+        result, wrk_cpu_s = process_bench.run_wrk(url, body, duration_s=1, threads=1, connections=4)
+        served = len(received)
+    assert result.errors is None
+    assert result.requests > 0
+    # wrk counts the answers it read; at most one request per connection was served but not read as it stopped.
+    assert result.requests <= served <= result.requests + 4
+    assert set(received) == {body.read_bytes()}
+    assert result.rps == result.requests / result.duration_s
+    assert 0 < result.p50_ms <= result.p99_ms
+    assert wrk_cpu_s > 0
+
+
+def test_non_2xx_answers_are_counted_and_make_the_load_unfit(body: Path):
+    with local_server(reply(503)) as (url, received):
+        result, _ = process_bench.run_wrk(url, body, duration_s=1, threads=1, connections=2)
+    assert result.requests > 0
+    assert result.non_2xx_3xx == result.requests
+    assert result.errors == f"{result.requests} non-2xx/3xx answers"
+
+
+def test_connections_closed_without_an_answer_make_the_load_unfit(body: Path):
+    with local_server(hang_up) as (url, received):
+        result, _ = process_bench.run_wrk(url, body, duration_s=1, threads=1, connections=2)
+    assert received  # the requests reached the server
+    assert result.socket_errors["read"] > 0
+    assert result.errors is not None and "socket read errors" in result.errors
+
+
+def test_wrk_output_without_the_summary_line_is_refused():
+    with pytest.raises(ValueError, match="WRK_SUMMARY"):
+        process_bench.parse_wrk("Running 1s test @ http://127.0.0.1:1/\n  10 requests in 1.00s\n")
+
+
+def test_infer_body_is_v2_json_of_the_exact_float32_rows():
+    rows = np.array([[0.1, -2.5, 1e-3]], dtype=np.float32)
+    request = json.loads(process_bench.infer_body(rows))
+    (tensor,) = request["inputs"]
+    assert (tensor["name"], tensor["shape"], tensor["datatype"]) == ("features", [1, 3], "FP32")
+    assert np.array_equal(np.asarray(tensor["data"], dtype=np.float32).reshape(tensor["shape"]), rows)
+
+
+def v2_answer(data: list[float]) -> bytes:
+    return json.dumps({"outputs": [{"name": "scores", "datatype": "FP32", "shape": [1, len(data)],
+                                    "data": data}]}).encode()
+
+
+def test_check_answer_accepts_the_model_output_and_refuses_another(body: Path):
+    expected = np.array([[1.5, -0.25]], dtype=np.float32)
+    with local_server(reply(200, v2_answer([1.5, -0.25]))) as (url, received):
+        assert process_bench.check_answer(url, body.read_bytes(), expected) == 0.0
+        assert received == [body.read_bytes()]
+    with local_server(reply(200, v2_answer([1.5, -0.5]))) as (url, _):
+        with pytest.raises(RuntimeError, match="differs from the model's by up to 0.25"):
+            process_bench.check_answer(url, body.read_bytes(), expected)
+    with local_server(reply(200, v2_answer([1.5]))) as (url, _):
+        with pytest.raises(RuntimeError, match="shape"):
+            process_bench.check_answer(url, body.read_bytes(), expected)
+    with local_server(reply(503)) as (url, _):
+        with pytest.raises(RuntimeError, match="503"):
+            process_bench.check_answer(url, body.read_bytes(), expected)
+
+
+def measured(model: str, layout: str, round_number: int, rps: float | None, error: str | None = None):
+    return process_bench.Measured(model, layout, round_number, rps=rps, error=error)
+
+
+def test_targets_compare_the_best_model_process_layout_over_the_rounds():
+    results = [
+        measured("tiny", "pytriton", 1, 1000.0), measured("tiny", "pytriton", 2, 1200.0),
+        measured("tiny", "procs-1w", 1, 900.0), measured("tiny", "procs-1w", 2, 1100.0),
+        measured("tiny", "procs-2w", 1, 1150.0), measured("tiny", "procs-2w", 2, 1250.0),
+        measured("wide", "default-1w", 1, 200.0), measured("wide", "default-1w", 2, None, error="refused"),
+        measured("wide", "procs-2w", 1, 190.0), measured("wide", "procs-2w", 2, 230.0),
+    ]
+    assert process_bench.targets(results, ["tiny", "wide"]) == [
+        "- Tiny model, MODEL_PROCESSES=1 at least PyTriton's req/s: best `procs-2w` 1,200 against PyTriton's "
+        "1,100 (1.09×): met.",
+        "- Wide model, MODEL_PROCESSES=1 at least the default's req/s with one model copy: best `procs-2w` 210 "
+        "against `default-1w`'s 200 (1.05×): met.",
+    ]
+    slower = [result for result in results if result.layout != "procs-2w"]
+    assert process_bench.targets(slower, ["tiny"]) == [
+        "- Tiny model, MODEL_PROCESSES=1 at least PyTriton's req/s: best `procs-1w` 1,000 against PyTriton's "
+        "1,100 (0.91×): not met."]
+
+
+def test_non_2xx_answers_in_wrk_text_that_its_summary_missed_are_refused():
+    summary = {"requests": 10, "duration_us": 1_000_000, "non_2xx_3xx": 0, "connect": 0, "read": 0, "write": 0,
+               "timeout": 0, "p50_us": 900, "p99_us": 2000, "mean_us": 1000.0}
+    line = process_bench.WRK_SUMMARY + json.dumps(summary)
+    assert process_bench.parse_wrk(line).p99_ms == 2.0
+    with pytest.raises(ValueError, match="did not count"):
+        process_bench.parse_wrk(f"  Non-2xx or 3xx responses: 10\n{line}\n")
