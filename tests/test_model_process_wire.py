@@ -13,6 +13,7 @@ from app import errors
 from app.model_process import wire
 from app.model_process.arena import ALIGNMENT, Arena
 from app.model_process.link import rebuild_error
+from tests.conftest import wait_for
 
 
 @pytest.fixture
@@ -65,6 +66,64 @@ def test_frames_and_descriptors_cross_a_unix_socket(arena):
         left.close()
         assert wire.receive(stream) is None
         stream.close()
+
+
+class _Socket:
+    """What a Writer uses of a socket: each write recorded; the first held until `go` is set."""
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.writes: list[bytes] = []
+        self.go = threading.Event()
+        self.fail = fail
+        self.closed = threading.Event()
+
+    def sendall(self, data: bytes) -> None:
+        self.writes.append(data)
+        if self.fail:
+            raise BrokenPipeError("the peer is gone")
+        self.go.wait(30)
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_frames_queued_while_the_writer_writes_leave_together_in_order():
+    sock = _Socket()
+    writer = wire.Writer(sock, "test-writer")  # type: ignore[arg-type]
+    writer.put(b"a")
+    wait_for(lambda: sock.writes, what="the first write")
+    for message in (b"b", b"c", b"d"):
+        writer.put(message)
+    sock.go.set()
+    assert writer.flush(30)
+    assert sock.writes == [b"a", b"bcd"]
+    assert not sock.closed.is_set()
+
+
+def test_a_stopped_writer_writes_what_was_queued_before_it_closes_the_socket():
+    sock = _Socket()
+    writer = wire.Writer(sock, "test-writer")  # type: ignore[arg-type]
+    writer.put(b"a")
+    wait_for(lambda: sock.writes, what="the first write")
+    writer.put(b"b")
+    writer.stop()
+    writer.put(b"after the stop")
+    sock.go.set()
+    assert sock.closed.wait(30)
+    assert sock.writes == [b"a", b"b"]
+
+
+def test_after_a_failed_write_frames_are_dropped_without_blocking_and_stop_closes():
+    sock = _Socket(fail=True)
+    writer = wire.Writer(sock, "test-writer")  # type: ignore[arg-type]
+    writer.put(b"a")
+    wait_for(lambda: writer.failed, what="the failed write")
+    writer.put(b"b")
+    assert writer.flush(30)
+    assert sock.writes == [b"a"]
+    assert not sock.closed.is_set()  # the connection's reader may still read from it
+    writer.stop()
+    assert sock.closed.wait(30)
 
 
 @pytest.mark.parametrize(("name", "raised", "status", "headers"), [

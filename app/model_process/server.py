@@ -46,7 +46,7 @@ class WorkerConnection:
         self.outbox = Arena.create(arena_bytes)
         wire.send_descriptor(sock, self.outbox.descriptor)
         self.outbox.drop_descriptor()
-        self._send_lock = threading.Lock()
+        self.writer = wire.Writer(sock, "worker-connection-writer")
         self.closed = threading.Event()
 
     def serve(self) -> None:
@@ -59,19 +59,16 @@ class WorkerConnection:
         finally:
             self.closed.set()
             stream.close()
-            self.sock.close()
+            self.writer.stop()  # closes the socket once queued answers are written
             # Each arena's memory goes once nothing maps it: requests still running hold their
             # inputs, and an answer packed after this fails quietly (nobody reads it).
             self.inbox.close()
             self.outbox.close()
 
     def send(self, header: dict[str, Any], payload: list[bytes] | None = None) -> None:
-        if self.closed.is_set():
-            return
-        try:
-            wire.send(self.sock, self._send_lock, header, payload or ())
-        except OSError:
-            self.closed.set()  # the worker died: its requests still run, unanswered
+        # Once the worker has died its requests still run, unanswered: the writer drops their frames.
+        if not self.closed.is_set():
+            self.writer.put(wire.frame(header, payload or ()))
 
     def _handle(self, header: dict[str, Any], payload: bytes) -> None:
         for offset in header.get("free", ()):
@@ -194,6 +191,9 @@ class ModelProcess:
 
     def close(self) -> None:
         self.models.close(drain=True, timeout_s=self.drain_s)
+        # The drained batches' answers are queued with the writers: out before the process exits.
+        for connection in self.connections:
+            connection.writer.flush(self.drain_s)
 
     def _watch_versions(self) -> None:
         # Versions and configs change here (the pollers); workers learn it from a pushed description.

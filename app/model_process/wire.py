@@ -30,13 +30,82 @@ class Readable(Protocol):
     def read(self, size: int = ..., /) -> bytes: ...
 
 
-def send(sock: socket.socket, lock: threading.Lock, header: Mapping[str, Any], payload: Iterable[bytes] = ()) -> None:
-    """One frame; the lock keeps frames of several threads from interleaving."""
+def frame(header: Mapping[str, Any], payload: Iterable[bytes] = ()) -> bytes:
     body = orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)
     parts = list(payload)
-    message = b"".join([HEAD.pack(len(body), sum(len(part) for part in parts)), body, *parts])
+    return b"".join([HEAD.pack(len(body), sum(len(part) for part in parts)), body, *parts])
+
+
+def send(sock: socket.socket, lock: threading.Lock, header: Mapping[str, Any], payload: Iterable[bytes] = ()) -> None:
+    """One frame; the lock keeps frames of several threads from interleaving."""
+    message = frame(header, payload)
     with lock:
         sock.sendall(message)
+
+
+class Writer:
+    """Frames to one peer, written by a thread of their own: frames queued while it writes leave together.
+
+    A batch's answers are settled one after another on its batch thread; queued here, they
+    reach the peer in one write, and its reader wakes once for all of them instead of once each.
+    `put` never blocks on the socket. Once a write fails (the peer is gone), frames are dropped.
+    The writer owns the socket: its thread closes it after `stop`, once nothing can write to it.
+    """
+
+    def __init__(self, sock: socket.socket, name: str) -> None:
+        self.sock = sock
+        self.failed = False
+        self._frames: list[bytes] = []
+        self._writing = False
+        self._stopped = False
+        self._changed = threading.Condition(threading.Lock())
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def put(self, message: bytes) -> None:
+        with self._changed:
+            if self._stopped or self.failed:
+                return
+            self._frames.append(message)
+            if not self._writing and len(self._frames) == 1:
+                self._changed.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every frame queued has been written (or dropped); False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not (self._frames or self._writing), timeout_s)
+
+    def stop(self) -> None:
+        """Write what is queued, then close the socket and end the thread."""
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+
+    def _run(self) -> None:
+        try:
+            self._write()
+        finally:
+            with self._changed:
+                self.failed = True
+                self._frames = []
+                self._writing = False
+                self._changed.notify_all()
+                self._changed.wait_for(lambda: self._stopped)
+            self.sock.close()
+
+    def _write(self) -> None:
+        while True:
+            with self._changed:
+                self._writing = False
+                self._changed.notify_all()  # flush() waiters
+                self._changed.wait_for(lambda: self._frames or self._stopped)
+                frames, self._frames = self._frames, []
+                if not frames:
+                    return  # stopped, nothing left
+                self._writing = True
+            try:
+                self.sock.sendall(b"".join(frames) if len(frames) > 1 else frames[0])
+            except OSError:
+                return
 
 
 def receive(stream: Readable) -> tuple[dict[str, Any], bytes] | None:
