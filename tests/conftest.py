@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import requests
 
@@ -79,6 +80,29 @@ class Server(LiveServer):
 
     def __init__(self, log_dir: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
         super().__init__(log_dir, env, args=args)
+
+    @property
+    def model_processes(self) -> int:
+        """MODEL_PROCESSES as this server got it: from a test's env, or over the whole run (.ci/run)."""
+        return int(self.env.get("MODEL_PROCESSES") or 0)
+
+    def start(self, *, workers: int = 1, ready_within_s: float = 180) -> Server:
+        super().start(workers=workers, ready_within_s=ready_within_s)
+        if self.model_processes:
+            # A suite run in the mode must not pass by serving in the default mode.
+            assert self.model_process_pids(), f"MODEL_PROCESSES={self.model_processes} but no model process"
+        return self
+
+    def model_process_pids(self) -> list[int]:
+        """The live model processes (children of the supervisor, which the master starts)."""
+        pids = []
+        for process in self.processes():
+            try:
+                if "app.model_process.server" in process.cmdline():
+                    pids.append(process.pid)
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                pass
+        return pids
 
     def predict(self, rows, *, path: str = "/predict", **kwargs) -> requests.Response:
         body = {"instances": np.asarray(rows).tolist()}

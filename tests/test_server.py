@@ -75,7 +75,11 @@ def test_readme_command_serves_the_default_model_on_two_workers(start_server):
     server = start_server(args=("--threads=20",), workers=2)
     status = _status(server)
     cores = len(os.sched_getaffinity(0))
-    assert status["tensorflow"]["intra_op_threads"] == max(1, cores // 2)
+    if server.model_processes:
+        # The workers run no TensorFlow; the model processes size their own thread pools.
+        assert status["tensorflow"] == {"model_processes": server.model_processes}
+    else:
+        assert status["tensorflow"]["intra_op_threads"] == max(1, cores // 2)
     rows = np.array([[0.1, 0.2, 0.3, 0.4], [1.0, -1.0, 0.5, 2.0]], dtype=np.float32)
     answer = server.predict(rows)
     assert answer.status_code == 200, answer.text
@@ -99,7 +103,14 @@ def test_master_never_imports_tensorflow(start_server, exact_model_path):
     worker_pid = _status(server)["pid"]
     with open(f"/proc/{worker_pid}/maps") as maps:
         worker_libraries = maps.read()
-    assert "tensorflow" in worker_libraries
+    if server.model_processes:
+        # The models run in the model process alone: neither the master nor a worker maps TensorFlow.
+        for model_process in server.model_process_pids():
+            with open(f"/proc/{model_process}/maps") as maps:
+                assert "tensorflow" in maps.read()
+        assert "tensorflow" not in worker_libraries
+    else:
+        assert "tensorflow" in worker_libraries
     assert "tensorflow" not in master_libraries
 
 

@@ -218,7 +218,9 @@ def rebuild_error(header: dict[str, Any]) -> errors.ServingError:
     kind = getattr(errors, header["error"], None)
     message = header["message"]
     if not (isinstance(kind, type) and issubclass(kind, errors.ServingError)):
-        return errors.PredictFailed(message)
+        return errors.PredictFailed(message, detail=header.get("detail"))
+    if issubclass(kind, errors.PredictFailed):
+        return kind(message, detail=header.get("detail"))
     if issubclass(kind, errors.Unavailable):
         return kind(message, retry_after_s=int(header.get("retry_after") or 1))
     if issubclass(kind, errors.SignatureNotFound):

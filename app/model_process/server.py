@@ -133,10 +133,10 @@ class WorkerConnection:
 
     def _error(self, request_id: int, exc: BaseException) -> None:
         error = exc if isinstance(exc, ServingError) else PredictFailed.from_exception(exc)
-        if isinstance(error, PredictFailed) and error.detail:
-            log.error("request failed in the model process: %s", error.detail)
+        # The model's full error goes back too: the worker logs it on a line naming the request id.
         self.send({"op": "error", "id": request_id, "error": type(error).__name__, "message": error.message,
-                   "key": getattr(error, "key", ""), "retry_after": error.headers.get("Retry-After")})
+                   "key": getattr(error, "key", ""), "retry_after": error.headers.get("Retry-After"),
+                   "detail": getattr(error, "detail", None)})
 
 
 class ModelProcess:
