@@ -203,6 +203,30 @@ def test_sigterm_answers_a_request_held_in_its_batch_window_and_exits_before_it_
     assert answer.headers["X-Batch-Requests"] == "1"
 
 
+def test_flush_runs_the_batch_forming_now_and_later_requests_wait_for_company_again():
+    """The engine's part: flush() cuts the window of what is queued, not the batcher's window."""
+    calls: list[int] = []
+
+    def predict(tensors):
+        calls.append(len(tensors["x"]))
+        return {"y": tensors["x"] * 2}
+
+    batcher = Batcher(predict, name="flushed", max_batch_size=4, batch_timeout_ms=WINDOW_MS)
+    try:
+        first = batcher.submit({"x": np.ones((1, 2), np.float32)})
+        batcher.flush()
+        assert np.array_equal(first.result(30).outputs["y"], np.full((1, 2), 2, np.float32))
+        assert first.result().batch_requests == 1
+        later = [batcher.submit({"x": np.zeros((1, 2), np.float32)})]
+        # The flush is spent: the next request waits for three more (or its window).
+        wait_for(lambda: batcher.queue.wake_requests == 3, what="the next request waiting for company")
+        later += [batcher.submit({"x": np.full((1, 2), value, np.float32)}) for value in range(1, 4)]
+        assert [future.result(30).batch_requests for future in later] == [4] * 4
+        assert calls == [1, 4]
+    finally:
+        batcher.close()
+
+
 # -- a version retired between the worker and the model process ----------------------------------
 
 
