@@ -130,6 +130,11 @@ def post_worker_init(worker):
     worker.wsgi.extensions["tensorflow"] = worker.tensorflow
     # A worker whose batch thread died stops gracefully, so the master starts a fresh one.
     worker.wsgi.extensions["replace_worker"] = lambda: os.kill(os.getpid(), signal.SIGTERM)
+    if _settings.model_processes:
+        from app.model_process import client
+
+        # Rows this worker handed over run at once when it stops, not once their batch window closes.
+        worker.when_stopping(lambda: client.stopping(worker.wsgi))
     # gRPC starts in the worker once its models are loaded: grpc's threads would not survive
     # a fork, so the master never imports it.
     if _settings.grpc_bind or _settings.grpc_socket_path:

@@ -290,7 +290,8 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
 
     def _reload(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
         """Serve the models of request.config, live, in every worker: answered once all applied it,
-        or with what failed where, within the call's deadline (app/shared_config.py)."""
+        or with what failed where, within the call's deadline (app/shared_config.py; with
+        MODEL_PROCESSES, every model process and every worker)."""
         if request.config.WhichOneof("config") != "model_config_list":
             # TF Serving's words (model_servers/model_service_impl.cc).
             raise errors.BadRequest("ServerModelConfig type not supported by HandleReloadConfigRequest. "
@@ -299,10 +300,8 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
             document = tfs_flags.model_config_document(request.config)
         except tfs_flags.FlagError as exc:
             raise errors.BadRequest(str(exc)) from None
-        live_config = self._layer.registry.live_config
-        if live_config is None:
-            raise errors.Unavailable("this server's models come from no config it can reload")
-        live_config.reload(document, "ReloadConfigRequest", timeout_s=context.time_remaining())
+        # With MODEL_PROCESSES, the registry asks the model processes (app/model_process/client.py).
+        self._layer.registry.reload_config(document, timeout_s=context.time_remaining())
         response = model_management_pb2.ReloadConfigResponse()
         response.status.error_code = _ERROR_CODES["OK"].number
         return response

@@ -335,6 +335,12 @@ class ModelRegistry:
         servables = self.servables()
         return bool(servables) and all(batcher.alive for s in servables for batcher in s.batchers.values())
 
+    def reload_config(self, document: dict[str, Any], *, timeout_s: float | None) -> None:
+        """HandleReloadConfigRequest: serve the models of a MODEL_CONFIG document, in every worker."""
+        if self.live_config is None:
+            raise Unavailable("this server's models come from no config it can reload")
+        self.live_config.reload(document, RELOAD, timeout_s=timeout_s)
+
     def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
         if self.live_config is not None and self.live_config.shared is not None:
             self.live_config.shared.close()  # a stopping worker takes no more reloads
@@ -371,6 +377,8 @@ class LiveConfig:
         # The newest reload generation applied here, and what failed in it.
         self.generation = 0
         self._generation_error = ""
+        # Called once a reload is applied here, before it answers (a model process tells its workers).
+        self.on_applied: Callable[[], None] | None = None
 
     def serve(self, config: ModelConfig) -> None:
         """Load and serve a model the registry does not serve yet, with its labels."""
@@ -446,6 +454,8 @@ class LiveConfig:
             self.apply(configs)
         except models.ModelLoadError as exc:
             raise BadRequest(str(exc)) from None
+        finally:
+            self._applied()
 
     def apply_generation(self, generation: shared_config.Generation) -> tuple[int, str]:
         """Apply a reload published by this worker or a sibling, unless a newer one was: the
@@ -457,7 +467,13 @@ class LiveConfig:
                     self.apply(configs_from_document(generation.document, self._settings, RELOAD))
                 except (SettingsError, models.ModelLoadError) as exc:
                     self._generation_error = str(exc)
-            return self.generation, self._generation_error
+            applied = self.generation, self._generation_error
+        self._applied()
+        return applied
+
+    def _applied(self) -> None:
+        if self.on_applied is not None:
+            self.on_applied()
 
     def _change(self, current: ModelConfig, config: ModelConfig) -> None:
         if not (config.path and models.available_versions(config.path)) or config.path != current.path:

@@ -128,6 +128,11 @@ class Batcher:
         self.queue.close()
         self._thread.join(timeout_s)
 
+    def flush(self) -> None:
+        """Run what is queued now without waiting out its window (BATCH_TIMEOUT_MS), as close()
+        does, but keep serving: the requests come from a worker that is stopping."""
+        self.queue.flush(self._clock())
+
     def join(self, timeout_s: float | None = None) -> None:
         """Wait for the batch thread to end (after close(), or after it died)."""
         self._thread.join(timeout_s)
@@ -185,14 +190,16 @@ class Batcher:
         self._fill(batch, backlog)
         if not (self.batching and batch.slices) or batch.full:
             return batch
-        wait = self.fill_policy.decide(oldest_enqueued_at=batch.slices[0].pending.enqueued_at, now=self._clock())
+        oldest = batch.slices[0].pending.enqueued_at
+        wait = self.fill_policy.decide(oldest_enqueued_at=oldest, now=self._clock())
         if wait is None:
             return batch
         while not batch.full and len(batch.slices) < wait.requests:
             more = self.queue.wait_for_arrivals(requests=wait.requests - len(batch.slices),
-                                                rows=batch.max_rows - batch.rows, until=wait.until, clock=self._clock)
+                                                rows=batch.max_rows - batch.rows, until=wait.until, clock=self._clock,
+                                                oldest=oldest)
             if more is None:
-                break  # the window closed, or the server is stopping: go now
+                break  # the window closed, a flush came, or the server is stopping: go now
             self._fill(batch, more)
         return batch
 

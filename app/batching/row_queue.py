@@ -53,6 +53,8 @@ class RowQueue(queue.Queue):
         self.broken: BaseException | None = None
         # While a batch fills: the arrivals (requests, rows) that wake the batch thread.
         self._wake: tuple[int, int] | None = None
+        # The clock's reading at the last flush(): a batch whose oldest request came before it waits no more.
+        self.flushed_at = float("-inf")
 
     def _qsize(self) -> int:
         return len(self._arrivals) + len(self._backlog) + self.closed
@@ -91,14 +93,16 @@ class RowQueue(queue.Queue):
         """While a batch fills, the arrivals that wake its thread (fewer rows may fill it); else None."""
         return None if self._wake is None else self._wake[0]
 
-    def wait_for_arrivals(self, *, requests: int, rows: int, until: float,
-                          clock: Callable[[], float]) -> collections.deque[Pending] | None:
-        """Wait until `requests` requests or `rows` rows arrived, the clock reads `until`, or
-        the queue closes; then get() the backlog, or None if nothing arrived."""
+    def wait_for_arrivals(self, *, requests: int, rows: int, until: float, clock: Callable[[], float],
+                          oldest: float = float("inf")) -> collections.deque[Pending] | None:
+        """Wait until `requests` requests or `rows` rows arrived, the clock reads `until`, the
+        queue closes, or a flush() comes after `oldest` (the batch's oldest request came); then
+        get() the backlog, or None if nothing arrived."""
         with self.mutex:
             self._wake = (requests, rows)
             try:
-                while len(self._arrivals) < requests and self._arrival_rows < rows and not self.closed:
+                while (len(self._arrivals) < requests and self._arrival_rows < rows and not self.closed
+                       and self.flushed_at < oldest):
                     remaining = until - clock()
                     if remaining <= 0 or not self.enough_arrived.wait(remaining):
                         break
@@ -143,6 +147,12 @@ class RowQueue(queue.Queue):
         # were released when its predict call started.
         if pending.counted:
             self.release([(pending, pending.counted)])
+
+    def flush(self, now: float) -> None:
+        """Requests queued before `now` wait for company no more: the batch forming goes at once."""
+        with self.mutex:
+            self.flushed_at = max(self.flushed_at, now)
+            self.enough_arrived.notify_all()
 
     def close(self, *, broken: BaseException | None = None) -> None:
         """Refuse every later put(), and wake the batch thread wherever it waits."""

@@ -36,7 +36,22 @@ _PINNED: contextvars.ContextVar[bool] = contextvars.ContextVar("pinned", default
 
 class RemoteRegistry(ModelRegistry):
     """The registry of the default mode, which tells the model process whether a request is pinned:
-    there, too, a version retired meanwhile refuses a pinned request and sends on an unpinned one."""
+    there, too, a version retired meanwhile refuses a pinned request and sends on an unpinned one.
+    A reload of the model config is the model processes' to apply."""
+
+    link: ModelProcessLink | None = None
+
+    def reload_config(self, document: dict[str, Any], *, timeout_s: float | None) -> None:
+        """Applied by every model process, and by each of their workers, before it returns."""
+        assert self.link is not None, "init_app() first"
+        if timeout_s is not None and timeout_s >= threading.TIMEOUT_MAX:
+            timeout_s = None  # gRPC reports a call without a deadline as one 2**63 ns away: no limit
+        future = self.link.request({"op": "reload", "document": document, "timeout_s": timeout_s})
+        try:
+            future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise DeadlineExceeded("the model processes had not applied the model config within the call's "
+                                   "deadline; they go on") from None
 
     def predict(self, servable: Servable, inputs: Tensors, *, pinned: bool = False,
                 **kwargs: Any) -> tuple[Servable, BatchResult]:
@@ -108,7 +123,8 @@ class RemoteModels:
         self.link = link
         self._lock = threading.Lock()
 
-    def apply(self, description: dict[str, Any]) -> None:
+    def apply(self, description: dict[str, Any]) -> Callable[[], None]:
+        """Serve what the description says; returns a wait until the versions it drops are gone."""
         with self._lock:
             retiring = []
             served = {entry["name"] for entry in description["models"]}
@@ -118,9 +134,17 @@ class RemoteModels:
                 if name not in served:
                     retiring += [(name, version) for version in self.registry.versions(name)]
             self.registry.default_name = description["default"]
-        for name, version in retiring:
+        threads = [threading.Thread(target=self.registry.retire, args=(name, version), daemon=True)
+                   for name, version in retiring]
+        for thread in threads:
             # Retiring waits for the requests inside the version: never on the link's reader thread.
-            threading.Thread(target=self.registry.retire, args=(name, version), daemon=True).start()
+            thread.start()
+
+        def retired() -> None:
+            for thread in threads:
+                thread.join()
+
+        return retired
 
     def _apply_model(self, entry: dict[str, Any]) -> list[tuple[str, int]]:
         name = entry["name"]
@@ -156,9 +180,17 @@ def init_app(app: Flask, settings: Settings) -> ModelRegistry:
     remote = RemoteModels(registry, link)
     holder.append(remote)
     remote.apply(link.connect())
+    registry.link = link
     app.extensions["models"] = registry
     app.extensions["model_process_link"] = link
     return registry
+
+
+def stopping(app: Flask) -> None:
+    """A stop was asked (the worker's when_stopping): this worker's rows wait out no batch window."""
+    link: ModelProcessLink | None = app.extensions.get("model_process_link")
+    if link is not None:
+        link.stopping()
 
 
 def shutdown(app: Flask, timeout_s: float | None) -> None:

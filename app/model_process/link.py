@@ -6,6 +6,11 @@ settles the request's future. Blocks are freed by their writer: an input block w
 answer comes back (the model process has done with it by then), an output block once read,
 told to the model process with this worker's next frame.
 
+A description the model process pushes with an `ack` (after a reload) is answered
+"applied" once this worker's registry serves it. A worker that begins to stop calls
+`stopping()`: its requests in the model process, and those it still sends, wait for no
+batch window.
+
 When the model process dies the reader sees the socket end: every request in flight fails
 at once with Unavailable (503), new ones are refused the same way, and a thread connects
 again, with backoff, until the restarted process serves.
@@ -70,7 +75,8 @@ class _Connection:
 class ModelProcessLink:
     """Requests to one model process, answered through futures; `on_meta` hears of model changes."""
 
-    def __init__(self, path: str, *, arena_bytes: int, on_meta: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, path: str, *, arena_bytes: int,
+                 on_meta: Callable[[dict[str, Any]], Callable[[], None] | None]) -> None:
         self.path = path
         self.arena_bytes = arena_bytes
         self.on_meta = on_meta
@@ -82,6 +88,7 @@ class ModelProcessLink:
         self._connection: _Connection | None = None
         self._closed = threading.Event()
         self._reconnecting = False
+        self._stopping = False
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -103,6 +110,14 @@ class ModelProcessLink:
         with self._idle:
             self._idle.wait_for(lambda: not self._pending, timeout_s)
         self.close()
+
+    def stopping(self) -> None:
+        """This worker stops: what it sent runs now, and so will what it still sends (no batch window)."""
+        self._stopping = True
+        try:
+            self.request({"op": "flush"})
+        except errors.ServingError:
+            pass  # the model process is restarting: nothing of ours waits there
 
     def close(self) -> None:
         self._closed.set()
@@ -134,6 +149,8 @@ class ModelProcessLink:
             self._pending[request_id] = entry
             header["free"], self._read_blocks = self._read_blocks, []
         header["id"] = request_id
+        if self._stopping:
+            header["flush"] = True
         try:
             if arrays is not None:
                 header["inputs"] = box.pack(arrays)
@@ -161,7 +178,11 @@ class ModelProcessLink:
 
     def _answer(self, connection: _Connection, header: dict[str, Any], payload: bytes) -> None:
         if header["op"] == "described" and header["id"] is None:
-            self.on_meta(header["meta"])
+            applied = self.on_meta(header["meta"])
+            if "ack" in header:
+                # Waiting for it may wait for answers this thread reads: another thread acknowledges.
+                threading.Thread(target=self._acknowledge, args=(connection, header["ack"], applied),
+                                 name="model-process-ack", daemon=True).start()
             return
         with self._lock:
             entry = self._pending.pop(header["id"], None)
@@ -178,6 +199,14 @@ class ModelProcessLink:
         with self._lock:
             self._read_blocks.extend(wire.blocks(header.get("outputs", [])))
         settle(entry.future, result=(header, outputs))
+
+    def _acknowledge(self, connection: _Connection, token: int, applied: Callable[[], None] | None) -> None:
+        if applied is not None:
+            applied()
+        try:
+            wire.send(connection.sock, connection.send_lock, {"op": "applied", "ack": token})
+        except OSError:
+            pass  # the model process is gone: its reload failed with it
 
     def _lost(self, connection: _Connection) -> None:
         with self._lock:

@@ -7,6 +7,11 @@ descriptor it was given. Each worker connection has one thread that reads its fr
 submits their rows to the batchers; an answer goes back from the batch thread's
 done-callback, written into this process's arena for that worker.
 
+A reload (a worker's HandleReloadConfigRequest) is applied here and, through the run folder
+of app/shared_config.py, by every sibling model process; each pushes the new description to
+its workers and waits until they applied it before the reload answers. A worker that stops
+says so ("flush"): its requests queued here run without waiting out their batch window.
+
 SIGTERM: stop accepting connections, answer everything submitted (the batchers drain),
 then exit. A batch thread that dies ends the process the same way, and the supervisor
 starts a fresh one.
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import itertools
 import logging
 import os
 import signal
@@ -27,13 +33,15 @@ from flask import Flask
 
 from app import logs, metrics, registry, runtime
 from app.batching import BatchResult
-from app.errors import NotFound, PredictFailed, ServingError
+from app.errors import NotFound, PredictFailed, ServingError, Unavailable
 from app.model_process import meta, wire
 from app.model_process.arena import Arena
-from app.registry import ModelRegistry, Servable
+from app.registry import RELOAD, ModelRegistry, Servable
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+
+_ACK_TOKENS = itertools.count(1)
 
 
 class WorkerConnection:
@@ -48,6 +56,8 @@ class WorkerConnection:
         self.outbox.drop_descriptor()
         self.writer = wire.Writer(sock, "worker-connection-writer")
         self.closed = threading.Event()
+        # Descriptions pushed and not yet acknowledged as applied by the worker.
+        self._acks: dict[int, threading.Event] = {}
 
     def serve(self) -> None:
         stream = self.sock.makefile("rb", buffering=1 << 16)
@@ -58,6 +68,8 @@ class WorkerConnection:
             pass  # the worker went away mid-frame
         finally:
             self.closed.set()
+            for acked in list(self._acks.values()):
+                acked.set()  # a worker gone serves nothing: no reload waits for it
             stream.close()
             self.writer.stop()  # closes the socket once queued answers are written
             # Each arena's memory goes once nothing maps it: requests still running hold their
@@ -79,6 +91,36 @@ class WorkerConnection:
             self.send({"op": "described", "id": header["id"], "meta": meta.describe(self.models)})
         elif header["op"] == "stats":
             self.send({"op": "stats", "id": header["id"], "stats": meta.batcher_stats(self.models)})
+        elif header["op"] == "flush":
+            flush(self.models)
+            self.send({"op": "flushed", "id": header["id"]})
+        elif header["op"] == "applied":
+            self._acks.pop(header["ack"], threading.Event()).set()
+        elif header["op"] == "reload":
+            # Loads take seconds: not on this connection's thread, which reads its predict frames.
+            threading.Thread(target=self._reload, args=(header,), name="reload", daemon=True).start()
+
+    def push(self, description: dict[str, Any]) -> threading.Event:
+        """Send the worker a new description; the event is set once it has applied it (or is gone)."""
+        token = next(_ACK_TOKENS)
+        acked = self._acks[token] = threading.Event()
+        self.send({"op": "described", "id": None, "meta": description, "ack": token})
+        if self.closed.is_set():
+            acked.set()
+        return acked
+
+    def _reload(self, header: dict[str, Any]) -> None:
+        """A worker's HandleReloadConfigRequest: applied here and by every sibling model process
+        (the run folder of app/shared_config.py), each of which tells its workers before this answers."""
+        live = self.models.live_config
+        try:
+            if live is None:
+                raise Unavailable("this server's models come from no config it can reload")
+            live.reload(header["document"], RELOAD, timeout_s=header["timeout_s"])
+        except Exception as exc:
+            self._error(header["id"], exc)
+            return
+        self.send({"op": "reloaded", "id": header["id"]})
 
     def _predict(self, header: dict[str, Any], payload: bytes) -> None:
         request_id = header["id"]
@@ -91,6 +133,8 @@ class WorkerConnection:
             inputs = wire.unpack(header["inputs"], self.inbox, payload, copy=False)
             batcher = servable.batchers[servable.signature(header["signature"]).name]
             future = batcher.submit(inputs, timeout_s=header["timeout_s"])
+            if header.get("flush"):
+                batcher.flush()  # from a stopping worker: it waits for no company
         except Exception as exc:
             servable.leave()
             self._error(request_id, exc)
@@ -150,12 +194,17 @@ class ModelProcess:
         self.app.extensions["replace_worker"] = self.stop
         self.stopping = threading.Event()
         self.connections: list[WorkerConnection] = []
+        # What the workers were last told the models are; one push at a time.
+        self._described: dict[str, Any] = {}
+        self._pushing = threading.Lock()
         self._listener: socket.socket | None = None
 
     def load(self) -> None:
         self.app.extensions["tensorflow"] = runtime.configure(self.settings, workers=self.settings.model_processes)
         serving_metrics = metrics.Metrics()
         self.models = registry.init_app(self.app, self.settings, serving_metrics)
+        if self.models.live_config is not None:
+            self.models.live_config.on_applied = self.tell_workers
         self._watch_versions()
 
     def listen(self) -> None:
@@ -195,6 +244,16 @@ class ModelProcess:
         for connection in self.connections:
             connection.writer.flush(self.drain_s)
 
+    def tell_workers(self) -> None:
+        """After a reload: push the new description to every worker and wait until each applied it,
+        so that once the reload answers no worker resolves a request to what it no longer serves."""
+        with self._pushing:
+            self._described = description = meta.describe(self.models)
+            waiting = [connection.push(description) for connection in list(self.connections)]
+        for acked in waiting:
+            if not acked.wait(self.drain_s):
+                log.error("a worker had not applied the reloaded model config within %.0f s", self.drain_s)
+
     def _watch_versions(self) -> None:
         # Versions and configs change here (the pollers); workers learn it from a pushed description.
         interval = min(x for x in (self.settings.model_poll_seconds, self.settings.model_config_poll_seconds, 1.0)
@@ -204,13 +263,23 @@ class ModelProcess:
         threading.Thread(target=self._push_changes, args=(interval,), name="version-push", daemon=True).start()
 
     def _push_changes(self, interval: float) -> None:
-        last = meta.describe(self.models)
+        with self._pushing:
+            self._described = meta.describe(self.models)
         while not self.stopping.wait(interval):
-            now = meta.describe(self.models)
-            if now != last:
-                last = now
-                for connection in list(self.connections):
-                    connection.send({"op": "described", "id": None, "meta": now})
+            with self._pushing:
+                # Compared with the last description pushed, by this thread or by a reload.
+                now = meta.describe(self.models)
+                if now != self._described:
+                    self._described = now
+                    for connection in list(self.connections):
+                        connection.send({"op": "described", "id": None, "meta": now})
+
+
+def flush(models: ModelRegistry) -> None:
+    """Every batch forming now goes without waiting out its window."""
+    for servable in models.servables():
+        for batcher in servable.batchers.values():
+            batcher.flush()
 
 
 def main(argv: list[str] | None = None) -> None:
