@@ -761,7 +761,9 @@ def test_sigterm_under_grpc_load_answers_every_accepted_call(start_server, exact
             thread.join(120)
         assert server.proc.wait(60) == 0
 
-    assert http_pending_when_refused
+    # In MODEL_PROCESSES mode a stopping worker cuts its rows' batch window (docs/scaling.md), so the
+    # HTTP request is answered at once and its drain cannot outlast gRPC's refusal there.
+    assert http_pending_when_refused or server.model_processes
     assert http_answers[0].status_code == 200
     np.testing.assert_array_equal(np.asarray(http_answers[0].json()["predictions"], np.float32),
                                   exact_model(integer_rows(1, seed=99)).numpy())

@@ -26,6 +26,7 @@ from app.model_process import supervisor
 from app.model_process.supervisor import PlacementError, gpu_placements
 from tests.conftest import Server, integer_rows, wait_for
 from tests.test_grpc import access_line
+from tests.test_model_processes import workers
 
 STAND_IN_DRIVER = r"""
 #include <stddef.h>
@@ -185,17 +186,6 @@ def model_processes(server: Server) -> dict[int, psutil.Process]:
             continue
         if "app.model_process.server" in command:
             found[int(re.search(r"model-(\d+)\.sock$", command[command.index("--socket") + 1]).group(1))] = process
-    return found
-
-
-def workers(server: Server) -> list[psutil.Process]:
-    found = []
-    for child in psutil.Process(server.proc.pid).children():
-        try:
-            if "gunicorn" in " ".join(child.cmdline()):
-                found.append(child)
-        except (psutil.ZombieProcess, psutil.NoSuchProcess):
-            pass
     return found
 
 

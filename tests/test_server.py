@@ -77,7 +77,7 @@ def test_readme_command_serves_the_default_model_on_two_workers(start_server):
     cores = len(os.sched_getaffinity(0))
     if server.model_processes:
         # The workers run no TensorFlow; the model processes size their own thread pools.
-        assert status["tensorflow"] == {"model_processes": server.model_processes}
+        assert status["tensorflow"] == {"model_processes": server.model_processes, "model_process_gpus": []}
     else:
         assert status["tensorflow"]["intra_op_threads"] == max(1, cores // 2)
     rows = np.array([[0.1, 0.2, 0.3, 0.4], [1.0, -1.0, 0.5, 2.0]], dtype=np.float32)
