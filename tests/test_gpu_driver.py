@@ -92,10 +92,10 @@ def test_the_driver_shows_what_nvidia_smi_shows_and_no_context_is_made():
     # The CUDA total, which TensorFlow's GPU_MEMORY_FRACTION is of, leaves out what the driver
     # reserves: less than nvidia-smi's (143,155 against 143,771 MiB on an H200). PyTorch reads it
     # through the runtime API, where it is there.
-    assert all(device["total"] // 2**20 <= gpu["mib"] for device, gpu in zip(seen["devices"], gpus))
+    assert all(device["total"] // 2**20 <= gpu["mib"] for device, gpu in zip(seen["devices"], gpus, strict=True))
     pytest.importorskip("torch")
-    torch = subprocess.run([sys.executable, "-c", "import json, torch; print(json.dumps("
-                            "[torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]))"],
+    read = "[torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]"
+    torch = subprocess.run([sys.executable, "-c", f"import json, torch; print(json.dumps({read}))"],
                            env={**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, check=True, capture_output=True,
                            text=True, timeout=120)
     assert [device["total"] for device in seen["devices"]] == json.loads(torch.stdout)
