@@ -29,7 +29,7 @@ from app.metrics import Metrics
 from app.model_process.client import RemoteModels, RemoteRegistry
 from app.model_process.link import ModelProcessLink
 from app.serving import ModelSpec, RequestLayer
-from tests.conftest import integer_rows, wait_for
+from tests.conftest import Server, integer_rows, wait_for
 from tests.test_grpc import predict_request
 
 # What a model process says it serves (app/model_process/meta.py): one model, one signature.
@@ -111,8 +111,25 @@ def test_a_request_counts_as_coming_from_its_model_until_handed_over_or_ended():
     assert link.coming_count("m") == 0
 
 
-def test_workers_count_the_requests_they_are_reading(start_server, exact_model_path, exact_model):
-    server = start_server({"MODEL_PATH": str(exact_model_path), "MODEL_PROCESSES": "1"}, workers=1)
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, exact_model_path):
+    served = Server(tmp_path_factory.mktemp("model-process-fill"),
+                    {"MODEL_PATH": str(exact_model_path), "MODEL_PROCESSES": "1"})
+    served.start(workers=1)
+    yield served
+    served.stop()
+
+
+def model_process_link(server: Server) -> ModelProcessLink:
+    """A link to the server's model process, as a worker's: the test speaks for one more worker."""
+    socket_path = next(process.cmdline()[process.cmdline().index("--socket") + 1] for process in server.processes()
+                       if "app.model_process.server" in process.cmdline())
+    link = ModelProcessLink(socket_path, arena_bytes=1 << 20, on_meta=lambda _description: None)
+    link.connect()
+    return link
+
+
+def test_workers_count_the_requests_they_are_reading(server, exact_model):
     rows = integer_rows(2)
 
     def predict_and_coming() -> int:
@@ -141,11 +158,8 @@ def test_workers_count_the_requests_they_are_reading(start_server, exact_model_p
     assert predict_and_coming() == 0
 
     # The model process adds up what each worker's last frame said: a second link, as a worker's.
-    socket_path = next(process.cmdline()[process.cmdline().index("--socket") + 1] for process in server.processes()
-                       if "app.model_process.server" in process.cmdline())
     version = requests.get(server.url + "/readyz", timeout=30).json()["models"]["default"]["version"]
-    link = ModelProcessLink(socket_path, arena_bytes=1 << 20, on_meta=lambda _description: None)
-    link.connect()
+    link = model_process_link(server)
     try:
         for coming in (5, 0):
             header = {"op": "predict", "model": "default", "version": version, "signature": "serving_default",
@@ -154,5 +168,14 @@ def test_workers_count_the_requests_they_are_reading(start_server, exact_model_p
             assert outputs["scores"].tolist() == exact_model(rows).numpy().tolist()
             assert requests.get(server.url + "/readyz", timeout=30).json()["models"]["default"]["requests_coming"] \
                 == coming
+    finally:
+        link.close()
+
+
+def test_a_frame_the_model_process_does_not_know_is_answered_not_left_waiting(server):
+    link = model_process_link(server)
+    try:
+        with pytest.raises(Unavailable, match="the model process has no operation 'rewind'"):
+            link.request({"op": "rewind"}).result(30)
     finally:
         link.close()

@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from flask import Flask
@@ -87,20 +88,31 @@ class WorkerConnection:
     def _handle(self, header: dict[str, Any], payload: bytes) -> None:
         for offset in header.get("free", ()):
             self.outbox.free(offset)
-        if header["op"] == "predict":
-            self._predict(header, payload)
-        elif header["op"] == "describe":
-            self.send({"op": "described", "id": header["id"], "meta": meta.describe(self.models)})
-        elif header["op"] == "stats":
-            self.send({"op": "stats", "id": header["id"], "stats": meta.batcher_stats(self.models)})
-        elif header["op"] == "flush":
-            flush(self.models)
-            self.send({"op": "flushed", "id": header["id"]})
-        elif header["op"] == "applied":
-            self._acks.pop(header["ack"], threading.Event()).set()
-        elif header["op"] == "reload":
-            # Loads take seconds: not on this connection's thread, which reads its predict frames.
-            threading.Thread(target=self._reload, args=(header,), name="reload", daemon=True).start()
+        handler = self._handlers.get(header["op"])
+        if handler is None:
+            # A worker of another release, say: told so, rather than left waiting for an answer.
+            self._error(header.get("id"), Unavailable(f"the model process has no operation {header['op']!r}"))
+            return
+        handler(self, header, payload)
+
+    # -- what a worker's frames ask; each answers with the frame's id --------------------------------
+
+    def _describe(self, header: dict[str, Any], _payload: bytes) -> None:
+        self.send({"op": "described", "id": header["id"], "meta": meta.describe(self.models)})
+
+    def _stats(self, header: dict[str, Any], _payload: bytes) -> None:
+        self.send({"op": "stats", "id": header["id"], "stats": meta.batcher_stats(self.models)})
+
+    def _flush(self, header: dict[str, Any], _payload: bytes) -> None:
+        flush(self.models)
+        self.send({"op": "flushed", "id": header["id"]})
+
+    def _applied(self, header: dict[str, Any], _payload: bytes) -> None:
+        self._acks.pop(header["ack"], threading.Event()).set()
+
+    def _start_reload(self, header: dict[str, Any], _payload: bytes) -> None:
+        # Loads take seconds: not on this connection's thread, which reads its predict frames.
+        threading.Thread(target=self._reload, args=(header,), name="reload", daemon=True).start()
 
     def push(self, description: dict[str, Any]) -> threading.Event:
         """Send the worker a new description; the event is set once it has applied it (or is gone)."""
@@ -144,6 +156,11 @@ class WorkerConnection:
             return
         future.add_done_callback(lambda done: self._answer(request_id, servable, done))
 
+    _handlers: dict[str, Callable[[WorkerConnection, dict[str, Any], bytes], None]] = {
+        "predict": _predict, "describe": _describe, "stats": _stats, "flush": _flush, "applied": _applied,
+        "reload": _start_reload,
+    }
+
     def _enter(self, name: str, version: int, *, pinned: bool) -> Servable:
         """The version the worker resolved; if it was retired meanwhile, the newest (unpinned only)."""
         try:
@@ -178,7 +195,7 @@ class WorkerConnection:
         self.send({"op": "result", "id": request_id, "version": servable.model.version, "outputs": outputs,
                    "batch_rows": result.batch_rows, "batch_requests": result.batch_requests}, box.payload)
 
-    def _error(self, request_id: int, exc: BaseException) -> None:
+    def _error(self, request_id: int | None, exc: BaseException) -> None:
         error = exc if isinstance(exc, ServingError) else PredictFailed.from_exception(exc)
         # The model's full error goes back too: the worker logs it on a line naming the request id.
         self.send({"op": "error", "id": request_id, "error": type(error).__name__, "message": error.message,
