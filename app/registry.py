@@ -330,6 +330,12 @@ class ModelRegistry:
         with self._lock:
             return [servable for entry in self._models.values() for servable in entry.serving.values()]
 
+    def flush(self) -> None:
+        """Every batch forming now, in every version and signature, goes without waiting out its window."""
+        for servable in self.servables():
+            for batcher in servable.batchers.values():
+                batcher.flush()
+
     @property
     def ready(self) -> bool:
         servables = self.servables()

@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import requests
 
-from tests.conftest import integer_rows
+from tests.conftest import integer_rows, wait_for
 
 TEST_HOOKS = ("-c", "tests/gunicorn_test_hooks.py")
 CLIENT_TIMEOUT_S = 60  # far above REQUEST_TIMEOUT_MS: a request the server forgot shows as a timeout
@@ -101,3 +101,27 @@ def test_quick_shutdown_answers_a_request_held_in_its_batch_window(start_server,
     assert answer.headers["X-Batch-Requests"] == "1"
     assert server.proc.wait(CLIENT_TIMEOUT_S) == 0
     print(f"quick shutdown: the request held in its window answered {answered_s:.2f} s after SIGINT")
+
+
+def test_sigterm_answers_a_request_held_in_its_batch_window_at_once(start_server, exact_model_path, exact_model):
+    """SIGTERM to the master is Gunicorn's graceful stop: gthread waits for its open connections
+    before worker_exit drains the batchers, so a request held in its batch window would wait out
+    the whole window (5 minutes here, far past the client's timeout). The worker's when_stopping
+    flush runs the forming batch as soon as the stop arrives.
+    """
+    server = start_server({"MODEL_PATH": str(exact_model_path), "BATCH_TIMEOUT_MS": "300000",
+                           "GRACEFUL_TIMEOUT": "600", "REQUEST_TIMEOUT_MS": "600000", "MAX_BATCH_SIZE": "8"})
+    rows = integer_rows(2, seed=4)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(server.predict, rows, timeout=CLIENT_TIMEOUT_S)
+        wait_for(lambda: waiting.done() or server.metric("model_server_queue_rows", model="default") == 2,
+                 within_s=CLIENT_TIMEOUT_S, what="the request held in its batch window")
+        assert not waiting.done(), waiting.result()
+        stopped_at = time.monotonic()
+        server.send(signal.SIGTERM)
+        answer = waiting.result(CLIENT_TIMEOUT_S)
+    answered_s = time.monotonic() - stopped_at
+    assert exact(answer, rows, exact_model), (answer.status_code, answer.text)
+    assert answer.headers["X-Batch-Requests"] == "1"
+    assert server.proc.wait(CLIENT_TIMEOUT_S) == 0
+    print(f"SIGTERM: the request held in its 300 s window answered {answered_s:.2f} s after the stop")

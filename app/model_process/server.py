@@ -92,7 +92,7 @@ class WorkerConnection:
         elif header["op"] == "stats":
             self.send({"op": "stats", "id": header["id"], "stats": meta.batcher_stats(self.models)})
         elif header["op"] == "flush":
-            flush(self.models)
+            self.models.flush()
             self.send({"op": "flushed", "id": header["id"]})
         elif header["op"] == "applied":
             self._acks.pop(header["ack"], threading.Event()).set()
@@ -273,13 +273,6 @@ class ModelProcess:
                     self._described = now
                     for connection in list(self.connections):
                         connection.send({"op": "described", "id": None, "meta": now})
-
-
-def flush(models: ModelRegistry) -> None:
-    """Every batch forming now goes without waiting out its window."""
-    for servable in models.servables():
-        for batcher in servable.batchers.values():
-            batcher.flush()
 
 
 def main(argv: list[str] | None = None) -> None:
