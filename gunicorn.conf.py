@@ -131,8 +131,8 @@ def post_worker_init(worker):
     worker.wsgi.extensions["tensorflow"] = worker.tensorflow
     # A worker whose batch thread died stops gracefully, so the master starts a fresh one.
     worker.wsgi.extensions["replace_worker"] = lambda: os.kill(os.getpid(), signal.SIGTERM)
-    # A stopping worker's accepted requests run at once, not once their batch window closes: on
-    # SIGTERM gthread waits for open connections before worker_exit drains the batchers.
+    # A stopping worker's requests run at once, not once their batch window closes: on SIGTERM
+    # gthread answers its open connections (some still being read) before worker_exit drains.
     if _settings.model_processes:
         from app.model_process import client
 
@@ -140,7 +140,7 @@ def post_worker_init(worker):
     else:
         from app.registry import get_registry
 
-        worker.when_stopping(lambda: get_registry(worker.wsgi).flush())
+        worker.when_stopping(lambda: get_registry(worker.wsgi).flush(later_too=True))
     # gRPC starts in the worker once its models are loaded: grpc's threads would not survive
     # a fork, so the master never imports it.
     if _settings.grpc_bind or _settings.grpc_socket_path:
