@@ -1,7 +1,8 @@
 """Gunicorn settings, all from the environment; command-line flags still override them.
 
 Importing this file only reads: the hooks do the work (on_starting checks the settings and
-prepares the metrics folder and the run folder where workers share a reloaded model config; post_fork, post_worker_init, worker_exit, child_exit, on_exit).
+prepares the metrics folder and the run folder where workers share a reloaded model config;
+post_fork, post_worker_init, worker_exit, child_exit, on_exit).
 The master never imports TensorFlow: the app is loaded in each worker after the fork
 (no preload_app), and post_fork sizes TensorFlow's thread pools and GPU memory in the
 worker before the model loads.
@@ -130,11 +131,16 @@ def post_worker_init(worker):
     worker.wsgi.extensions["tensorflow"] = worker.tensorflow
     # A worker whose batch thread died stops gracefully, so the master starts a fresh one.
     worker.wsgi.extensions["replace_worker"] = lambda: os.kill(os.getpid(), signal.SIGTERM)
+    # A stopping worker's requests run at once, not once their batch window closes: on SIGTERM
+    # gthread answers its open connections (some still being read) before worker_exit drains.
     if _settings.model_processes:
         from app.model_process import client
 
-        # Rows this worker handed over run at once when it stops, not once their batch window closes.
         worker.when_stopping(lambda: client.stopping(worker.wsgi))
+    else:
+        from app.registry import get_registry
+
+        worker.when_stopping(lambda: get_registry(worker.wsgi).flush(later_too=True))
     # gRPC starts in the worker once its models are loaded: grpc's threads would not survive
     # a fork, so the master never imports it.
     if _settings.grpc_bind or _settings.grpc_socket_path:

@@ -342,6 +342,13 @@ class ModelRegistry:
         with self._lock:
             return [servable for entry in self._models.values() for servable in entry.serving.values()]
 
+    def flush(self, *, later_too: bool = False) -> None:
+        """Every batch forming now, in every version and signature, goes without waiting out its
+        window; with `later_too`, every later one as well (Batcher.flush)."""
+        for servable in self.servables():
+            for batcher in servable.batchers.values():
+                batcher.flush(later_too=later_too)
+
     @property
     def ready(self) -> bool:
         servables = self.servables()

@@ -3,10 +3,9 @@
 `gunicorn -c tests/gunicorn_test_hooks.py wsgi:app` runs with every setting and hook of
 gunicorn.conf.py, and adds to each worker, after Gunicorn installed its own signal handlers:
 
-- SIGUSR2: raise KilledBatchThread in every batch thread of the worker (CPython's
-  PyThreadState_SetAsyncExc), as an interpreter-level failure would. It is a BaseException
-  raised at whatever line the thread runs next (it runs once a request wakes it), so
-  nothing in the engine can catch it on purpose: only its last line of defence answers.
+- SIGUSR2: raise KilledBatchThread in every batch thread of the worker, as an
+  interpreter-level failure would (tests/model_process_hooks/batch_thread_killer.py, which a
+  model process loads too).
 - With HOLD_REPLACEMENT=1, the worker's own call to be replaced waits for SIGRTMIN, so a
   test can look at the broken worker (/readyz, /healthz) before it goes.
 - With MODULES_REPORT=<folder>, each worker writes the names of the modules it imported to
@@ -19,7 +18,6 @@ gunicorn.conf.py, and adds to each worker, after Gunicorn installed its own sign
 Production code has no such hooks: this file exists for tests only.
 """
 
-import ctypes
 import os
 import runpy
 import signal
@@ -27,23 +25,14 @@ import sys
 import threading
 from pathlib import Path
 
+from tests.model_process_hooks.batch_thread_killer import kill_batch_threads_on
+
 _real = runpy.run_path(str(Path(__file__).resolve().parent.parent / "gunicorn.conf.py"))
 globals().update({name: value for name, value in _real.items() if not name.startswith("__")})
 
 
 GATE_VALUE = 77.0
 GATE_RELEASE = signal.SIGRTMIN + 1
-
-
-class KilledBatchThread(BaseException):
-    pass
-
-
-def _kill_batch_threads(signum, frame):
-    for thread in threading.enumerate():
-        if thread.name.startswith("batcher-"):
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
-                                                       ctypes.py_object(KilledBatchThread))
 
 
 def _hold_replacement(app):
@@ -81,7 +70,7 @@ def _gate_predicts(app, folder: Path) -> None:
 def post_worker_init(worker):
     if "post_worker_init" in _real:
         _real["post_worker_init"](worker)
-    signal.signal(signal.SIGUSR2, _kill_batch_threads)
+    kill_batch_threads_on(signal.SIGUSR2)
     if os.environ.get("HOLD_REPLACEMENT") == "1":
         _hold_replacement(worker.wsgi)
     if os.environ.get("PREDICT_GATE"):

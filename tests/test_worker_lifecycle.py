@@ -7,6 +7,9 @@ is compared with the model's own output, value for value).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import http.client
+import json
 import signal
 import time
 
@@ -14,7 +17,7 @@ import numpy as np
 import psutil
 import requests
 
-from tests.conftest import integer_rows
+from tests.conftest import integer_rows, wait_for
 
 TEST_HOOKS = ("-c", "tests/gunicorn_test_hooks.py")
 CLIENT_TIMEOUT_S = 60  # far above REQUEST_TIMEOUT_MS: a request the server forgot shows as a timeout
@@ -101,3 +104,64 @@ def test_quick_shutdown_answers_a_request_held_in_its_batch_window(start_server,
     assert answer.headers["X-Batch-Requests"] == "1"
     assert server.proc.wait(CLIENT_TIMEOUT_S) == 0
     print(f"quick shutdown: the request held in its window answered {answered_s:.2f} s after SIGINT")
+
+
+def test_sigterm_answers_a_request_held_in_its_batch_window_at_once(start_server, exact_model_path, exact_model):
+    """SIGTERM to the master is Gunicorn's graceful stop: gthread waits for its open connections
+    before worker_exit drains the batchers, so a request held in its batch window would wait out
+    the whole window (5 minutes here, far past the client's timeout). The worker's when_stopping
+    flush runs the forming batch as soon as the stop arrives.
+    """
+    server = start_server({"MODEL_PATH": str(exact_model_path), "BATCH_TIMEOUT_MS": "300000",
+                           "GRACEFUL_TIMEOUT": "600", "REQUEST_TIMEOUT_MS": "600000", "MAX_BATCH_SIZE": "8"})
+    rows = integer_rows(2, seed=4)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(server.predict, rows, timeout=CLIENT_TIMEOUT_S)
+        wait_for(lambda: waiting.done() or server.metric("model_server_queue_rows", model="default") == 2,
+                 within_s=CLIENT_TIMEOUT_S, what="the request held in its batch window")
+        assert not waiting.done(), waiting.result()
+        stopped_at = time.monotonic()
+        server.send(signal.SIGTERM)
+        answer = waiting.result(CLIENT_TIMEOUT_S)
+    answered_s = time.monotonic() - stopped_at
+    assert exact(answer, rows, exact_model), (answer.status_code, answer.text)
+    assert answer.headers["X-Batch-Requests"] == "1"
+    assert server.proc.wait(CLIENT_TIMEOUT_S) == 0
+    print(f"SIGTERM: the request held in its 300 s window answered {answered_s:.2f} s after the stop")
+
+
+def test_a_request_read_after_sigterm_waits_for_no_batch_window(start_server, exact_model_path, exact_model):
+    """A stopping worker still answers the connections it has. A request whose body was still
+    arriving when SIGTERM came reaches its batcher after the stop: it runs at once too, not
+    after its window (300 s, far past the client's timeout). A first request, held in its window
+    over the stop, is the witness: once it is answered, the stop's flush has run.
+    """
+    # Every body here is "large" and holds one of two slots while it is read and answered: /readyz
+    # counts them, which shows when the worker is inside the late request, reading its body.
+    server = start_server({"MODEL_PATH": str(exact_model_path), "BATCH_TIMEOUT_MS": "300000",
+                           "GRACEFUL_TIMEOUT": "600", "REQUEST_TIMEOUT_MS": "600000", "MAX_BATCH_SIZE": "8",
+                           "LARGE_BODY_BYTES": "16", "LARGE_BODY_SLOTS": "2"})
+    held_rows, late_rows = integer_rows(2, seed=5), integer_rows(3, seed=6)
+    body = json.dumps({"instances": late_rows.tolist()}).encode()
+    late = http.client.HTTPConnection("127.0.0.1", server.port, timeout=CLIENT_TIMEOUT_S)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, contextlib.closing(late):
+        held = pool.submit(server.predict, held_rows, timeout=CLIENT_TIMEOUT_S)
+        wait_for(lambda: held.done() or server.metric("model_server_queue_rows", model="default") == 2,
+                 within_s=CLIENT_TIMEOUT_S, what="the first request held in its batch window")
+        assert not held.done(), held.result()
+        assert readyz(server).json()["large_bodies_in_flight"] == 1
+        # The late request's head and one byte of its body: the worker takes its slot, then waits for the rest.
+        late.putrequest("POST", "/predict")
+        late.putheader("Content-Type", "application/json")
+        late.putheader("Content-Length", str(len(body)))
+        late.endheaders(body[:1])
+        wait_for(lambda: readyz(server).json()["large_bodies_in_flight"] == 2,
+                 within_s=CLIENT_TIMEOUT_S, what="the worker reading the late request's body")
+        server.send(signal.SIGTERM)
+        assert exact(held.result(CLIENT_TIMEOUT_S), held_rows, exact_model)
+        late.send(body[1:])
+        answer = late.getresponse()
+        assert answer.status == 200, answer.read()
+        assert json.loads(answer.read())["predictions"] == exact_model(late_rows).numpy().tolist()
+        assert answer.getheader("X-Batch-Requests") == "1"
+    assert server.proc.wait(CLIENT_TIMEOUT_S) == 0

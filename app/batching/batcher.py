@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -129,10 +130,11 @@ class Batcher:
         self.queue.close()
         self._thread.join(timeout_s)
 
-    def flush(self) -> None:
+    def flush(self, *, later_too: bool = False) -> None:
         """Run what is queued now without waiting out its window (BATCH_TIMEOUT_MS), as close()
-        does, but keep serving: the requests come from a worker that is stopping."""
-        self.queue.flush(self._clock())
+        does, but keep serving: the requests come from a worker that is stopping. With
+        `later_too`, no later batch waits for company either: the process itself is stopping."""
+        self.queue.flush(math.inf if later_too else self._clock())
 
     def join(self, timeout_s: float | None = None) -> None:
         """Wait for the batch thread to end (after close(), or after it died)."""

@@ -149,7 +149,8 @@ class RowQueue(queue.Queue):
             self.release([(pending, pending.counted)])
 
     def flush(self, now: float) -> None:
-        """Requests queued before `now` wait for company no more: the batch forming goes at once."""
+        """Requests queued before `now` wait for company no more: the batch forming goes at once.
+        With `now` at infinity, no batch ever waits again."""
         with self.mutex:
             self.flushed_at = max(self.flushed_at, now)
             self.enough_arrived.notify_all()

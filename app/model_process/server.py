@@ -104,7 +104,7 @@ class WorkerConnection:
         self.send({"op": "stats", "id": header["id"], "stats": meta.batcher_stats(self.models)})
 
     def _flush(self, header: dict[str, Any], _payload: bytes) -> None:
-        flush(self.models)
+        self.models.flush()
         self.send({"op": "flushed", "id": header["id"]})
 
     def _applied(self, header: dict[str, Any], _payload: bytes) -> None:
@@ -299,13 +299,6 @@ class ModelProcess:
                     self._described = now
                     for connection in list(self.connections):
                         connection.send({"op": "described", "id": None, "meta": now})
-
-
-def flush(models: ModelRegistry) -> None:
-    """Every batch forming now goes without waiting out its window."""
-    for servable in models.servables():
-        for batcher in servable.batchers.values():
-            batcher.flush()
 
 
 def main(argv: list[str] | None = None) -> None:
