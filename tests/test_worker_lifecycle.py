@@ -48,7 +48,7 @@ def test_worker_whose_batch_thread_dies_answers_everyone_and_is_replaced(start_s
         took_s = time.monotonic() - started
     statuses = [answer.status_code for answer in answers]
     assert set(statuses) <= {200, 503}, statuses
-    for answer, rows in zip(answers, bodies):
+    for answer, rows in zip(answers, bodies, strict=True):
         if answer.status_code == 200:  # served before the thread woke to its death
             assert exact(answer, rows, exact_model)
         else:
@@ -91,11 +91,7 @@ def test_quick_shutdown_answers_a_request_held_in_its_batch_window(start_server,
                            "GRACEFUL_TIMEOUT": "60", "REQUEST_TIMEOUT_MS": "10000", "MAX_BATCH_SIZE": "8"})
     rows = integer_rows(2, seed=3)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(server.predict, rows, timeout=CLIENT_TIMEOUT_S)
-        deadline = time.monotonic() + CLIENT_TIMEOUT_S
-        while "model_server_queue_rows{model=\"default\"} 2.0" not in requests.get(
-                server.url + "/metrics", timeout=CLIENT_TIMEOUT_S).text:
-            assert time.monotonic() < deadline and not waiting.done()
+        waiting = held_in_window(pool, server, rows)
         stopped_at = time.monotonic()
         server.send(signal.SIGINT)
         answer = waiting.result(CLIENT_TIMEOUT_S)
@@ -104,6 +100,15 @@ def test_quick_shutdown_answers_a_request_held_in_its_batch_window(start_server,
     assert answer.headers["X-Batch-Requests"] == "1"
     assert server.proc.wait(CLIENT_TIMEOUT_S) == 0
     print(f"quick shutdown: the request held in its window answered {answered_s:.2f} s after SIGINT")
+
+
+def held_in_window(pool: concurrent.futures.Executor, server, rows) -> concurrent.futures.Future:
+    """A predict of `rows`, sent from `pool` and waiting in its batch window (the queue holds its rows)."""
+    waiting = pool.submit(server.predict, rows, timeout=CLIENT_TIMEOUT_S)
+    wait_for(lambda: waiting.done() or server.metric("model_server_queue_rows", model="default") == len(rows),
+             within_s=CLIENT_TIMEOUT_S, what="the request held in its batch window")
+    assert not waiting.done(), waiting.result()
+    return waiting
 
 
 def test_sigterm_answers_a_request_held_in_its_batch_window_at_once(start_server, exact_model_path, exact_model):
@@ -116,10 +121,7 @@ def test_sigterm_answers_a_request_held_in_its_batch_window_at_once(start_server
                            "GRACEFUL_TIMEOUT": "600", "REQUEST_TIMEOUT_MS": "600000", "MAX_BATCH_SIZE": "8"})
     rows = integer_rows(2, seed=4)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(server.predict, rows, timeout=CLIENT_TIMEOUT_S)
-        wait_for(lambda: waiting.done() or server.metric("model_server_queue_rows", model="default") == 2,
-                 within_s=CLIENT_TIMEOUT_S, what="the request held in its batch window")
-        assert not waiting.done(), waiting.result()
+        waiting = held_in_window(pool, server, rows)
         stopped_at = time.monotonic()
         server.send(signal.SIGTERM)
         answer = waiting.result(CLIENT_TIMEOUT_S)
@@ -145,10 +147,7 @@ def test_a_request_read_after_sigterm_waits_for_no_batch_window(start_server, ex
     body = json.dumps({"instances": late_rows.tolist()}).encode()
     late = http.client.HTTPConnection("127.0.0.1", server.port, timeout=CLIENT_TIMEOUT_S)
     with concurrent.futures.ThreadPoolExecutor(1) as pool, contextlib.closing(late):
-        held = pool.submit(server.predict, held_rows, timeout=CLIENT_TIMEOUT_S)
-        wait_for(lambda: held.done() or server.metric("model_server_queue_rows", model="default") == 2,
-                 within_s=CLIENT_TIMEOUT_S, what="the first request held in its batch window")
-        assert not held.done(), held.result()
+        held = held_in_window(pool, server, held_rows)
         assert readyz(server).json()["large_bodies_in_flight"] == 1
         # The late request's head and one byte of its body: the worker takes its slot, then waits for the rest.
         late.putrequest("POST", "/predict")
