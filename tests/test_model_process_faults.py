@@ -337,10 +337,12 @@ def test_a_batch_thread_that_dies_stops_its_model_process_and_a_new_one_serves(s
     (first,) = model_processes(server)
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(load) for _ in range(4)]
-        wait_for(lambda: len(statuses) >= 20, what="20 answers under load")
-        first.send_signal(signal.SIGUSR2)
-        wait_for(lambda: gone(first), within_s=CLIENT_TIMEOUT_S, what="the broken model process gone")
-        stop.set()
+        try:
+            wait_for(lambda: len(statuses) >= 20, what="20 answers under load")
+            first.send_signal(signal.SIGUSR2)
+            wait_for(lambda: gone(first), within_s=CLIENT_TIMEOUT_S, what="the broken model process gone")
+        finally:
+            stop.set()  # a failed wait ends the loads too, or the pool's exit would wait on them for ever
         for future in running:
             future.result()
     assert wrong == []
