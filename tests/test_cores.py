@@ -131,8 +131,9 @@ class _PinnedServer(Server):
 
 
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="taskset (util-linux) is not installed")
-def test_one_usable_cpu_reaches_tensorflow_through_gunicorn(tmp_path):
-    server = _PinnedServer(tmp_path)
+def test_one_usable_cpu_reaches_tensorflow_through_gunicorn(tmp_path, exact_model_path):
+    # The small model: the default one takes far longer to build on one CPU, and is not what this checks.
+    server = _PinnedServer(tmp_path, {"MODEL_PATH": str(exact_model_path)})
     try:
         server.start()
         readyz = requests.get(server.url + "/readyz", timeout=60).json()

@@ -19,10 +19,10 @@ def gone(pid: int) -> bool:
         return True
 
 
-def test_a_server_that_does_not_stop_in_time_is_killed_with_its_workers(tmp_path):
+def test_a_server_that_does_not_stop_in_time_is_killed_with_its_workers(tmp_path, exact_model_path):
     """A worker that cannot stop (here: SIGSTOPped, so it neither drains nor sees its master die)
     must not outlive the server: past `within_s` the master and every worker get SIGKILL."""
-    server = Server(tmp_path).start()
+    server = Server(tmp_path, {"MODEL_PATH": str(exact_model_path)}).start()  # any model: the small one loads fast
     worker = next(process.pid for process in server.processes()[1:])
     os.kill(worker, signal.SIGSTOP)
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, Server
 
 LOCUST_TIMEOUT_S = 90
 USERS = 5
@@ -43,8 +43,31 @@ def run_headless_locust(url: str, csv_prefix: Path, env: dict[str, str], *,
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=LOCUST_TIMEOUT_S)
 
 
-def test_locust_run_sends_requests_and_none_fail(start_server, exact_model_path, tmp_path):
-    server = start_server({"MODEL_PATH": str(exact_model_path)})
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, exact_model_path):
+    """The exact model, for the load tests that count only what Locust saw."""
+    running = Server(tmp_path_factory.mktemp("locust-server"), {"MODEL_PATH": str(exact_model_path)}).start()
+    yield running
+    running.stop()
+
+
+PROTOCOLS = ("http", "grpc", "v2", "v2-grpc")
+
+
+@pytest.fixture(scope="module")
+def counted_server(tmp_path_factory, exact_model_path):
+    """One copy of the exact model per protocol (the HTTP one is the default model, which /predict
+    serves): each test counts its own route's requests and its own model's rows, as on a fresh server."""
+    folder = tmp_path_factory.mktemp("locust-counted")
+    config = folder / "models.json"
+    config.write_text(json.dumps({"default": "http", "models": [
+        {"name": protocol, "path": str(exact_model_path)} for protocol in PROTOCOLS]}))
+    running = Server(folder, {"MODEL_CONFIG": str(config), "MODEL_POLL_SECONDS": "0"}).start()
+    yield running
+    running.stop()
+
+
+def test_locust_run_sends_requests_and_none_fail(server, tmp_path):
     summary = tmp_path / "batches.json"
     env = locust_env(LOCUST_WAIT_MIN="0.01", LOCUST_WAIT_MAX="0.05", LOCUST_SUMMARY_FILE=str(summary))
 
@@ -123,8 +146,7 @@ def test_locust_counts_a_bad_answer_as_a_failure(fake_server, tmp_path, status, 
     assert int(row["Failure Count"]) == int(row["Request Count"]) > 0
 
 
-def test_locust_sends_the_rows_asked_for(start_server, exact_model_path, tmp_path):
-    server = start_server({"MODEL_PATH": str(exact_model_path)})
+def test_locust_sends_the_rows_asked_for(server, tmp_path):
     env = locust_env(LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1", LOCUST_ROWS="3")
 
     run = run_headless_locust(server.url, tmp_path / "run", env, seconds=2)
@@ -142,10 +164,11 @@ def test_locust_sends_the_rows_asked_for(start_server, exact_model_path, tmp_pat
     ("v2", "/v2/models/<model_name:name>/infer", "200"),
     ("v2-grpc", "/inference.GRPCInferenceService/ModelInfer", "OK"),
 ])
-def test_locust_rows_match_what_the_server_received(start_server, exact_model_path, tmp_path, protocol, route, ok):
-    server = start_server({"MODEL_PATH": str(exact_model_path), "MODEL_POLL_SECONDS": "0"})
+def test_locust_rows_match_what_the_server_received(counted_server, tmp_path, protocol, route, ok):
+    server = counted_server
     host = f"grpc://{server.grpc_target}" if protocol in ("grpc", "v2-grpc") else server.url
-    env = locust_env(LOCUST_PROTOCOL=protocol, LOCUST_ROWS="3", LOCUST_WAIT_MIN="0.01", LOCUST_WAIT_MAX="0.05")
+    env = locust_env(LOCUST_PROTOCOL=protocol, LOCUST_MODEL=protocol, LOCUST_ROWS="3", LOCUST_WAIT_MIN="0.01",
+                     LOCUST_WAIT_MAX="0.05")
 
     # The JSON file is written once, at exit, with every call counted (the CSV is rewritten
     # once a second and may miss the last one).
@@ -164,7 +187,7 @@ def test_locust_rows_match_what_the_server_received(start_server, exact_model_pa
     # still be recorded CANCELLED, the status its client got (app/grpc_record.py).
     cut_off = server.metric("model_server_requests_total", route=route, status="CANCELLED")
     assert cut_off <= USERS
-    assert 3 * received <= server.metric("model_server_batch_size_rows_sum", model="default") <= 3 * (received + cut_off)
+    assert 3 * received <= server.metric("model_server_batch_size_rows_sum", model=protocol) <= 3 * (received + cut_off)
 
 
 class FakePredictionService:

@@ -12,7 +12,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO, free_port, integer_rows
+from tests.conftest import REPO, Server, free_port, integer_rows, wait_for
 
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "model-server.json"
 
@@ -36,10 +36,23 @@ def send_spread(server, bodies) -> list[requests.Response]:
                           headers={"Connection": "close"}, timeout=60) for rows in bodies]
 
 
-def test_metrics_count_exactly_the_requests_served_by_two_workers(start_server, exact_model_path, tmp_path):
-    metrics_dir = tmp_path / "metrics"
-    server = start_server({"MODEL_PATH": str(exact_model_path), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)},
-                          workers=2)
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory, exact_model_path):
+    """The exact model on two workers, with a metrics folder the tests can look into."""
+    folder = tmp_path_factory.mktemp("metrics-two-workers")
+    running = Server(folder, {"MODEL_PATH": str(exact_model_path), "PROMETHEUS_MULTIPROC_DIR": str(folder / "metrics")})
+    yield running.start(workers=2)
+    running.stop()
+
+
+def counted(before: dict, after: dict, name: str, **labels: str) -> float:
+    """What a test added to a counter of a server that others used before it."""
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def test_metrics_count_exactly_the_requests_served_by_two_workers(two_workers):
+    server = two_workers
+    before = samples(server)
     bodies = [integer_rows(1 + i % 3, seed=i) for i in range(40)]
     answers = send_spread(server, bodies)
     assert [answer.status_code for answer in answers] == [200] * len(bodies)
@@ -47,13 +60,13 @@ def test_metrics_count_exactly_the_requests_served_by_two_workers(start_server, 
     assert bad.status_code == 400
 
     # Both workers served (each writes its own file) and /metrics adds them up exactly.
-    assert len(list(metrics_dir.glob("counter_*.db"))) == 2
+    assert len(list((server.log_path.parent / "metrics").glob("counter_*.db"))) == 2
     found = samples(server)
-    assert value(found, "model_server_requests_total", route="/predict", method="POST", status="200") == 40
-    assert value(found, "model_server_requests_total", route="/predict", method="POST", status="400") == 1
-    assert value(found, "model_server_request_duration_seconds_count", route="/predict") == 41
-    assert value(found, "model_server_batch_size_rows_sum", model="default") == sum(len(b) for b in bodies)
-    assert value(found, "model_server_batch_size_requests_sum", model="default") == 40
+    assert counted(before, found, "model_server_requests_total", route="/predict", method="POST", status="200") == 40
+    assert counted(before, found, "model_server_requests_total", route="/predict", method="POST", status="400") == 1
+    assert counted(before, found, "model_server_request_duration_seconds_count", route="/predict") == 41
+    assert counted(before, found, "model_server_batch_size_rows_sum", model="default") == sum(len(b) for b in bodies)
+    assert counted(before, found, "model_server_batch_size_requests_sum", model="default") == 40
     assert value(found, "model_server_queue_rows", model="default") == 0
     assert value(found, "model_server_model_load_seconds", model="default") > 0
 
@@ -74,15 +87,29 @@ def test_full_queue_is_counted_as_a_rejection(start_server, exact_model_path):
     assert value(found, "model_server_padding_rows_total", model="default") == 0
 
 
-def test_access_log_line_carries_request_id_rows_and_batch(start_server, exact_model_path):
-    server = start_server({"MODEL_PATH": str(exact_model_path), "LOG_FORMAT": "json"})
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory, exact_model_path):
+    """The exact model with a 300 ms batch window and buckets up to 8 rows, logging JSON."""
+    running = Server(tmp_path_factory.mktemp("metrics-windowed"), {
+        "MODEL_PATH": str(exact_model_path), "MAX_BATCH_SIZE": "8", "BATCH_TIMEOUT_MS": "300", "LOG_FORMAT": "json"})
+    yield running.start()
+    running.stop()
+
+
+def access_lines(server) -> dict[str, dict]:
+    lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+    return {line["request_id"]: line for line in lines if line["logger"] == "app.access"}
+
+
+def test_access_log_line_carries_request_id_rows_and_batch(windowed):
+    server = windowed
     given = server.predict(integer_rows(3), headers={"X-Request-ID": "trace-42"})
     generated = server.predict(integer_rows(1), headers={"X-Request-ID": "bad id\twith spaces"})
     assert given.headers["X-Request-ID"] == "trace-42"
     assert re.fullmatch(r"[0-9a-f]{32}", generated.headers["X-Request-ID"])
-    server.stop()
-    lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
-    access = {line["request_id"]: line for line in lines if line["logger"] == "app.access"}
+    # The worker writes the line once the answer has gone: poll its log for both.
+    access = wait_for(lambda: (lines := access_lines(server)).keys() >= {"trace-42", generated.headers["X-Request-ID"]}
+                      and lines, what="both access log lines")
     entry = access["trace-42"]
     assert (entry["method"], entry["path"], entry["status"], entry["rows"]) == ("POST", "/predict", 200, 3)
     assert entry["batch_rows"] == 3 and entry["batch_requests"] == 1 and entry["model"] == "default"
@@ -165,35 +192,38 @@ def prometheus(tmp_path):
         log.close()
 
 
-def test_real_prometheus_scrapes_request_and_batch_series_from_two_workers(start_server, exact_model_path,
-                                                                          prometheus):
-    server = start_server({"MODEL_PATH": str(exact_model_path)}, workers=2)
+def test_real_prometheus_scrapes_request_and_batch_series_from_two_workers(two_workers, prometheus):
+    server = two_workers
+    before = samples(server)
     prometheus_url = prometheus(server.url.removeprefix("http://"))
     bodies = [integer_rows(1 + i % 4, seed=i) for i in range(30)]
     assert [answer.status_code for answer in send_spread(server, bodies)] == [200] * 30
 
-    wait_for_value(prometheus_url, 'sum(model_server_requests_total{route="/predict",status="200"})', 30)
+    wait_for_value(prometheus_url, 'sum(model_server_requests_total{route="/predict",status="200"})',
+                   value(before, "model_server_requests_total", route="/predict", method="POST", status="200") + 30)
     wait_for_value(prometheus_url, 'sum(model_server_batch_size_rows_sum{model="default"})',
-                   float(sum(len(b) for b in bodies)))
-    wait_for_value(prometheus_url, 'sum(model_server_batch_size_requests_sum{model="default"})', 30)
+                   value(before, "model_server_batch_size_rows_sum", model="default") + sum(len(b) for b in bodies))
+    wait_for_value(prometheus_url, 'sum(model_server_batch_size_requests_sum{model="default"})',
+                   value(before, "model_server_batch_size_requests_sum", model="default") + 30)
     assert query(prometheus_url, 'up{job="model-server"}')[0]["value"][1] == "1"
     # Every query of the Grafana dashboard is valid PromQL for this Prometheus.
     for expr in dashboard_exprs():
         query(prometheus_url, expr.replace("$__rate_interval", "1m"))
 
 
-def test_padding_and_queue_wait_read_from_a_live_server_are_exact(start_server, exact_model_path):
+def test_padding_and_queue_wait_read_from_a_live_server_are_exact(windowed):
     # One request of 3 rows, alone in its 300 ms batch window: it waits out the window (the
     # batch thread times its wait, so at least 0.3 s) and runs padded to the 4-row bucket.
-    server = start_server({"MODEL_PATH": str(exact_model_path), "MAX_BATCH_SIZE": "8", "BATCH_TIMEOUT_MS": "300"})
+    server = windowed
+    before = samples(server)
     assert server.predict(integer_rows(3)).status_code == 200
     found = samples(server)
-    assert value(found, "model_server_padding_rows_total", model="default") == 1
-    assert value(found, "model_server_batch_size_rows_sum", model="default") == 3
-    assert value(found, "model_server_queue_wait_seconds_count", model="default") == 1
-    assert value(found, "model_server_queue_wait_seconds_sum", model="default") >= 0.3
-    assert value(found, "model_server_queue_wait_seconds_bucket", model="default", le="0.25") == 0
-    assert value(found, "model_server_queue_wait_seconds_bucket", model="default", le="+Inf") == 1
+    assert counted(before, found, "model_server_padding_rows_total", model="default") == 1
+    assert counted(before, found, "model_server_batch_size_rows_sum", model="default") == 3
+    assert counted(before, found, "model_server_queue_wait_seconds_count", model="default") == 1
+    assert counted(before, found, "model_server_queue_wait_seconds_sum", model="default") >= 0.3
+    assert counted(before, found, "model_server_queue_wait_seconds_bucket", model="default", le="0.25") == 0
+    assert counted(before, found, "model_server_queue_wait_seconds_bucket", model="default", le="+Inf") == 1
     assert value(found, "model_server_queue_rows", model="default") == 0
 
 

@@ -12,9 +12,22 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import integer_rows
+from tests.conftest import Server, integer_rows
 
 CLIENT_TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def plain_server(tmp_path_factory, exact_model_path):
+    """The exact model on two workers, for the tests that only read what any such server answers.
+
+    BATCH_FILL_UNDER_LOAD is off here (its test reads it back); those tests send nothing that
+    waits to fill a batch, so it changes nothing they check.
+    """
+    running = Server(tmp_path_factory.mktemp("plain-server"), {
+        "MODEL_PATH": str(exact_model_path), "BATCH_FILL_UNDER_LOAD": "false"}).start(workers=2)
+    yield running
+    running.stop()
 
 
 def _post_all(server, bodies) -> list[requests.Response]:
@@ -57,8 +70,8 @@ def test_concurrent_requests_get_the_models_own_output_in_fewer_calls(start_serv
     assert batches_run < len(bodies)
 
 
-def test_columnar_and_row_formats_agree(start_server, exact_model_path, exact_model):
-    server = start_server({"MODEL_PATH": str(exact_model_path)})
+def test_columnar_and_row_formats_agree(plain_server, exact_model):
+    server = plain_server
     rows = integer_rows(5, seed=3)
     columnar = requests.post(server.url + "/predict", json={"inputs": rows.tolist()}, timeout=CLIENT_TIMEOUT_S)
     tf_serving = requests.post(server.url + "/v1/models/default:predict", json={"instances": rows.tolist()},
@@ -91,13 +104,12 @@ def test_readme_command_serves_the_default_model_on_two_workers(start_server):
     np.testing.assert_allclose(served, build_default_model()(rows).numpy(), rtol=1e-5, atol=1e-7)
 
 
-def test_batch_fill_under_load_setting_reaches_the_batcher(start_server, exact_model_path):
-    server = start_server({"MODEL_PATH": str(exact_model_path), "BATCH_FILL_UNDER_LOAD": "false"})
-    assert _status(server)["models"]["default"]["fill_under_load"] is False
+def test_batch_fill_under_load_setting_reaches_the_batcher(plain_server):
+    assert _status(plain_server)["models"]["default"]["fill_under_load"] is False
 
 
-def test_master_never_imports_tensorflow(start_server, exact_model_path):
-    server = start_server({"MODEL_PATH": str(exact_model_path)}, workers=2)
+def test_master_never_imports_tensorflow(plain_server):
+    server = plain_server
     with open(f"/proc/{server.proc.pid}/maps") as maps:
         master_libraries = maps.read()
     worker_pid = _status(server)["pid"]

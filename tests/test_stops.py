@@ -8,7 +8,10 @@ A clean stop: the master exits 0 long before GRACEFUL_TIMEOUT, every worker logs
 exit, nothing is killed, nothing is raised on the way out.
 
 Servers start several at a time (TensorFlow's import is most of a start) to keep the file
-near a minute and a half on two cores.
+near a minute and a half on two cores. They serve the small exact model: what a stop runs
+(the signal handlers, gRPC's stop, the batchers' drain, the access-log writer) does not depend
+on the model, and building the default 268 MB model took each worker about as long as the rest
+of its start. The stop while the workers load keeps the default model, whose long load it needs.
 """
 
 from __future__ import annotations
@@ -64,12 +67,13 @@ class GroupServer(Server):
 
 
 @pytest.fixture
-def servers(tmp_path):
-    """servers(count, workers=..., env=...) -> `count` ready GroupServers, started side by side."""
+def servers(tmp_path, exact_model_path):
+    """servers(count, workers=..., env=...) -> `count` ready GroupServers of the exact model, started side by side."""
     started: list[GroupServer] = []
 
     def start(count: int, *, workers: int = 1, env: dict[str, str] | None = None) -> list[GroupServer]:
-        batch = [GroupServer(tmp_path, {"GRACEFUL_TIMEOUT": str(GRACEFUL_TIMEOUT_S), **(env or {})})
+        batch = [GroupServer(tmp_path, {"GRACEFUL_TIMEOUT": str(GRACEFUL_TIMEOUT_S),
+                                        "MODEL_PATH": str(exact_model_path), **(env or {})})
                  for _ in range(count)]
         started.extend(batch)
         for server in batch:
@@ -235,7 +239,7 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["group-SIGTERM", "group-SIGINT (Ctrl-C)"])
-def test_group_stop_under_load_loses_no_accepted_request(servers, exact_model_path, exact_model, signum):
+def test_group_stop_under_load_loses_no_accepted_request(servers, exact_model, signum):
     """What a client can see of a stop, and what each outcome must be.
 
     - answered: 200 with the model's own output for its rows and its own request id.
@@ -247,7 +251,7 @@ def test_group_stop_under_load_loses_no_accepted_request(servers, exact_model_pa
       that the client never got is an answer lost; and a clean stop (every worker through its
       own exit, no SIGKILL) answers every connection a worker accepted before it exits.
     """
-    (server,) = servers(1, workers=2, env={"MODEL_PATH": str(exact_model_path)})
+    (server,) = servers(1, workers=2)
     loop = ClosedLoop(server, clients=8)
     wait_for(lambda: loop.count("answered") >= 40, within_s=120, what="40 answers before the stop")
     server.signal_group(signum)
