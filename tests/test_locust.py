@@ -139,7 +139,9 @@ def test_locust_counts_a_bad_answer_as_a_failure(fake_server, tmp_path, status, 
     server = fake_server(status, body)
     env = locust_env(LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1")
 
-    run = run_headless_locust(server.url, tmp_path / "run", env, seconds=2)
+    # 5 s, not 2: on a loaded machine Locust's start-up took the whole of a 2 s run, which then
+    # counted no request at all.
+    run = run_headless_locust(server.url, tmp_path / "run", env, seconds=5)
 
     assert run.returncode != 0
     row = aggregated_row(tmp_path / "run")
@@ -237,7 +239,7 @@ def test_locust_grpc_user_counts_a_bad_answer_as_a_failure(tmp_path, answer_rows
     fake = FakePredictionService(answer_rows)
     env = locust_env(LOCUST_PROTOCOL="grpc", LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1")
     try:
-        run = run_headless_locust(f"grpc://{fake.target}", tmp_path / "run", env, seconds=2)
+        run = run_headless_locust(f"grpc://{fake.target}", tmp_path / "run", env, seconds=5)
     finally:
         fake.server.stop(None)
 
@@ -288,7 +290,7 @@ def test_locust_v2_grpc_user_counts_a_bad_answer_as_a_failure(tmp_path, answer_r
     fake = FakeInferenceService(answer_rows)
     env = locust_env(LOCUST_PROTOCOL="v2-grpc", LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1")
     try:
-        run = run_headless_locust(f"grpc://{fake.target}", tmp_path / "run", env, seconds=2)
+        run = run_headless_locust(f"grpc://{fake.target}", tmp_path / "run", env, seconds=5)
     finally:
         fake.server.stop(None)
 
