@@ -212,18 +212,9 @@ class RequestRecord:
     started: float = dataclasses.field(default_factory=time.perf_counter)
     # The request's trace (app/tracing.py) when tracing is on; the engine hands it to the tracer.
     trace: Any = None
-    # With MODEL_PROCESSES: says the request no longer comes toward its model process (handed
-    # over, or ended); the registry's `coming`.
-    arrived: Callable[[], None] | None = None
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started
-
-    def arrive(self) -> None:
-        """The request was handed to its batcher, or ended before: once only."""
-        arrived, self.arrived = self.arrived, None
-        if arrived is not None:
-            arrived()
 
     def access_fields(self) -> dict[str, Any]:
         return {
@@ -384,7 +375,6 @@ class _AccessLayer:
         try:
             return self.app(environ, start)
         finally:
-            entry.arrive()
             self._log(environ, entry)
 
     def _log(self, environ: dict[str, Any], entry: RequestRecord) -> None:

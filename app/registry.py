@@ -20,7 +20,6 @@ because of a version change.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import threading
@@ -77,11 +76,7 @@ class Servable:
 
     def status(self) -> dict[str, Any]:
         batchers = list(self.batchers.values())
-        coming = self.batcher.requests_coming
         return {
-            # With MODEL_PROCESSES: requests for the model the workers are reading, as the model
-            # process last heard (its batches may wait for them).
-            **({"requests_coming": coming} if coming is not None else {}),
             "version": self.model.version,
             "source": self.model.source,
             "alive": all(batcher.alive for batcher in batchers),
@@ -125,8 +120,7 @@ class Servable:
 
 
 def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, version: int | None = None, *,
-                  on_broken: Callable[[Batcher], None] | None = None,
-                  coming: Callable[[str], int] | None = None) -> Servable:
+                  on_broken: Callable[[Batcher], None] | None = None) -> Servable:
     model = models.load_model(config.path, name=config.name, method=settings.predict_method, version=version)
     buckets = bucket_sizes(config.max_batch_size)
     models.warm_up(model, buckets, padding.warm_lengths(config))
@@ -149,7 +143,6 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
             padding=paddings[key],
             observer=batch_observer(metrics, settings, model, key),
             on_broken=on_broken,
-            coming=None if coming is None else functools.partial(coming, config.name),
         )
     log.info("model '%s' v%d from %s loaded in %.2f s (signatures: %s)", config.name, model.version, model.source,
              model.load_s, ", ".join(sorted(model.signatures)))
@@ -258,11 +251,6 @@ class ModelRegistry:
                 raise NotFound(f"{servable_not_found(name, version)}: model {name!r} has no version {version}; "
                                f"it serves {sorted(entry.serving)}")
             return servable
-
-    def coming(self, name: str) -> Callable[[], None] | None:
-        """A request for model `name` is read: the registry may count it until the callable
-        returned is called (handed to its batcher, or ended). Here, nothing counts."""
-        return None
 
     def predict(self, servable: Servable, inputs: Tensors, *, timeout_s: float, signature_name: str | None = None,
                 pinned: bool = False, client_gone: Callable[[], bool] | None = None,
@@ -379,15 +367,12 @@ class LiveConfig:
     sibling workers and applies theirs here (app/shared_config.py), each generation once."""
 
     def __init__(self, registry: ModelRegistry, settings: Settings, metrics: Metrics, *,
-                 on_broken: Callable[[Batcher], None] | None = None,
-                 coming: Callable[[str], int] | None = None) -> None:
+                 on_broken: Callable[[Batcher], None] | None = None) -> None:
         self.registry = registry
         self._settings = settings
         self._metrics = metrics
         # What a batcher whose thread died calls: the process asks to be replaced.
         self._on_broken = on_broken
-        # A model process's count of a model's requests its workers are reading (the fill policy's hint).
-        self._coming = coming
         # The config each served model came from; changed only under _changing, which also
         # keeps a version poll and a config reload from loading the same version twice.
         self.configs: dict[str, ModelConfig] = {}
@@ -415,10 +400,9 @@ class LiveConfig:
                                                     f"{config.path!r}: {available}")
                     for version in wanted:
                         self.registry.add(load_servable(config, self._settings, self._metrics, version,
-                                               on_broken=self._on_broken, coming=self._coming))
+                                               on_broken=self._on_broken))
                 else:
-                    self.registry.add(load_servable(config, self._settings, self._metrics, on_broken=self._on_broken,
-                                                    coming=self._coming))
+                    self.registry.add(load_servable(config, self._settings, self._metrics, on_broken=self._on_broken))
                 self.label(config)
             except Exception:
                 # Served in full or not at all: a live reload must not leave versions no config names.
@@ -530,8 +514,7 @@ class LiveConfig:
                     continue
                 self.registry.set_state(config.name, version, LOADING)
                 try:
-                    servable = load_servable(config, self._settings, self._metrics, version, on_broken=self._on_broken,
-                                             coming=self._coming)
+                    servable = load_servable(config, self._settings, self._metrics, version, on_broken=self._on_broken)
                 except Exception as exc:
                     self._failed.add((config.name, version))
                     message = f"{type(exc).__name__}: {exc}"
@@ -644,9 +627,7 @@ def init_app(app: Flask, settings: Settings, metrics: Metrics) -> ModelRegistry:
     latest = shared.latest() if shared is not None and not polled_config else None
     configs = configs_from_document(latest.document, settings, RELOAD) if latest else model_configs(settings)
     registry = ModelRegistry(configs[0].name)
-    # A model process's hint of the requests its workers are reading (app/model_process/server.py).
-    live = registry.live_config = LiveConfig(registry, settings, metrics, on_broken=on_broken,
-                                             coming=app.extensions.get("rows_coming"))
+    live = registry.live_config = LiveConfig(registry, settings, metrics, on_broken=on_broken)
     if latest is not None:
         _number, error = live.apply_generation(latest)
         log.info("started with model config generation %d, the newest reload's", latest.number)

@@ -166,7 +166,6 @@ class Requests:
         return RequestRecord(request_id, method, route)
 
     def finish(self, record: RequestRecord) -> None:
-        record.arrive()
         self._in_flight.dec()
         self._counts.count(record.path, record.method, str(record.status), record.seconds())
         logs.write_access(record, writer=logs.process_writer())
@@ -192,7 +191,6 @@ class RequestLayer:
         servable = self.registry.get(spec.name, spec.version, label=spec.label)
         if record is not None:
             record.model = servable.model.name
-            record.arrived = self.registry.coming(servable.model.name)
         return servable
 
     def model_status(self, spec: ModelSpec) -> list[dict[str, Any]]:
@@ -260,7 +258,6 @@ class RequestLayer:
         first = next(iter(inputs.values()), None)
         record.rows = first.shape[0] if first is not None and first.ndim else 1
         timeout_s = self.deadline_s(client_timeout_s)
-        record.arrive()
         try:
             servable, result = self.registry.predict(servable, inputs, timeout_s=timeout_s,
                                                      signature_name=signature.name, pinned=pinned,

@@ -51,7 +51,6 @@ class Batcher:
         padding: Padding | None = None,
         observer: BatchObserver | None = None,
         on_broken: Callable[[Batcher], None] | None = None,
-        coming: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_batch_size < 1:
@@ -75,7 +74,7 @@ class Batcher:
         self._clock = clock
         self.queue = RowQueue(name=name, max_rows=max_queue_rows, observer=self._hooks)
         self.fill_policy = FillPolicy(max_batch_size=max_batch_size, batch_timeout_s=batch_timeout_ms / 1000.0,
-                                      fill_under_load=fill_under_load, coming=coming)
+                                      fill_under_load=fill_under_load)
         self.executor = Executor(predict_fn, name=name, buckets=self.buckets, bisect_failures=bisect_failures,
                                  padding=padding, whole=whole, observer=self._hooks, clock=clock,
                                  waiting=self.queue.waiting)
@@ -154,11 +153,6 @@ class Batcher:
         return self.queue.queued_rows
 
     @property
-    def requests_coming(self) -> int | None:
-        """Requests for this model the workers are reading (a model process's batcher); None elsewhere."""
-        return self.fill_policy.coming() if self.fill_policy.coming is not None else None
-
-    @property
     def batch_timeout_s(self) -> float:
         return self.fill_policy.batch_timeout_s
 
@@ -199,7 +193,7 @@ class Batcher:
         if not (self.batching and batch.slices) or batch.full:
             return batch
         oldest = batch.slices[0].pending.enqueued_at
-        wait = self.fill_policy.decide(oldest_enqueued_at=oldest, now=self._clock(), requests=len(batch.slices))
+        wait = self.fill_policy.decide(oldest_enqueued_at=oldest, now=self._clock())
         if wait is None:
             return batch
         while not batch.full and len(batch.slices) < wait.requests:

@@ -8,7 +8,6 @@ docs/batching.md ("When a batch goes").
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 # A batch waits to fill when the last predict call answered at least this share of a full
 # batch (and they are coming back), or when requests waited through it and, with those it
@@ -22,11 +21,6 @@ FILL_UNDER_LOAD_MIN_REQUESTS = 3
 # an answer. With four times that per request answered, on top of the call's own time, such a
 # loop is still told from a burst followed by quiet (users who think for a second).
 FILL_RETURN_S_PER_REQUEST = 0.002
-# With MODEL_PROCESSES, requests the workers have begun and not yet handed over ("coming") are
-# waited for at most this long, or the last call's time if longer. A worker parses one request
-# of 1,024 floats in about 2 ms of its GIL; a model process that ran each row as it came ran
-# 1.4 to 2.2 rows a call (docs/model-processes-benchmark.md).
-FILL_COMING_S = 0.002
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,22 +45,18 @@ class FillWait:
 class FillPolicy:
     """Decides each batch's wait from the knobs and the last predict call that answered."""
 
-    def __init__(self, *, max_batch_size: int, batch_timeout_s: float = 0.0, fill_under_load: bool = True,
-                 coming: Callable[[], int] | None = None) -> None:
+    def __init__(self, *, max_batch_size: int, batch_timeout_s: float = 0.0, fill_under_load: bool = True) -> None:
         self.max_batch_size = max_batch_size
         self.batch_timeout_s = batch_timeout_s
         self.fill_under_load = fill_under_load
-        # How many requests for this model the workers are reading now (a model process's batchers);
-        # None: requests arrive as they are read, in this process.
-        self.coming = coming
         self.last_call = CallStats(requests=0, predict_s=0.0, ended_at=0.0, waiting=0)
 
     def record(self, stats: CallStats) -> None:
         self.last_call = stats
 
-    def decide(self, *, oldest_enqueued_at: float, now: float, requests: int = 1) -> FillWait | None:
-        """The wait of a batch that is not full, holds `requests` requests and whose oldest request
-        came at `oldest_enqueued_at`; None: it goes now."""
+    def decide(self, *, oldest_enqueued_at: float, now: float) -> FillWait | None:
+        """The wait of a batch that is not full and whose oldest request came at
+        `oldest_enqueued_at`; None: it goes now."""
         if self.batch_timeout_s > 0:
             # Wait for more until the oldest has waited its window; past it, still take what is
             # already queued: under load the oldest has often waited its window out behind the last batch.
@@ -80,11 +70,6 @@ class FillPolicy:
             return FillWait(until=now + last.predict_s, requests=last.requests + last.waiting)
         if self.load_rising():
             return FillWait(until=now + last.predict_s, requests=self.max_batch_size)
-        coming = self.coming() if self.coming is not None else 0
-        if coming > 0:
-            # Requests on their way from the workers: wait for them, briefly. A hint can be stale
-            # (a request refused before it was handed over), so the wait is bounded, not counted on.
-            return FillWait(until=now + max(last.predict_s, FILL_COMING_S), requests=requests + coming)
         return None
 
     @property

@@ -53,11 +53,6 @@ class RemoteRegistry(ModelRegistry):
             raise DeadlineExceeded("the model processes had not applied the model config within the call's "
                                    "deadline; they go on") from None
 
-    def coming(self, name: str) -> Callable[[], None] | None:
-        """Counted until handed over: each predict frame tells the model process how many more of
-        this worker's requests for the model are on their way, and its batch may wait for them."""
-        return None if self.link is None else self.link.coming(name)
-
     def predict(self, servable: Servable, inputs: Tensors, *, pinned: bool = False,
                 **kwargs: Any) -> tuple[Servable, BatchResult]:
         token = _PINNED.set(pinned)
@@ -99,10 +94,6 @@ class RemoteBatcher:
     def batches_run(self) -> int:
         return self.link.stats().get(self.key, [0, 0])[1]
 
-    @property
-    def requests_coming(self) -> int | None:
-        return self.link.stats().get(self.key, [0, 0, 0])[2]
-
     def predict(self, inputs: Tensors, *, timeout_s: float, client_gone: Callable[[], bool] | None = None,
                 trace: Any = None) -> BatchResult:
         """Hand the rows to the model process and wait for them, at most `timeout_s`."""
@@ -112,7 +103,7 @@ class RemoteBatcher:
             # The layer answers ClientGone (499); asked here, once, before the rows leave the worker.
             raise concurrent.futures.CancelledError()
         header = {"op": "predict", "model": self.model, "version": self.version, "signature": self.signature,
-                  "pinned": _PINNED.get(), "timeout_s": timeout_s, "coming": self.link.coming_count(self.model)}
+                  "pinned": _PINNED.get(), "timeout_s": timeout_s}
         future = self.link.request(header, inputs)
         try:
             return batch_result(future.result(timeout=timeout_s))

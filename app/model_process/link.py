@@ -89,9 +89,6 @@ class ModelProcessLink:
         self._closed = threading.Event()
         self._reconnecting = False
         self._stopping = False
-        # Requests read by this worker and not yet handed over, by model (RemoteRegistry.coming).
-        self._coming: dict[str, int] = {}
-        self._coming_lock = threading.Lock()
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -138,20 +135,6 @@ class ModelProcessLink:
         return header["stats"]
 
     # -- requests ------------------------------------------------------------------------------
-
-    def coming(self, model: str) -> Callable[[], None]:
-        """Count a request for `model` as on its way until the callable returned is called (once)."""
-        with self._coming_lock:
-            self._coming[model] = self._coming.get(model, 0) + 1
-
-        def arrived() -> None:
-            with self._coming_lock:
-                self._coming[model] -= 1
-
-        return arrived
-
-    def coming_count(self, model: str) -> int:
-        return self._coming.get(model, 0)
 
     def request(self, header: dict[str, Any], arrays: Mapping[str, np.ndarray] | None = None,
                 ) -> concurrent.futures.Future[Any]:

@@ -23,10 +23,9 @@ def describe(registry: ModelRegistry) -> dict[str, Any]:
     return {"default": registry.default_name, "models": models}
 
 
-def batcher_stats(registry: ModelRegistry) -> dict[str, tuple[int, int, int | None]]:
-    """Rows queued, batches run and requests coming of every batcher, by `batcher_key` (/readyz in a worker)."""
-    return {batcher_key(servable.model.name, servable.model.version, key):
-            (batcher.queued_rows, batcher.batches_run, batcher.requests_coming)
+def batcher_stats(registry: ModelRegistry) -> dict[str, tuple[int, int]]:
+    """Rows queued and batches run of every batcher, by `batcher_key` (/readyz in a worker)."""
+    return {batcher_key(servable.model.name, servable.model.version, key): (batcher.queued_rows, batcher.batches_run)
             for servable in registry.servables() for key, batcher in servable.batchers.items()}
 
 

@@ -59,8 +59,6 @@ class WorkerConnection:
         self.closed = threading.Event()
         # Descriptions pushed and not yet acknowledged as applied by the worker.
         self._acks: dict[int, threading.Event] = {}
-        # By model: the worker's requests on their way here, as its last predict frame said.
-        self.coming: dict[str, int] = {}
 
     def serve(self) -> None:
         stream = self.sock.makefile("rb", buffering=1 << 16)
@@ -138,7 +136,6 @@ class WorkerConnection:
 
     def _predict(self, header: dict[str, Any], payload: bytes) -> None:
         request_id = header["id"]
-        self.coming[header["model"]] = header.get("coming", 0)
         try:
             servable = self._enter(header["model"], header["version"], pinned=header["pinned"])
         except ServingError as exc:
@@ -212,7 +209,6 @@ class ModelProcess:
         self.drain_s = drain_s
         self.app = Flask(__name__)  # only a holder for the parts' extensions, as in a worker
         self.app.extensions["replace_worker"] = self.stop
-        self.app.extensions["rows_coming"] = self.rows_coming
         self.stopping = threading.Event()
         self.connections: list[WorkerConnection] = []
         # What the workers were last told the models are; one push at a time.
@@ -264,11 +260,6 @@ class ModelProcess:
         # The drained batches' answers are queued with the writers: out before the process exits.
         for connection in self.connections:
             connection.writer.flush(self.drain_s)
-
-    def rows_coming(self, model: str) -> int:
-        """Requests for `model` the workers are reading now (the fill policy's hint)."""
-        return sum(connection.coming.get(model, 0) for connection in self.connections
-                   if not connection.closed.is_set())
 
     def tell_workers(self) -> None:
         """After a reload: push the new description to every worker and wait until each applied it,
