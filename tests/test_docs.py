@@ -35,7 +35,10 @@ def test_readme_is_a_landing_page_of_at_most_10_kb():
 def test_readme_starts_with_the_two_set_up_commands():
     lines = README.read_text().splitlines()
     block_start = lines.index("```bash")
-    assert all(not line.strip() or line.startswith("#") for line in lines[:block_start])
+    # Only the title and a sentence or two of what it is come first: no code before the commands.
+    before = lines[:block_start]
+    assert before[0].startswith("# ") and len("\n".join(before)) <= 300
+    assert not any(line.startswith("```") or line.startswith("    ") for line in before)
     assert lines[block_start + 1:block_start + 3] == SET_UP_COMMANDS
     assert lines[block_start + 3] == "```"
 
