@@ -7,7 +7,7 @@ headers or bodies a byte a second are held open (nginx closes slow headers after
 client_header_timeout; they are opened again) while normal clients keep predicting: every
 normal request must be answered 200 with the model's exact output. Without nginx's request
 buffering the slow bodies would each hold one of Gunicorn's threads, and normal clients
-would wait behind them (docs/reliability.md has the figures, and bare Gunicorn's).
+would wait behind them (docs/reliability.md, and what bare Gunicorn does).
 nginx's own refusals (413, 502, 504) answer in the server's JSON error shape.
 """
 
