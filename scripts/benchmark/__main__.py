@@ -1,15 +1,55 @@
-"""`python -m scripts.benchmark` (from the repository root) or `python scripts/benchmark`."""
+"""`python -m scripts.benchmark <scenario>` (from the repository root) or `python scripts/benchmark <scenario>`."""
 
 from __future__ import annotations
 
+import argparse
+import signal
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 if __package__ in (None, ""):
-    # Run as a folder (`python scripts/benchmark`): import the package by its full name, and not
-    # its modules as top-level ones (its locust.py would hide the locust package).
+    # Run as a folder: import the package by its full name, not its modules as top-level ones.
     sys.path[0] = str(Path(__file__).resolve().parent.parent.parent)
 
-from scripts.benchmark.cli import main  # noqa: E402
+from scripts.benchmark import experiment, model_processes, peers, profile, variable_length  # noqa: E402
+from scripts.benchmark.common import COMMAND, child_main  # noqa: E402
 
-sys.exit(main(sys.argv[1:]))
+# name: (one line of help, add the scenario's arguments, run it)
+SCENARIOS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "experiment": ("the published experiment: the model alone, then servers under Locust, 1 user against 20",
+                   lambda parser: experiment.add_arguments(parser, page=experiment.EXPERIMENT_PAGE),
+                   experiment.run_experiment),
+    "peers": ("this server beside PyTriton and the small Flask batcher", peers.add_arguments, peers.run),
+    "model-processes": ("MODEL_PROCESSES=1 beside the default and PyTriton, under wrk",
+                        model_processes.add_arguments, model_processes.run),
+    "variable-length": ("padding off, to the longest, and length buckets", variable_length.add_arguments,
+                        variable_length.run),
+    "floor": ("the floor and floor-batcher (scripts/floor_app.py) beside this tree",
+              lambda parser: experiment.add_arguments(parser, page=experiment.FLOOR_PAGE), experiment.run_floor),
+    "profile": ("where one worker's time goes: py-spy per stage and per thread", profile.add_arguments, profile.run),
+}
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
+    scenarios = parser.add_subparsers(dest="scenario", required=True, metavar="scenario")
+    for name, (what, add_arguments, _) in SCENARIOS.items():
+        add_arguments(scenarios.add_parser(name, help=what, description=what))
+    args = parser.parse_args(argv)
+    args.argv = list(argv)[1:]
+    return args
+
+
+def main(argv: Sequence[str]) -> int:
+    if argv[:1] == ["_child"]:  # a part that loads TensorFlow, in a process of its own
+        child_main(*argv[1:])
+        return 0
+    args = parse_args(argv)
+    # SIGTERM as SystemExit, so that the finally blocks stop the servers and the load generators.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return SCENARIOS[args.scenario][2](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,256 @@
+"""Model processes beside the default and PyTriton: one load generator (wrk), two models, in rounds.
+
+Every layout serves the same saved Keras model, built from fixed seeds: the default with
+WORKERS=1, 2 and 4 (a model copy per worker), MODEL_PROCESSES=1 with WORKERS=1, 2 and 4 (one
+copy), and PyTriton (the peers scenario's). wrk loads each in a closed loop, one row per request,
+over the v2 REST infer route all of them speak. Each server's answer to that very request is
+first checked against the Keras model's own output; a load with any non-2xx answer or socket
+error is refused, not reported. Server CPU and resident memory are those of the server's whole
+process tree. Rounds run the layouts in alternating order, so that drift shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import requests
+
+from . import common
+from .common import DOCS, WIDE_MODEL, Config, Server, fmt, log, markdown_table, mean
+from .load import run_wrk
+from .peers import MODEL, PYTRITON_PYTHON, PyTritonServer
+
+PAGE = DOCS / "model-processes-benchmark.md"
+FEATURES = WIDE_MODEL["features"]
+MODELS = {"tiny": f"{FEATURES:,} floats in, one Dense(3) layer: almost no compute, what lies around the model "
+                  "is measured", "wide": common.WIDE_MODEL_NAME}
+REFERENCE = "default-1w"
+PYTRITON = "pytriton"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    name: str
+    workers: int
+    model_processes: int  # 0: the default, a model copy per worker
+    what: str
+
+
+LAYOUTS = [
+    *(Layout(f"default-{n}w", n, 0, f"default, {n} worker{'s' if n > 1 else ''}") for n in (1, 2, 4)),
+    *(Layout(f"procs-{n}w", n, 1, f"MODEL_PROCESSES=1, {n} worker{'s' if n > 1 else ''}") for n in (1, 2, 4)),
+    Layout(PYTRITON, 1, 0, "PyTriton"),
+]
+LAYOUTS_BY_NAME = {layout.name: layout for layout in LAYOUTS}
+
+
+@dataclasses.dataclass
+class Measured:
+    model: str
+    layout: str
+    round: int
+    check_difference: float | None = None
+    requests: int | None = None
+    rps: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    cpu_ms_per_request: float | None = None
+    server_cores: float | None = None
+    rss_mib: float | None = None
+    processes: int | None = None
+    batch_rows: float | None = None
+    wrk_cores: float | None = None
+    error: str | None = None
+
+
+def infer_body(rows: np.ndarray) -> bytes:
+    """The v2 JSON request for `rows`: one FP32 input, numbers as wrk sends them."""
+    return json.dumps({"inputs": [{"name": "features", "shape": list(rows.shape), "datatype": "FP32",
+                                   "data": [float(value) for value in rows.reshape(-1)]}]}).encode()
+
+
+def check_answer(url: str, body: bytes, expected: np.ndarray) -> float:
+    """POST `body` once; the largest difference of the answer from the Keras model's output (0 when exact)."""
+    answer = requests.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=60)
+    if answer.status_code != 200:
+        raise RuntimeError(f"check request: {answer.status_code} {answer.text[:500]}")
+    output = answer.json()["outputs"][0]
+    got = np.asarray(output["data"], dtype=np.float32).reshape(output["shape"])
+    if got.shape != expected.shape:
+        raise RuntimeError(f"check request: shape {got.shape}, the model's {expected.shape}")
+    difference = float(np.max(np.abs(got - expected)))
+    if not np.allclose(got, expected, rtol=1e-5, atol=1e-6):
+        raise RuntimeError(f"check request: answer differs from the model's by up to {difference:g}")
+    return difference
+
+
+def build_models(folder: str, names: list[str]) -> None:
+    """The child's side: each model saved, with the row wrk sends and the model's own answer to it."""
+    import keras
+    import tensorflow as tf
+
+    from app.models import build_default_model
+
+    rng = np.random.default_rng(0)
+    # Three decimals: what a client sends, and the same float32 whichever server parses it.
+    row = np.array([float(f"{value:.3f}") for value in rng.standard_normal(FEATURES)], dtype=np.float32)[None, :]
+    np.save(Path(folder) / "row.npy", row)
+    for name in names:
+        if name == "wide":
+            model = build_default_model(**WIDE_MODEL)
+        else:
+            inputs = keras.Input((FEATURES,), name="features")
+            scores = keras.layers.Dense(3, name="scores", kernel_initializer=keras.initializers.GlorotUniform(seed=0),
+                                        bias_initializer=keras.initializers.RandomNormal(seed=1))(inputs)
+            model = keras.Model(inputs, scores, name="default")
+        model.save(Path(folder) / f"{name}.keras")
+        np.save(Path(folder) / f"{name}-expected.npy", model(tf.constant(row), training=False).numpy())
+
+
+def measure(server: Server, result: Measured, *, body: Path, expected: np.ndarray, args: argparse.Namespace,
+            work_dir: Path, tag: str) -> Measured:
+    """Start, check, warm, load and stop one server."""
+    url = f"{server.url}/v2/models/{MODEL}/infer"
+    wrk = dict(threads=args.wrk_threads, connections=args.connections)
+    try:
+        server.start(ready_within_s=args.server_start_timeout)
+        result.check_difference = check_answer(url, body.read_bytes(), expected)
+        if args.warmup > 0:
+            run_wrk(url, body, duration_s=args.warmup, **wrk)
+        server.wait_quiet(within_s=60)
+        metrics_before = server.metrics()  # outside the CPU window: the scrape is not part of the load
+        cpu_before = server.cpu_seconds()
+        load, wrk_cpu_s = run_wrk(url, body, duration_s=args.duration, log_path=work_dir / f"{tag}-wrk.txt", **wrk)
+        cpu_s = server.cpu_seconds() - cpu_before
+        alive = server.processes()
+        result.rss_mib = sum(_rss(process) for process in alive) / 2**20
+        result.processes = len(alive)
+        metrics_after = server.metrics()
+        if load.errors:
+            raise RuntimeError(f"refused: {load.errors} in {load.requests} requests")
+        result.requests, result.rps, result.p50_ms, result.p99_ms = load.requests, load.rps, load.p50_ms, load.p99_ms
+        result.cpu_ms_per_request = cpu_s / load.requests * 1000 if load.requests else None
+        result.server_cores, result.wrk_cores = cpu_s / load.duration_s, wrk_cpu_s / load.duration_s
+        if metrics_before and metrics_after and metrics_after.calls > metrics_before.calls:
+            before, after = metrics_before, metrics_after
+            result.batch_rows = (after.rows - before.rows) / (after.calls - before.calls)
+        log(f"{tag}: {load.requests} requests, {load.rps:.0f} req/s, p50 {load.p50_ms:.1f} ms, "
+            f"{fmt(result.cpu_ms_per_request, 2)} ms CPU/request, {result.rss_mib:.0f} MiB")
+    except Exception as exc:  # one layout failing should not lose the others' numbers
+        result.error = common.failure(exc, server)
+        log(f"{tag}: {result.error}")
+    finally:
+        server.stop()
+    return result
+
+
+def _rss(process) -> int:
+    try:
+        return process.memory_info().rss
+    except Exception:  # exited since it was listed
+        return 0
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> str:
+    return f"{numerator / denominator:.2f}" if numerator is not None and denominator else "–"
+
+
+def model_tables(results: Sequence[Measured], model: str, layouts: Sequence[Layout], rounds: int) -> list[str]:
+    """Per model: the mean over rounds per layout, then every round's own row."""
+    mine = [result for result in results if result.model == model]
+
+    def average(layout: str, field: str) -> float | None:
+        return mean(getattr(r, field) for r in mine if r.layout == layout and r.error is None)
+
+    ref_rps, ref_cpu = average(REFERENCE, "rps"), average(REFERENCE, "cpu_ms_per_request")
+    summary = [(layout.what, fmt(rps := average(layout.name, "rps")), _ratio(rps, ref_rps),
+                fmt(average(layout.name, "p50_ms")), fmt(average(layout.name, "p99_ms")),
+                fmt(cpu := average(layout.name, "cpu_ms_per_request"), 2), _ratio(cpu, ref_cpu),
+                fmt(average(layout.name, "rss_mib"), 0), fmt(average(layout.name, "batch_rows")),
+                f"{sum(1 for r in mine if r.layout == layout.name and r.error is None)} of {rounds}")
+               for layout in layouts]
+    lines = [f"Mean of the rounds; ratios to `{REFERENCE}` (the default, 1 worker).", "",
+             *markdown_table(("layout", "req/s", "÷ default 1w", "p50 ms", "p99 ms", "server CPU ms/request",
+                              "÷ default 1w", "RSS all processes MiB", "mean batch rows", "rounds"), summary), "",
+             "Every round's req/s: " + "; ".join(
+                 f"`{layout.name}` " + ", ".join(fmt(r.rps) if r.error is None else "failed"
+                                                 for r in mine if r.layout == layout.name) for layout in layouts) + "."]
+    lines += [f"- `{r.layout}`, round {r.round}: {r.error}" for r in mine if r.error]
+    if wrk_cores := [r.wrk_cores for r in mine if r.wrk_cores is not None]:
+        lines += ["", f"wrk itself used {min(wrk_cores):.2f} to {max(wrk_cores):.2f} of a core over these loads."]
+    if differences := [r.check_difference for r in mine if r.check_difference is not None]:
+        lines += [f"Before each load, the server's answer to the very request wrk sends was checked against the Keras "
+                  f"model's own output: largest difference {max(differences):g} over {len(differences)} servers."]
+    return lines
+
+
+def _names(known: Sequence[str]):
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        if unknown := [name for name in names if name not in known]:
+            raise argparse.ArgumentTypeError(f"unknown: {', '.join(unknown)}; choose from {', '.join(known)}")
+        return names
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--duration", type=float, default=30, help="seconds of load per layout (default 30)")
+    add("--warmup", type=float, default=3, help="seconds of unmeasured load first (default 3)")
+    add("--rounds", type=int, default=2, help="runs of every layout, order alternating (default 2)")
+    add("--models", type=_names(list(MODELS)), default=list(MODELS), help="comma-separated, of tiny and wide")
+    add("--layouts", type=_names(list(LAYOUTS_BY_NAME)), default=list(LAYOUTS_BY_NAME),
+        help=f"comma-separated, of {', '.join(LAYOUTS_BY_NAME)} (default all)")
+    add("--connections", type=int, default=32, help="wrk's connections (default 32)")
+    add("--wrk-threads", type=int, default=1, help="wrk's threads (default 1)")
+    add("--pytriton-python", type=Path, default=PYTRITON_PYTHON, help="the Python of PyTriton's own virtualenv")
+    add("--out", type=Path, default=PAGE, help="the page to write (default %(default)s)")
+    add("--work-dir", type=Path, help="logs, wrk outputs and results.json (default: a temporary folder)")
+    add("--server-start-timeout", type=float, default=300)
+
+
+def run(args: argparse.Namespace) -> int:
+    if PYTRITON in args.layouts and not args.pytriton_python.exists():
+        raise SystemExit(f"{args.pytriton_python} is missing: make it, or leave {PYTRITON} out of --layouts")
+    started, clock = datetime.datetime.now(datetime.UTC), time.monotonic()
+    machine = common.machine_facts()  # the load average at the start, before anything of this run
+    layouts = [layout for layout in LAYOUTS if layout.name in args.layouts]
+    results: list[Measured] = []
+    with common.working_folder(args.work_dir) as work_dir:
+        log(f"building {', '.join(args.models)} in a child process")
+        common.run_child("scripts.benchmark.model_processes:build_models", work_dir / "build.log", folder=str(work_dir),
+                  names=args.models)
+        body = work_dir / "body.json"
+        body.write_bytes(infer_body(np.load(work_dir / "row.npy")))
+        for model in args.models:
+            model_path, expected = str(work_dir / f"{model}.keras"), np.load(work_dir / f"{model}-expected.npy")
+            for number in range(1, args.rounds + 1):
+                for layout in layouts if number % 2 else layouts[::-1]:
+                    tag = f"{model}-{layout.name}-round{number}"
+                    log_path = work_dir / f"{tag}.log"
+                    env = {"MODEL_PROCESSES": str(layout.model_processes)} if layout.model_processes else {}
+                    server = (PyTritonServer(python=args.pytriton_python, model_path=model_path, log_path=log_path)
+                              if layout.name == PYTRITON else Server(Config(layout.name, layout.workers, env,
+                                                                            layout.what), model_path=model_path,
+                                                                     log_path=log_path))
+                    results.append(measure(server, Measured(model, layout.name, number), body=body, expected=expected,
+                                           args=args, work_dir=work_dir, tag=tag))
+                    (work_dir / "results.json").write_text(json.dumps([dataclasses.asdict(r) for r in results]))
+    body_lines = [__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(), "",
+                  f"wrk: {args.connections} connections, {args.wrk_threads} thread(s), {args.duration:g} s after "
+                  f"{args.warmup:g} s of warm-up; each request one row of {FEATURES:,} float32 as v2 JSON.", ""]
+    for model in args.models:
+        body_lines += [f"## The {model} model", "", f"{MODELS[model]}.", "",
+                       *model_tables(results, model, layouts, args.rounds), ""]
+    page = common.write_page(args.out, "Model processes beside the default and PyTriton", scenario="model-processes",
+                      argv=args.argv, started=started, elapsed_s=time.monotonic() - clock, machine=machine,
+                      body=body_lines)
+    log(f"wrote {page}")
+    return 1 if any(r.error for r in results) else 0
