@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scripts.benchmark import load, model_processes
+from scripts.benchmark import layouts, load
 
 
 @contextmanager
@@ -66,7 +66,7 @@ def hang_up(handler: BaseHTTPRequestHandler, body: bytes) -> None:
 @pytest.fixture
 def body(tmp_path: Path) -> Path:
     path = tmp_path / "body.json"
-    path.write_bytes(model_processes.infer_body(np.array([[0.5, -1.25, 3.0]], dtype=np.float32)))
+    path.write_bytes(layouts.infer_body(np.array([[0.5, -1.25, 3.0]], dtype=np.float32)))
     return path
 
 
@@ -112,7 +112,7 @@ def test_wrk_output_without_the_summary_line_is_refused():
 
 def test_infer_body_is_v2_json_of_the_exact_float32_rows():
     rows = np.array([[0.1, -2.5, 1e-3]], dtype=np.float32)
-    request = json.loads(model_processes.infer_body(rows))
+    request = json.loads(layouts.infer_body(rows))
     (tensor,) = request["inputs"]
     assert (tensor["name"], tensor["shape"], tensor["datatype"]) == ("features", [1, 3], "FP32")
     assert np.array_equal(np.asarray(tensor["data"], dtype=np.float32).reshape(tensor["shape"]), rows)
@@ -126,21 +126,21 @@ def v2_answer(data: list[float]) -> bytes:
 def test_check_answer_accepts_the_model_output_and_refuses_another(body: Path):
     expected = np.array([[1.5, -0.25]], dtype=np.float32)
     with local_server(reply(200, v2_answer([1.5, -0.25]))) as (url, received):
-        assert model_processes.check_answer(url, body.read_bytes(), expected) == 0.0
+        assert layouts.check_answer(url, body.read_bytes(), expected) == 0.0
         assert received == [body.read_bytes()]
     with local_server(reply(200, v2_answer([1.5, -0.5]))) as (url, _):
         with pytest.raises(RuntimeError, match="differs from the model's by up to 0.25"):
-            model_processes.check_answer(url, body.read_bytes(), expected)
+            layouts.check_answer(url, body.read_bytes(), expected)
     with local_server(reply(200, v2_answer([1.5]))) as (url, _):
         with pytest.raises(RuntimeError, match="shape"):
-            model_processes.check_answer(url, body.read_bytes(), expected)
+            layouts.check_answer(url, body.read_bytes(), expected)
     with local_server(reply(503)) as (url, _):
         with pytest.raises(RuntimeError, match="503"):
-            model_processes.check_answer(url, body.read_bytes(), expected)
+            layouts.check_answer(url, body.read_bytes(), expected)
 
 
 def measured(model: str, layout: str, round_number: int, rps: float | None, error: str | None = None):
-    return model_processes.Measured(model, layout, round_number, requests=int(rps or 0), rps=rps, p50_ms=rps and 5.0,
+    return layouts.Measured(model, layout, round_number, requests=int(rps or 0), rps=rps, p50_ms=rps and 5.0,
                                     p99_ms=rps and 9.0, cpu_ms_per_request=rps and 1000 / rps, rss_mib=rps and 10.0,
                                     processes=2, error=error)
 
@@ -149,8 +149,8 @@ def test_model_tables_average_the_rounds_and_divide_by_the_default_with_one_work
     results = [measured("tiny", "default-1w", 1, 1000.0), measured("tiny", "default-1w", 2, 1200.0),
                measured("tiny", "procs-2w", 1, 1150.0), measured("tiny", "procs-2w", 2, None, error="refused: 3 ..."),
                measured("wide", "default-1w", 1, 5.0)]
-    layouts = [model_processes.LAYOUTS_BY_NAME[name] for name in ("default-1w", "procs-2w")]
-    lines = model_processes.model_tables(results, "tiny", layouts, 2)
+    layouts = [layouts.LAYOUTS_BY_NAME[name] for name in ("default-1w", "procs-2w")]
+    lines = layouts.model_tables(results, "tiny", layouts, 2)
     # default-1w: mean 1,100 req/s and 1000/1000, 1000/1200 ms CPU a request; procs-2w: its one good round.
     assert lines[4:6] == [
         "| default, 1 worker | 1,100 | 1.00 | 5.0 | 9.0 | 0.92 | 1.00 | 10 | – | 2 of 2 |",

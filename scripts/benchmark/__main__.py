@@ -12,7 +12,7 @@ if __package__ in (None, ""):
     # Run as a folder: import the package by its full name, not its modules as top-level ones.
     sys.path[0] = str(Path(__file__).resolve().parent.parent.parent)
 
-from scripts.benchmark import experiment, model_processes, peers, profile, variable_length  # noqa: E402
+from scripts.benchmark import experiment, layouts, profile, variable_length  # noqa: E402
 from scripts.benchmark.common import COMMAND, child_main  # noqa: E402
 
 # name: (one line of help, add the scenario's arguments, run it)
@@ -20,9 +20,10 @@ SCENARIOS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Calla
     "experiment": ("the published experiment: the model alone, then servers under Locust, 1 user against 20",
                    lambda parser: experiment.add_arguments(parser, page=experiment.EXPERIMENT_PAGE),
                    experiment.run_experiment),
-    "peers": ("this server beside PyTriton and the small Flask batcher", peers.add_arguments, peers.run),
+    "peers": ("this server beside PyTriton and the small Flask batcher, under wrk",
+              lambda parser: layouts.add_arguments(parser, scenario="peers"), layouts.run),
     "model-processes": ("MODEL_PROCESSES=1 beside the default and PyTriton, under wrk",
-                        model_processes.add_arguments, model_processes.run),
+                        lambda parser: layouts.add_arguments(parser, scenario="model-processes"), layouts.run),
     "variable-length": ("padding off, to the longest, and length buckets", variable_length.add_arguments,
                         variable_length.run),
     "floor": ("the floor and floor-batcher (scripts/floor_app.py) beside this tree",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib
@@ -208,25 +209,17 @@ def failure(exc: Exception, server: LiveServer) -> str:
 
 def machine_facts() -> dict[str, str]:
     """The machine, the load on it at the start, and the package versions."""
-    cpu_model = platform.processor() or platform.machine()
-    try:
-        cpu_model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                         if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    facts = {"CPU": cpu_model,
-             "cores": f"{psutil.cpu_count(logical=True)} logical, {psutil.cpu_count(logical=False)} physical",
-             "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB", "OS": platform.platform(),
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    facts = {"CPU": cpu, "cores": f"{psutil.cpu_count(logical=True)} logical, {psutil.cpu_count(logical=False)} "
+             f"physical", "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB", "OS": platform.platform(),
              "load average at start (1, 5, 15 min)": ", ".join(f"{value:.2f}" for value in os.getloadavg()),
              "python": platform.python_version()}
-    for label, names in {"tensorflow": ("tensorflow-cpu", "tensorflow"), "keras": ("keras",),
-                         "gunicorn": ("gunicorn",), "flask": ("flask",), "locust": ("locust",)}.items():
-        for name in names:
-            try:
-                facts[label] = package_metadata.version(name)
-                break
-            except package_metadata.PackageNotFoundError:
-                facts[label] = "not installed"
+    for name in ("tensorflow-cpu", "keras", "gunicorn", "flask", "locust", "nvidia-pytriton"):
+        with contextlib.suppress(package_metadata.PackageNotFoundError):
+            facts[name] = package_metadata.version(name)
     return facts
 
 

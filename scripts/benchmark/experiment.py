@@ -92,7 +92,6 @@ def add_arguments(parser: argparse.ArgumentParser, *, page: Path) -> None:
     add("--configs", type=_config_list, help=f"comma-separated, of: {', '.join(CONFIGS_BY_NAME)}")
     add("--users", type=_numbers(int), help="user counts with 1-3 s think time (default 1,20)")
     add("--closed-loop-users", type=int, help="users of the closed loop, 0 to skip it (default 64)")
-    add("--max-batch", type=int, help="largest batch size the model alone is timed at (default 64)")
     add("--model", choices=("default", "wide"), default="default",
         help=f"the built-in default model, or the wide-input model ({common.WIDE_MODEL_NAME}), built from seeds")
     add("--model-path", help="serve and time this model (any MODEL_PATH); wins over --model")
@@ -115,9 +114,7 @@ def resolve(args: argparse.Namespace, *, configs: list[str] | None = None) -> ar
     args.users = args.users or ([1] if quick else [1, 20])
     if args.closed_loop_users is None:
         args.closed_loop_users = 4 if quick else 64
-    args.max_batch = args.max_batch or (8 if quick else 64)
-    # Every size the servers pad to, so that their batches can be timed alone.
-    args.batch_sizes = sorted({2**power for power in range(16) if 2**power <= args.max_batch} | set(SERVER_BUCKETS))
+    args.batch_sizes = SERVER_BUCKETS  # every size the servers pad to, so that their batches can be timed alone
     args.idle_calls = (2 if quick else 8) if args.idle_calls is None else args.idle_calls
     args.call_budget = args.call_budget or (0.3 if quick else 3.0)
     args.model_path = str(Path(args.model_path).resolve()) if args.model_path else None

@@ -13,8 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from .common import LOCUST_VARIABLES, REPO, Load, Server, fmt, log
 
 LOCUSTFILE = REPO / "locustfile.py"
@@ -45,9 +43,7 @@ class LoadStats:
     rps: float = 0.0
     locust_exit_code: int | None = None
     locust_wall_s: float = 0.0
-    locust_cpu_s: float = 0.0
     locust_cpu_share: float = 0.0
-    locust_peak_share: float = 0.0
     # From locustfile.py's summary (LOCUST_SUMMARY_FILE): the batch headers of the answers.
     answers_with_batch_headers: int | None = None
     mean_batch_rows: float | None = None
@@ -78,8 +74,10 @@ def run_locust(url: str, load: Load, *, duration_s: float, prefix: Path, protoco
     command = locust_command(url, load, duration_s=duration_s, prefix=prefix, spawn_rate=spawn_rate)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
-    returncode, peak_share = _run_and_sample(command, env, prefix.with_name(prefix.name + ".log"),
-                                             within_s=duration_s + 60)
+    with open(prefix.with_name(prefix.name + ".log"), "wb") as output:
+        # Past its run time and a minute's grace, subprocess kills it.
+        returncode = subprocess.run(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                    timeout=duration_s + 60).returncode
     wall_s = time.monotonic() - started
     if returncode not in (0, 1):  # 1: some requests failed, counted below; anything else: Locust itself
         log(f"locust exited with {returncode}; see {prefix.name}.log in the working folder")
@@ -90,32 +88,8 @@ def run_locust(url: str, load: Load, *, duration_s: float, prefix: Path, protoco
     stats = parse_locust_stats(prefix)
     return dataclasses.replace(
         stats, rps=stats.requests / duration_s,  # over the run time, not Locust's first-to-last request
-        locust_exit_code=returncode, locust_wall_s=wall_s, locust_cpu_s=cpu_s,
-        locust_cpu_share=cpu_s / wall_s if wall_s else 0.0, locust_peak_share=peak_share,
+        locust_exit_code=returncode, locust_wall_s=wall_s, locust_cpu_share=cpu_s / wall_s if wall_s else 0.0,
         **{name: summary[name] for name in SUMMARY_FIELDS if name in summary})
-
-
-def _run_and_sample(command: list[str], env: dict[str, str], log_path: Path, *, within_s: float) -> tuple[int, float]:
-    """Run Locust to its end; its exit code and its busiest second's share of a core."""
-    started = time.monotonic()
-    with open(log_path, "wb") as output:
-        proc = psutil.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
-        peak_share = 0.0
-        try:
-            proc.cpu_percent()
-            while proc.poll() is None and time.monotonic() - started < within_s:
-                time.sleep(1.0)  # sampling Locust's CPU once a second
-                try:
-                    peak_share = max(peak_share, proc.cpu_percent() / 100)
-                except psutil.NoSuchProcess:
-                    break
-            if proc.poll() is None:
-                proc.terminate()  # past its run time and a minute's grace: let it write its stats
-            return proc.wait(30), peak_share
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
 
 
 def parse_locust_stats(prefix: Path) -> LoadStats:

@@ -1,12 +1,15 @@
-"""Model processes beside the default and PyTriton: one load generator (wrk), two models, in rounds.
+"""Servers side by side under one load generator (wrk): the model-processes and peers scenarios.
 
-Every layout serves the same saved Keras model, built from fixed seeds: the default with
-WORKERS=1, 2 and 4 (a model copy per worker), MODEL_PROCESSES=1 with WORKERS=1, 2 and 4 (one
-copy), and PyTriton (the peers scenario's). wrk loads each in a closed loop, one row per request,
-over the v2 REST infer route all of them speak. Each server's answer to that very request is
-first checked against the Keras model's own output; a load with any non-2xx answer or socket
-error is refused, not reported. Server CPU and resident memory are those of the server's whole
-process tree. Rounds run the layouts in alternating order, so that drift shows.
+model-processes: the default with WORKERS=1, 2 and 4 (a model copy per worker), MODEL_PROCESSES=1
+with WORKERS=1, 2 and 4 (one copy), and PyTriton. peers: this server (the default, one worker) beside
+PyTriton (Triton's server and dynamic batcher around a compiled tf.function, scripts/pytriton_server.py,
+from a virtualenv of its own: --pytriton-python) and the small Flask batcher (scripts/floor_app.py:
+Flask and one model thread under the same Gunicorn configuration, fixed answers). Every layout serves
+the same saved Keras model, built from fixed seeds; wrk loads each in a closed loop, one row per
+request, over v2 REST infer (the Flask batcher: TF Serving's REST /predict). Each answer to that very
+request is first checked against the Keras model's own output (but the Flask batcher's); a load with
+any non-2xx answer or socket error is refused, not reported. Server CPU and resident memory are those
+of the server's whole process tree. Rounds run the layouts in alternating order, so that drift shows.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,17 +26,20 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from . import common
-from .common import DOCS, WIDE_MODEL, Config, Server, fmt, log, markdown_table, mean
-from .load import run_wrk
-from .peers import MODEL, PYTRITON_PYTHON, PyTritonServer
+from app.settings import Settings
 
-PAGE = DOCS / "model-processes-benchmark.md"
+from . import common
+from .common import DOCS, FLOOR_APP, REPO, WIDE_MODEL, Config, Server, fmt, log, markdown_table, mean
+from .load import run_wrk
+
+PYTRITON_PYTHON = REPO / ".venv-pytriton" / "bin" / "python"
+PYTRITON_SCRIPT = REPO / "scripts" / "pytriton_server.py"
+MODEL = "default"
 FEATURES = WIDE_MODEL["features"]
 MODELS = {"tiny": f"{FEATURES:,} floats in, one Dense(3) layer: almost no compute, what lies around the model "
                   "is measured", "wide": common.WIDE_MODEL_NAME}
 REFERENCE = "default-1w"
-PYTRITON = "pytriton"
+PYTRITON, FLASK = "pytriton", "flask-batcher"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +54,57 @@ LAYOUTS = [
     *(Layout(f"default-{n}w", n, 0, f"default, {n} worker{'s' if n > 1 else ''}") for n in (1, 2, 4)),
     *(Layout(f"procs-{n}w", n, 1, f"MODEL_PROCESSES=1, {n} worker{'s' if n > 1 else ''}") for n in (1, 2, 4)),
     Layout(PYTRITON, 1, 0, "PyTriton"),
+    Layout(FLASK, 1, 0, "the small Flask batcher"),
 ]
 LAYOUTS_BY_NAME = {layout.name: layout for layout in LAYOUTS}
+# scenario: (title, page, layouts, models)
+SCENARIOS = {
+    "model-processes": ("Model processes beside the default and PyTriton", DOCS / "model-processes-benchmark.md",
+                        [layout.name for layout in LAYOUTS[:7]], list(MODELS)),
+    "peers": ("This server beside PyTriton and the small Flask batcher", DOCS / "peers-benchmark.md",
+              [REFERENCE, PYTRITON, FLASK], ["wide"]),
+}
+
+
+class PyTritonServer(Server):
+    """scripts/pytriton_server.py on free loopback ports; ready once its model answers ready over v2."""
+
+    def __init__(self, *, python: Path, model_path: str, log_path: Path) -> None:
+        super().__init__(Config(PYTRITON, 1, {}, "PyTriton"), model_path=model_path, log_path=log_path)
+        self.python, self.model_path = python, model_path
+
+    def command(self, *, workers: int = 1) -> list[str]:
+        return [str(self.python), str(PYTRITON_SCRIPT), "--model-path", self.model_path, "--model-name", MODEL,
+                "--http-port", str(self.port), "--grpc-port", self.grpc_target.rsplit(":", 1)[1],
+                "--max-batch-size", str(Settings().max_batch_size)]
+
+    def wait_ready(self, *, workers: int = 1, within_s: float = 300) -> set[int]:
+        assert self.proc is not None
+        deadline = time.monotonic() + within_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"PyTriton exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"PyTriton not ready within {within_s} s:\n{self.log()[-3000:]}")
+            try:
+                if requests.get(f"{self.url}/v2/models/{MODEL}/ready", timeout=10).status_code == 200:
+                    return {self.proc.pid}
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)  # nothing listens yet, or the model still loads: there is no event to wait on
+
+    def metrics(self) -> None:
+        return None  # Triton's batch figures are not this server's /metrics
+
+
+def layout_server(layout: Layout, args: argparse.Namespace, model_path: str, log_path: Path) -> Server:
+    if layout.name == PYTRITON:
+        return PyTritonServer(python=args.pytriton_python, model_path=model_path, log_path=log_path)
+    if layout.name == FLASK:
+        return Server(Config(FLASK, 1, {"GRPC_BIND": ""}, layout.what, app=FLOOR_APP), model_path=model_path,
+                      log_path=log_path)
+    env = {"MODEL_PROCESSES": str(layout.model_processes)} if layout.model_processes else {}
+    return Server(Config(layout.name, layout.workers, env, layout.what), model_path=model_path, log_path=log_path)
 
 
 @dataclasses.dataclass
@@ -74,6 +130,11 @@ def infer_body(rows: np.ndarray) -> bytes:
     """The v2 JSON request for `rows`: one FP32 input, numbers as wrk sends them."""
     return json.dumps({"inputs": [{"name": "features", "shape": list(rows.shape), "datatype": "FP32",
                                    "data": [float(value) for value in rows.reshape(-1)]}]}).encode()
+
+
+def predict_body(rows: np.ndarray) -> bytes:
+    """The same rows as TF Serving's REST /predict takes them."""
+    return json.dumps({"instances": [[float(value) for value in row] for row in rows]}).encode()
 
 
 def check_answer(url: str, body: bytes, expected: np.ndarray) -> float:
@@ -114,14 +175,17 @@ def build_models(folder: str, names: list[str]) -> None:
         np.save(Path(folder) / f"{name}-expected.npy", model(tf.constant(row), training=False).numpy())
 
 
-def measure(server: Server, result: Measured, *, body: Path, expected: np.ndarray, args: argparse.Namespace,
-            work_dir: Path, tag: str) -> Measured:
+def measure(server: Server, result: Measured, *, work_dir: Path, expected: np.ndarray, args: argparse.Namespace,
+            tag: str) -> Measured:
     """Start, check, warm, load and stop one server."""
-    url = f"{server.url}/v2/models/{MODEL}/infer"
+    flask = result.layout == FLASK
+    url = server.url + ("/predict" if flask else f"/v2/models/{MODEL}/infer")
+    body = work_dir / ("predict.json" if flask else "infer.json")
     wrk = dict(threads=args.wrk_threads, connections=args.connections)
     try:
         server.start(ready_within_s=args.server_start_timeout)
-        result.check_difference = check_answer(url, body.read_bytes(), expected)
+        if not flask:  # the Flask batcher answers a fixed row
+            result.check_difference = check_answer(url, body.read_bytes(), expected)
         if args.warmup > 0:
             run_wrk(url, body, duration_s=args.warmup, **wrk)
         server.wait_quiet(within_s=60)
@@ -200,18 +264,20 @@ def _names(known: Sequence[str]):
     return parse
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, *, scenario: str) -> None:
+    _, page, layouts, models = SCENARIOS[scenario]
     add = parser.add_argument
     add("--duration", type=float, default=30, help="seconds of load per layout (default 30)")
     add("--warmup", type=float, default=3, help="seconds of unmeasured load first (default 3)")
     add("--rounds", type=int, default=2, help="runs of every layout, order alternating (default 2)")
-    add("--models", type=_names(list(MODELS)), default=list(MODELS), help="comma-separated, of tiny and wide")
-    add("--layouts", type=_names(list(LAYOUTS_BY_NAME)), default=list(LAYOUTS_BY_NAME),
-        help=f"comma-separated, of {', '.join(LAYOUTS_BY_NAME)} (default all)")
+    add("--models", type=_names(list(MODELS)), default=models, help=f"comma-separated, of tiny and wide "
+        f"(default {','.join(models)})")
+    add("--layouts", type=_names(list(LAYOUTS_BY_NAME)), default=layouts,
+        help=f"comma-separated, of {', '.join(LAYOUTS_BY_NAME)} (default {','.join(layouts)})")
     add("--connections", type=int, default=32, help="wrk's connections (default 32)")
     add("--wrk-threads", type=int, default=1, help="wrk's threads (default 1)")
     add("--pytriton-python", type=Path, default=PYTRITON_PYTHON, help="the Python of PyTriton's own virtualenv")
-    add("--out", type=Path, default=PAGE, help="the page to write (default %(default)s)")
+    add("--out", type=Path, default=page, help="the page to write (default %(default)s)")
     add("--work-dir", type=Path, help="logs, wrk outputs and results.json (default: a temporary folder)")
     add("--server-start-timeout", type=float, default=300)
 
@@ -221,36 +287,37 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"{args.pytriton_python} is missing: make it, or leave {PYTRITON} out of --layouts")
     started, clock = datetime.datetime.now(datetime.UTC), time.monotonic()
     machine = common.machine_facts()  # the load average at the start, before anything of this run
+    if PYTRITON in args.layouts:
+        done = subprocess.run([str(args.pytriton_python), "-c", "import importlib.metadata as m; "
+                               "print(m.version('nvidia-pytriton'))"], capture_output=True, text=True, timeout=60)
+        machine["nvidia-pytriton"] = done.stdout.strip() or "not found"
+    machine["wrk"] = subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split(" Copyright")[0]
     layouts = [layout for layout in LAYOUTS if layout.name in args.layouts]
     results: list[Measured] = []
     with common.working_folder(args.work_dir) as work_dir:
         log(f"building {', '.join(args.models)} in a child process")
-        common.run_child("scripts.benchmark.model_processes:build_models", work_dir / "build.log", folder=str(work_dir),
-                  names=args.models)
-        body = work_dir / "body.json"
-        body.write_bytes(infer_body(np.load(work_dir / "row.npy")))
+        common.run_child("scripts.benchmark.layouts:build_models", work_dir / "build.log", folder=str(work_dir),
+                         names=args.models)
+        row = np.load(work_dir / "row.npy")
+        (work_dir / "infer.json").write_bytes(infer_body(row))
+        (work_dir / "predict.json").write_bytes(predict_body(row))
         for model in args.models:
             model_path, expected = str(work_dir / f"{model}.keras"), np.load(work_dir / f"{model}-expected.npy")
             for number in range(1, args.rounds + 1):
                 for layout in layouts if number % 2 else layouts[::-1]:
                     tag = f"{model}-{layout.name}-round{number}"
-                    log_path = work_dir / f"{tag}.log"
-                    env = {"MODEL_PROCESSES": str(layout.model_processes)} if layout.model_processes else {}
-                    server = (PyTritonServer(python=args.pytriton_python, model_path=model_path, log_path=log_path)
-                              if layout.name == PYTRITON else Server(Config(layout.name, layout.workers, env,
-                                                                            layout.what), model_path=model_path,
-                                                                     log_path=log_path))
-                    results.append(measure(server, Measured(model, layout.name, number), body=body, expected=expected,
-                                           args=args, work_dir=work_dir, tag=tag))
+                    server = layout_server(layout, args, model_path, work_dir / f"{tag}.log")
+                    results.append(measure(server, Measured(model, layout.name, number), work_dir=work_dir,
+                                           expected=expected, args=args, tag=tag))
                     (work_dir / "results.json").write_text(json.dumps([dataclasses.asdict(r) for r in results]))
     body_lines = [__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(), "",
                   f"wrk: {args.connections} connections, {args.wrk_threads} thread(s), {args.duration:g} s after "
-                  f"{args.warmup:g} s of warm-up; each request one row of {FEATURES:,} float32 as v2 JSON.", ""]
+                  f"{args.warmup:g} s of warm-up; each request one row of {FEATURES:,} float32.", ""]
     for model in args.models:
         body_lines += [f"## The {model} model", "", f"{MODELS[model]}.", "",
                        *model_tables(results, model, layouts, args.rounds), ""]
-    page = common.write_page(args.out, "Model processes beside the default and PyTriton", scenario="model-processes",
-                      argv=args.argv, started=started, elapsed_s=time.monotonic() - clock, machine=machine,
-                      body=body_lines)
+    title = SCENARIOS[args.scenario][0]
+    page = common.write_page(args.out, title, scenario=args.scenario, argv=args.argv, started=started,
+                             elapsed_s=time.monotonic() - clock, machine=machine, body=body_lines)
     log(f"wrote {page}")
     return 1 if any(r.error for r in results) else 0
