@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from importlib import metadata as package_metadata
 from pathlib import Path
@@ -246,6 +246,19 @@ def write_page(path: Path, title: str, *, scenario: str, argv: Sequence[str], st
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines).rstrip("\n") + "\n")
     return path
+
+
+def run_scenario(args: Any, title: str, measure: Callable[[Path, dict[str, str]], tuple[list[str], bool]]) -> int:
+    """A scenario from end to end: the machine as it starts, `measure` in a working folder (the page's body
+    and whether anything failed), the page; exit status 1 where anything failed."""
+    started, clock = datetime.datetime.now(datetime.UTC), time.monotonic()
+    machine = machine_facts()  # the load average at the start, before anything of this run
+    with working_folder(args.work_dir) as work_dir:
+        body, failed = measure(work_dir, machine)
+    page = write_page(args.out, title, scenario=args.scenario, argv=args.argv, started=started,
+                      elapsed_s=time.monotonic() - clock, machine=machine, body=body)
+    log(f"wrote {page}")
+    return 1 if failed else 0
 
 
 @contextmanager

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import math
@@ -51,9 +50,7 @@ CONFIGS = [
     Config("timeout-20ms", 1, {"BATCH_TIMEOUT_MS": "20"}, "batching that waits up to 20 ms for a batch to fill", True),
     Config(REFERENCE, 1, {}, "the shipped default: batch as soon as the model is free, 1 worker"),
     Config("default-2w", 2, {}, "the shipped default with 2 workers"),
-    Config("default-4w", 4, {}, "the shipped default with 4 workers", in_full_run=False),
-    *(Config(f"procs-{n}w", n, {"MODEL_PROCESSES": "1"}, f"1 model process, {n} worker{'s' if n > 1 else ''}",
-             in_full_run=False) for n in (1, 2, 4)),
+    Config("procs-2w", 2, {"MODEL_PROCESSES": "1"}, "1 model process, 2 workers", in_full_run=False),
     # Not servers: what Gunicorn and Flask cost around the same model (scripts/floor_app.py, fixed answers).
     Config("floor", 1, {"GRPC_BIND": ""}, "Gunicorn and Flask around the same model with a model thread of its "
            "own, nothing of app/ in a request", True, app=FLOOR_APP, in_full_run=False),
@@ -99,8 +96,6 @@ def add_arguments(parser: argparse.ArgumentParser, *, page: Path) -> None:
     add("--rounds", type=_numbers(int, one=True), default=1,
         help="run every configuration this many times in alternating order; report each round's ratios' median")
     add("--spawn-rate", type=_numbers(float, one=True), help="users Locust starts a second (default: all at once)")
-    add("--idle-calls", type=int, help="batch-1 calls of the model alone, each after 1-3 s idle (default 8)")
-    add("--call-budget", type=_numbers(float, one=True), help="seconds of calls per batch size, model alone")
     add("--work-dir", type=Path, help="keep Locust's output, the server logs and results.json here")
     add("--server-start-timeout", type=float, default=300)
 
@@ -115,8 +110,7 @@ def resolve(args: argparse.Namespace, *, configs: list[str] | None = None) -> ar
     if args.closed_loop_users is None:
         args.closed_loop_users = 4 if quick else 64
     args.batch_sizes = SERVER_BUCKETS  # every size the servers pad to, so that their batches can be timed alone
-    args.idle_calls = (2 if quick else 8) if args.idle_calls is None else args.idle_calls
-    args.call_budget = args.call_budget or (0.3 if quick else 3.0)
+    args.idle_calls, args.call_budget = (2, 0.3) if quick else (8, 3.0)  # the model alone's calls after idling, s
     args.model_path = str(Path(args.model_path).resolve()) if args.model_path else None
     return args
 
@@ -347,8 +341,8 @@ def report_lines(run: Run) -> list[str]:
               f"(`locustfile.py`, one process), {spawning}, one random row per request, "
               f"{THINK_TIME_S[0]:g}–{THINK_TIME_S[1]:g} s think time"
               + (f"; then a closed loop of {closed.users} users without think time." if closed else "."),
-              "- Server CPU: user + system time of the Gunicorn master and workers (psutil) over each load point; "
-              "Locust's CPU: its own (getrusage), psutil sampling its busiest second.", "",
+              "- Server CPU: user + system time of the server's processes (psutil) over each load point; "
+              "Locust's CPU: its own (getrusage).", "",
               *markdown_table(["configuration", "workers", "environment", "what it is"],
                               [(f"`{name}`", run.configs[name].workers, " ".join(
                                   f"{k}={v}" for k, v in run.configs[name].env.items()) or "(defaults)",
@@ -511,23 +505,21 @@ def measure(args: argparse.Namespace, work_dir: Path, stack: ExitStack) -> Run:
     return Run(args, alone, rounds, loads, {config.name: config for config in configs})
 
 
-def run(args: argparse.Namespace, *, scenario: str, title: str) -> int:
-    started, clock = datetime.datetime.now(datetime.UTC), time.monotonic()
-    machine = common.machine_facts()
-    with common.working_folder(args.work_dir) as work_dir, ExitStack() as stack:
-        result = measure(args, work_dir, stack)
-        page = common.write_page(args.out, title, scenario=scenario, argv=args.argv, started=started,
-                          elapsed_s=time.monotonic() - clock, machine=machine, body=report_lines(result))
-    log(f"wrote {page}")
-    return 1 if any(result.error for results in result.rounds for result in results) else 0
+def run(args: argparse.Namespace, *, title: str) -> int:
+    def measure_all(work_dir: Path, machine: dict[str, str]) -> tuple[list[str], bool]:
+        with ExitStack() as stack:
+            result = measure(args, work_dir, stack)
+        return report_lines(result), any(result.error for results in result.rounds for result in results)
+
+    return common.run_scenario(args, title, measure_all)
 
 
 def run_experiment(args: argparse.Namespace) -> int:
-    return run(resolve(args), scenario="experiment", title="Benchmarks")
+    return run(resolve(args), title="Benchmarks")
 
 
 def run_floor(args: argparse.Namespace) -> int:
-    return run(resolve(args, configs=FLOOR_CONFIGS), scenario="floor", title="The floor beside this tree")
+    return run(resolve(args, configs=FLOOR_CONFIGS), title="The floor beside this tree")
 
 
 EXPERIMENT_PAGE = common.DOCS / "benchmarks.md"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import subprocess
 import time
@@ -285,8 +284,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, scenario: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if PYTRITON in args.layouts and not args.pytriton_python.exists():
         raise SystemExit(f"{args.pytriton_python} is missing: make it, or leave {PYTRITON} out of --layouts")
-    started, clock = datetime.datetime.now(datetime.UTC), time.monotonic()
-    machine = common.machine_facts()  # the load average at the start, before anything of this run
+    return common.run_scenario(args, SCENARIOS[args.scenario][0], lambda work_dir, machine: measure_all(
+        args, work_dir, machine))
+
+
+def measure_all(args: argparse.Namespace, work_dir: Path, machine: dict[str, str]) -> tuple[list[str], bool]:
     if PYTRITON in args.layouts:
         done = subprocess.run([str(args.pytriton_python), "-c", "import importlib.metadata as m; "
                                "print(m.version('nvidia-pytriton'))"], capture_output=True, text=True, timeout=60)
@@ -294,30 +296,25 @@ def run(args: argparse.Namespace) -> int:
     machine["wrk"] = subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split(" Copyright")[0]
     layouts = [layout for layout in LAYOUTS if layout.name in args.layouts]
     results: list[Measured] = []
-    with common.working_folder(args.work_dir) as work_dir:
-        log(f"building {', '.join(args.models)} in a child process")
-        common.run_child("scripts.benchmark.layouts:build_models", work_dir / "build.log", folder=str(work_dir),
-                         names=args.models)
-        row = np.load(work_dir / "row.npy")
-        (work_dir / "infer.json").write_bytes(infer_body(row))
-        (work_dir / "predict.json").write_bytes(predict_body(row))
-        for model in args.models:
-            model_path, expected = str(work_dir / f"{model}.keras"), np.load(work_dir / f"{model}-expected.npy")
-            for number in range(1, args.rounds + 1):
-                for layout in layouts if number % 2 else layouts[::-1]:
-                    tag = f"{model}-{layout.name}-round{number}"
-                    server = layout_server(layout, args, model_path, work_dir / f"{tag}.log")
-                    results.append(measure(server, Measured(model, layout.name, number), work_dir=work_dir,
-                                           expected=expected, args=args, tag=tag))
-                    (work_dir / "results.json").write_text(json.dumps([dataclasses.asdict(r) for r in results]))
-    body_lines = [__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(), "",
-                  f"wrk: {args.connections} connections, {args.wrk_threads} thread(s), {args.duration:g} s after "
-                  f"{args.warmup:g} s of warm-up; each request one row of {FEATURES:,} float32.", ""]
+    log(f"building {', '.join(args.models)} in a child process")
+    common.run_child("scripts.benchmark.layouts:build_models", work_dir / "build.log", folder=str(work_dir),
+                     names=args.models)
+    row = np.load(work_dir / "row.npy")
+    (work_dir / "infer.json").write_bytes(infer_body(row))
+    (work_dir / "predict.json").write_bytes(predict_body(row))
     for model in args.models:
-        body_lines += [f"## The {model} model", "", f"{MODELS[model]}.", "",
-                       *model_tables(results, model, layouts, args.rounds), ""]
-    title = SCENARIOS[args.scenario][0]
-    page = common.write_page(args.out, title, scenario=args.scenario, argv=args.argv, started=started,
-                             elapsed_s=time.monotonic() - clock, machine=machine, body=body_lines)
-    log(f"wrote {page}")
-    return 1 if any(r.error for r in results) else 0
+        model_path, expected = str(work_dir / f"{model}.keras"), np.load(work_dir / f"{model}-expected.npy")
+        for number in range(1, args.rounds + 1):
+            for layout in layouts if number % 2 else layouts[::-1]:
+                tag = f"{model}-{layout.name}-round{number}"
+                server = layout_server(layout, args, model_path, work_dir / f"{tag}.log")
+                results.append(measure(server, Measured(model, layout.name, number), work_dir=work_dir,
+                                       expected=expected, args=args, tag=tag))
+                (work_dir / "results.json").write_text(json.dumps([dataclasses.asdict(r) for r in results]))
+    lines = [__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(), "",
+             f"wrk: {args.connections} connections, {args.wrk_threads} thread(s), {args.duration:g} s after "
+             f"{args.warmup:g} s of warm-up; each request one row of {FEATURES:,} float32.", ""]
+    for model in args.models:
+        lines += [f"## The {model} model", "", f"{MODELS[model]}.", "", *model_tables(results, model, layouts,
+                                                                                    args.rounds), ""]
+    return lines, any(r.error for r in results)

@@ -18,12 +18,10 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import datetime
 import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
@@ -113,8 +111,7 @@ def py_spy() -> str:
 
 def record(pid: int, *, seconds: float, rate: int, out: Path) -> tuple[collections.Counter, int]:
     command = [py_spy(), "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", str(rate),
-               "--nonblocking", "--format", "raw", "--output", str(out)]
-    command += ["--gil"]
+               "--nonblocking", "--gil", "--format", "raw", "--output", str(out)]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 120)
     errors = 0
     for line in (finished.stdout + finished.stderr).splitlines():
@@ -215,17 +212,6 @@ def cpu_table(results: Sequence[dict[str, Any]]) -> list[str]:
     return markdown_table(header, rows)
 
 
-def top_frames(profile: Profile, limit: int = 12) -> list[str]:
-    """The leaf frames that held the GIL most: what a stage's share is made of."""
-    leaves: collections.Counter = collections.Counter()
-    for stack, count in profile.samples.items():
-        leaves[(stack.rsplit(";", 1)[-1], stage_of(stack))] += count
-    total = sum(leaves.values()) or 1
-    rows = [(f"`{frame.replace('|', '/')}`", f"{count / total:.1%}", stage) for (frame, stage), count in
-            leaves.most_common(limit)]
-    return markdown_table(["leaf frame holding the GIL", "share", "stage"], rows)
-
-
 def profile_server(config: Config, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     label = config.name
     server = Server(config, model_path=args.model_path, log_path=work / f"gunicorn-{label}.log")
@@ -268,8 +254,6 @@ def report_lines(results: list[dict[str, Any]], args: argparse.Namespace) -> lis
              "## Where the GIL goes (`--gil`)", "",
              "Each row: the share of GIL-holding samples in that stage, and that share of the GIL time per request "
              "(GIL held share × profile seconds ÷ requests answered meanwhile).", "", *gil_table(results), ""]
-    for result in results:
-        lines += [f"### {result['label']}: leaf frames", "", *top_frames(result["gil"]), ""]
     lines += ["## CPU per request, by thread (`/proc`)", "",
               "A load run without py-spy: each thread's user + system CPU from /proc/PID/task before and after, by "
               "the name Python gave the thread, ÷ the requests Locust counted.", "", *cpu_table(results), ""]
@@ -296,10 +280,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    started, clock = datetime.datetime.now(datetime.UTC), time.monotonic()
-    machine = common.machine_facts()
     args.py_spy_version = metadata.version("py-spy")
-    with common.working_folder(args.work_dir) as work, contextlib.ExitStack() as stack:
+
+    def measure_all(work: Path, machine: dict[str, str]) -> tuple[list[str], bool]:
         if args.model_path:
             args.model_name = Path(args.model_path).name
         elif args.model == "wide":
@@ -307,16 +290,14 @@ def run(args: argparse.Namespace) -> int:
             args.model_name = f"the wide model ({common.WIDE_MODEL_NAME})"
         else:
             args.model_name = "the built-in default model"
-        configs = []
-        if args.baseline_ref:
-            tree, short_sha = stack.enter_context(common.baseline_tree(args.baseline_ref))
-            configs.append(Config(f"baseline@{short_sha}", 1, {}, "one worker, defaults", tree=tree))
-        configs.append(Config("this tree", 1, {}, "one worker, defaults", tree=REPO))
-        configs += [FLOOR, FLOOR_BATCHER] if args.floor else []
-        results = [profile_server(config, args, work) for config in configs]
-    page = common.write_page(args.out, "Profile of one worker under closed-loop load", scenario="profile",
-                             argv=args.argv,
-                      started=started, elapsed_s=time.monotonic() - clock, machine=machine,
-                      body=report_lines(results, args))
-    log(f"wrote {page}")
-    return 0
+        with contextlib.ExitStack() as stack:
+            configs = []
+            if args.baseline_ref:
+                tree, short_sha = stack.enter_context(common.baseline_tree(args.baseline_ref))
+                configs.append(Config(f"baseline@{short_sha}", 1, {}, "one worker, defaults", tree=tree))
+            configs.append(Config("this tree", 1, {}, "one worker, defaults", tree=REPO))
+            configs += [FLOOR, FLOOR_BATCHER] if args.floor else []
+            results = [profile_server(config, args, work) for config in configs]
+        return report_lines(results, args), False
+
+    return common.run_scenario(args, "Profile of one worker under closed-loop load", measure_all)

@@ -11,7 +11,6 @@ closed-loop clients that each send one row at a time, its length log-normal (med
 from __future__ import annotations
 
 import argparse
-import datetime
 import threading
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import requests
 
 from scripts.live_server import LiveServer
 
-from .common import DOCS, log, machine_facts, markdown_table, metric_sum, run_child, working_folder, write_page
+from .common import DOCS, log, markdown_table, metric_sum, run_child, run_scenario
 
 PAGE = DOCS / "variable-length-benchmark.md"
 VOCAB = 2000
@@ -104,22 +103,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    started, clock = datetime.datetime.now(datetime.UTC), time.monotonic()
-    machine = machine_facts()
-    with working_folder(args.work_dir) as work_dir:
+    def measure_all(work_dir: Path, machine: dict[str, str]) -> tuple[list[str], bool]:
         model_path = work_dir / "text.keras"
         run_child("scripts.benchmark.variable_length:save_text_model", work_dir / "build.log", path=str(model_path))
         results = {}
         for mode, env in MODES.items():
             results[mode] = run_mode(model_path, env, clients=args.clients, seconds=args.seconds, log_dir=work_dir)
             log(f"{mode}: {results[mode]}")
-    rows = [(mode, f"{r['rps']:.1f}", f"{r['p50']:.0f}", f"{r['p99']:.0f}", f"{r['per_call']:.1f}",
-             "–" if r["waste"] is None else f"{r['waste']:.2f}", r["requests"], r["errors"])
-            for mode, r in results.items()]
-    body = [__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(), "",
-            *markdown_table(("mode", "requests/s", "p50 ms", "p99 ms", "requests per call", "waste", "requests",
-                             "errors"), rows)]
-    page = write_page(args.out, "Variable-length inputs: benchmark", scenario="variable-length", argv=args.argv,
-                      started=started, elapsed_s=time.monotonic() - clock, machine=machine, body=body)
-    log(f"wrote {page}")
-    return 1 if any(r["errors"] for r in results.values()) else 0
+        rows = [(mode, f"{r['rps']:.1f}", f"{r['p50']:.0f}", f"{r['p99']:.0f}", f"{r['per_call']:.1f}",
+                 "–" if r["waste"] is None else f"{r['waste']:.2f}", r["requests"], r["errors"])
+                for mode, r in results.items()]
+        return [__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(), "",
+                *markdown_table(("mode", "requests/s", "p50 ms", "p99 ms", "requests per call", "waste", "requests",
+                                 "errors"), rows)], any(r["errors"] for r in results.values())
+
+    return run_scenario(args, "Variable-length inputs: benchmark", measure_all)
