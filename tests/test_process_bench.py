@@ -141,20 +141,20 @@ def test_check_answer_accepts_the_model_output_and_refuses_another(body: Path):
 
 def measured(model: str, layout: str, round_number: int, rps: float | None, error: str | None = None):
     return layouts.Measured(model, layout, round_number, requests=int(rps or 0), rps=rps, p50_ms=rps and 5.0,
-                                    p99_ms=rps and 9.0, cpu_ms_per_request=rps and 1000 / rps, rss_mib=rps and 10.0,
-                                    processes=2, error=error)
+                            p99_ms=rps and 9.0, cpu_ms_per_request=rps and 1000 / rps, rss_mib=rps and 10.0,
+                            error=error)
 
 
 def test_model_tables_average_the_rounds_and_divide_by_the_default_with_one_worker():
     results = [measured("tiny", "default-1w", 1, 1000.0), measured("tiny", "default-1w", 2, 1200.0),
                measured("tiny", "procs-2w", 1, 1150.0), measured("tiny", "procs-2w", 2, None, error="refused: 3 ..."),
                measured("wide", "default-1w", 1, 5.0)]
-    layouts = [layouts.LAYOUTS_BY_NAME[name] for name in ("default-1w", "procs-2w")]
-    lines = layouts.model_tables(results, "tiny", layouts, 2)
+    chosen = [layouts.LAYOUTS_BY_NAME[name] for name in ("default-1w", "procs-2w")]
+    lines = layouts.model_tables(results, "tiny", chosen, 2)
     # default-1w: mean 1,100 req/s and 1000/1000, 1000/1200 ms CPU a request; procs-2w: its one good round.
     assert lines[4:6] == [
-        "| default, 1 worker | 1,100 | 1.00 | 5.0 | 9.0 | 0.92 | 1.00 | 10 | – | 2 of 2 |",
-        "| MODEL_PROCESSES=1, 2 workers | 1,150 | 1.05 | 5.0 | 9.0 | 0.87 | 0.95 | 10 | – | 1 of 2 |"]
+        "| default, 1 worker | 1,100 | 1.00× | 5.0 | 9.0 | 0.92 | 1.00× | 10 | – | 2 of 2 |",
+        "| MODEL_PROCESSES=1, 2 workers | 1,150 | 1.05× | 5.0 | 9.0 | 0.87 | 0.95× | 10 | – | 1 of 2 |"]
     assert lines[7] == "Every round's req/s: `default-1w` 1,000, 1,200; `procs-2w` 1,150, failed."
     assert lines[8] == "- `procs-2w`, round 2: refused: 3 ..."
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import datetime
@@ -63,6 +64,16 @@ def ratio(numerator: float | None, denominator: float | None, digits: int = 1) -
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
+def names(known: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type: names from `known`, separated by commas."""
+    def parse(text: str) -> list[str]:
+        chosen = [part.strip() for part in text.split(",") if part.strip()]
+        if not chosen or any(name not in known for name in chosen):
+            raise argparse.ArgumentTypeError(f"expected some of {', '.join(known)}; got {text!r}")
+        return chosen
+    return parse
 
 
 def mean(values: Iterable[float | None]) -> float | None:
@@ -165,8 +176,17 @@ class Server(LiveServer):
         return metric_snapshot(answer.text) if answer.status_code == 200 else None
 
     def cpu_seconds(self) -> float:
-        """User + system CPU of the server's whole process tree, alive now."""
-        return cpu_seconds(self.processes())
+        """User + system CPU of the server's whole process tree, alive now; one that has exited counts nothing."""
+        return sum(times.user + times.system for times in self._each("cpu_times"))
+
+    def rss_bytes(self) -> int:
+        """Resident memory of every process of the server added up (pages shared after a fork counted in each)."""
+        return sum(memory.rss for memory in self._each("memory_info"))
+
+    def _each(self, method: str) -> Iterator[Any]:
+        for process in self.processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                yield getattr(process, method)()
 
     def wait_quiet(self, *, within_s: float, idle_share: float = 0.05, window_s: float = 0.5) -> float:
         """Wait until the server uses under `idle_share` of a core: the last load's backlog is done."""
@@ -187,18 +207,6 @@ class Server(LiveServer):
         except subprocess.TimeoutExpired:
             log(f"{self.config.name}: killed after it did not stop within {within_s:g} s; see {self.log_path.name}")
             return -signal.SIGKILL
-
-
-def cpu_seconds(processes: list[psutil.Process]) -> float:
-    """User + system CPU of these processes; one that has exited counts nothing."""
-    total = 0.0
-    for process in processes:
-        try:
-            times = process.cpu_times()
-            total += times.user + times.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def failure(exc: Exception, server: LiveServer) -> str:

@@ -74,19 +74,12 @@ def _numbers(kind: type, *, one: bool = False) -> Any:
     return parse
 
 
-def _config_list(text: str) -> list[str]:
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    if not names or any(name not in CONFIGS_BY_NAME for name in names):
-        raise argparse.ArgumentTypeError(f"unknown configuration in {text!r}; choose from {', '.join(CONFIGS_BY_NAME)}")
-    return names
-
-
 def add_arguments(parser: argparse.ArgumentParser, *, page: Path) -> None:
     add = parser.add_argument
     add("--quick", action="store_true", help="a smoke test of seconds: naive and default, 1 user, 2 s a load")
     add("--out", type=Path, default=page, help="the page to write (default %(default)s)")
     add("--duration", type=_numbers(float, one=True), help="seconds per load point (default 30)")
-    add("--configs", type=_config_list, help=f"comma-separated, of: {', '.join(CONFIGS_BY_NAME)}")
+    add("--configs", type=common.names(list(CONFIGS_BY_NAME)), help=f"of: {', '.join(CONFIGS_BY_NAME)}")
     add("--users", type=_numbers(int), help="user counts with 1-3 s think time (default 1,20)")
     add("--closed-loop-users", type=int, help="users of the closed loop, 0 to skip it (default 64)")
     add("--model", choices=("default", "wide"), default="default",
@@ -449,39 +442,29 @@ def ceiling_lines(run: Run) -> list[str]:
 
 
 def round_lines(run: Run) -> list[str]:
-    """Each round's req/s and mean per load point, and the median of each round's ratio to the reference."""
-    names = [result.config for result in run.rounds[0]]
-    lines = [f"{len(run.rounds)} rounds, every server started afresh each round, the order alternating. A ratio is "
-             "taken within a round, then the median over the rounds: a machine drifts more between rounds.", ""]
-    for load in run.loads:
-        closed = load.closed_loop
-        table: list[list[float | None]] = []
-        for results in run.rounds:
-            stats = {result.config: result.loads.get(load.label) for result in results}
-            row: list[float | None] = [value for name in names for value in (
-                (stats[name].rps, stats[name].mean_ms) if stats[name] else (None, None))]
-            if (reference := stats.get(REFERENCE)) is not None:
-                for name in names:
-                    other = stats[name]
-                    if name != REFERENCE:
-                        top, bottom = ((reference.rps, other and other.rps) if closed else
-                                       (other and other.mean_ms, reference.mean_ms))
-                        row.append(top / bottom if top and bottom else None)
-            table.append(row)
-        ratios = [f"`{REFERENCE}` ÷ `{n}` req/s" if closed else f"`{n}` ÷ `{REFERENCE}` mean"
-                  for n in names if n != REFERENCE and REFERENCE in names]
-        header = ["round", *[f"`{n}` {c}" for n in names for c in ("req/s", "mean ms")], *ratios]
-        split = 2 * len(names)
-        medians = [statistics.median(known) if (known := [row[i] for row in table if row[i] is not None]) else None
-                   for i in range(len(header) - 1)]
-
-        def cells(row: list[float | None], split: int = split) -> list[str]:
-            return [f"{v:.2f}×" if i >= split and v is not None else fmt(v, 2) for i, v in enumerate(row)]
-
-        rows = [[str(number), *cells(row)] for number, row in enumerate(table, 1)]
-        rows.append(["**median**", *(f"**{cell}**" for cell in cells(medians))])
-        lines += [f"### {load_name(load.label).capitalize()}", "", *markdown_table(header, rows), ""]
-    return lines
+    """The closed loop round by round: req/s and CPU outside predict, and the median of each round's ratio."""
+    names, closed = [result.config for result in run.rounds[0]], run.closed
+    if closed is None:
+        return []
+    others = [name for name in names if name != REFERENCE] if REFERENCE in names else []
+    table: list[list[float | None]] = []
+    for results in run.rounds:
+        stats = {result.config: result.loads.get(closed.label) for result in results}
+        row: list[float | None] = []
+        for name in names:
+            row += (stats[name].rps, run.ceiling(name, stats[name]).other_cpu_ms_per_request) if stats[name] else (
+                None, None)
+        reference = stats.get(REFERENCE)
+        table.append(row + [reference.rps / other.rps if reference and (other := stats[name]) and other.rps else None
+                            for name in others])
+    medians = [statistics.median(known) if (known := [row[i] for row in table if row[i] is not None]) else None
+               for i in range(len(table[0]))]
+    rows = [[label, *(f"{v:.2f}×" if i >= 2 * len(names) and v is not None else fmt(v, 2) for i, v in enumerate(row))]
+            for label, row in [*((str(n), row) for n, row in enumerate(table, 1)), ("median", medians)]]
+    return [f"The closed loop in {len(run.rounds)} rounds, every server started afresh, the order alternating. A "
+            "ratio is taken within a round, then the median over the rounds: a machine drifts more between rounds.",
+            "", *markdown_table(["round", *[f"`{n}` {c}" for n in names for c in ("req/s", "CPU outside predict ms")],
+                                 *[f"`{REFERENCE}` ÷ `{n}` req/s" for n in others]], rows)]
 
 
 def measure(args: argparse.Namespace, work_dir: Path, stack: ExitStack) -> Run:

@@ -28,7 +28,7 @@ import requests
 from app.settings import Settings
 
 from . import common
-from .common import DOCS, FLOOR_APP, REPO, WIDE_MODEL, Config, Server, fmt, log, markdown_table, mean
+from .common import DOCS, FLOOR_APP, REPO, WIDE_MODEL, Config, Server, fmt, log, markdown_table, mean, ratio
 from .load import run_wrk
 
 PYTRITON_PYTHON = REPO / ".venv-pytriton" / "bin" / "python"
@@ -117,9 +117,7 @@ class Measured:
     p50_ms: float | None = None
     p99_ms: float | None = None
     cpu_ms_per_request: float | None = None
-    server_cores: float | None = None
     rss_mib: float | None = None
-    processes: int | None = None
     batch_rows: float | None = None
     wrk_cores: float | None = None
     error: str | None = None
@@ -192,15 +190,13 @@ def measure(server: Server, result: Measured, *, work_dir: Path, expected: np.nd
         cpu_before = server.cpu_seconds()
         load, wrk_cpu_s = run_wrk(url, body, duration_s=args.duration, log_path=work_dir / f"{tag}-wrk.txt", **wrk)
         cpu_s = server.cpu_seconds() - cpu_before
-        alive = server.processes()
-        result.rss_mib = sum(_rss(process) for process in alive) / 2**20
-        result.processes = len(alive)
+        result.rss_mib = server.rss_bytes() / 2**20
         metrics_after = server.metrics()
         if load.errors:
             raise RuntimeError(f"refused: {load.errors} in {load.requests} requests")
         result.requests, result.rps, result.p50_ms, result.p99_ms = load.requests, load.rps, load.p50_ms, load.p99_ms
         result.cpu_ms_per_request = cpu_s / load.requests * 1000 if load.requests else None
-        result.server_cores, result.wrk_cores = cpu_s / load.duration_s, wrk_cpu_s / load.duration_s
+        result.wrk_cores = wrk_cpu_s / load.duration_s
         if metrics_before and metrics_after and metrics_after.calls > metrics_before.calls:
             before, after = metrics_before, metrics_after
             result.batch_rows = (after.rows - before.rows) / (after.calls - before.calls)
@@ -214,17 +210,6 @@ def measure(server: Server, result: Measured, *, work_dir: Path, expected: np.nd
     return result
 
 
-def _rss(process) -> int:
-    try:
-        return process.memory_info().rss
-    except Exception:  # exited since it was listed
-        return 0
-
-
-def _ratio(numerator: float | None, denominator: float | None) -> str:
-    return f"{numerator / denominator:.2f}" if numerator is not None and denominator else "–"
-
-
 def model_tables(results: Sequence[Measured], model: str, layouts: Sequence[Layout], rounds: int) -> list[str]:
     """Per model: the mean over rounds per layout, then every round's own row."""
     mine = [result for result in results if result.model == model]
@@ -233,9 +218,9 @@ def model_tables(results: Sequence[Measured], model: str, layouts: Sequence[Layo
         return mean(getattr(r, field) for r in mine if r.layout == layout and r.error is None)
 
     ref_rps, ref_cpu = average(REFERENCE, "rps"), average(REFERENCE, "cpu_ms_per_request")
-    summary = [(layout.what, fmt(rps := average(layout.name, "rps")), _ratio(rps, ref_rps),
+    summary = [(layout.what, fmt(rps := average(layout.name, "rps")), ratio(rps, ref_rps, 2),
                 fmt(average(layout.name, "p50_ms")), fmt(average(layout.name, "p99_ms")),
-                fmt(cpu := average(layout.name, "cpu_ms_per_request"), 2), _ratio(cpu, ref_cpu),
+                fmt(cpu := average(layout.name, "cpu_ms_per_request"), 2), ratio(cpu, ref_cpu, 2),
                 fmt(average(layout.name, "rss_mib"), 0), fmt(average(layout.name, "batch_rows")),
                 f"{sum(1 for r in mine if r.layout == layout.name and r.error is None)} of {rounds}")
                for layout in layouts]
@@ -254,24 +239,15 @@ def model_tables(results: Sequence[Measured], model: str, layouts: Sequence[Layo
     return lines
 
 
-def _names(known: Sequence[str]):
-    def parse(text: str) -> list[str]:
-        names = text.split(",")
-        if unknown := [name for name in names if name not in known]:
-            raise argparse.ArgumentTypeError(f"unknown: {', '.join(unknown)}; choose from {', '.join(known)}")
-        return names
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser, *, scenario: str) -> None:
     _, page, layouts, models = SCENARIOS[scenario]
     add = parser.add_argument
     add("--duration", type=float, default=30, help="seconds of load per layout (default 30)")
     add("--warmup", type=float, default=3, help="seconds of unmeasured load first (default 3)")
     add("--rounds", type=int, default=2, help="runs of every layout, order alternating (default 2)")
-    add("--models", type=_names(list(MODELS)), default=models, help=f"comma-separated, of tiny and wide "
+    add("--models", type=common.names(list(MODELS)), default=models, help=f"comma-separated, of tiny and wide "
         f"(default {','.join(models)})")
-    add("--layouts", type=_names(list(LAYOUTS_BY_NAME)), default=layouts,
+    add("--layouts", type=common.names(list(LAYOUTS_BY_NAME)), default=layouts,
         help=f"comma-separated, of {', '.join(LAYOUTS_BY_NAME)} (default {','.join(layouts)})")
     add("--connections", type=int, default=32, help="wrk's connections (default 32)")
     add("--wrk-threads", type=int, default=1, help="wrk's threads (default 1)")
