@@ -166,15 +166,19 @@ def measure_load(server: Server, load: Load, *, duration_s: float, prefix: Path,
     return stats
 
 
-# wrk's Lua hooks: POST the body file's bytes on every request; at the end one JSON line with the
-# counts and percentiles (microseconds) from wrk's own histogram.
+# wrk's Lua hooks: POST the body file's lines (one JSON body each) in turn; at the end one JSON line
+# with the counts and percentiles (microseconds) from wrk's own histogram.
 WRK_SUMMARY = "WRK_SUMMARY "
 WRK_SCRIPT = """\
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
-local file = assert(io.open("%(body)s", "rb"))
-wrk.body = file:read("*a")
-file:close()
+local bodies, sent = {}, 0
+for line in io.lines("%(body)s") do bodies[#bodies + 1] = line end
+
+function request()
+  sent = sent %% #bodies + 1
+  return wrk.format(nil, nil, nil, bodies[sent])
+end
 
 function done(summary, latency, requests)
   io.write(string.format(
@@ -225,7 +229,7 @@ def parse_wrk(output: str) -> WrkResult:
 
 def run_wrk(url: str, body: Path, *, duration_s: float, threads: int, connections: int,
             log_path: Path | None = None) -> tuple[WrkResult, float]:
-    """One closed-loop wrk run POSTing `body` to `url`; its result and wrk's own CPU seconds."""
+    """One closed-loop wrk run POSTing the lines of `body` in turn to `url`; its result and wrk's own CPU seconds."""
     script = body.with_suffix(".lua")
     script.write_text(WRK_SCRIPT % {"body": body.resolve(), "marker": WRK_SUMMARY})
     command = ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration_s:g}s", "--latency",
