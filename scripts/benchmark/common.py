@@ -121,32 +121,24 @@ class MetricSnapshot:
     predict_s: float = 0.0
 
 
+def metric_totals(text: str) -> tuple[dict[str, float], dict[float, float]]:
+    """A /metrics page's samples added up by name over every series, and the batch-size histogram's buckets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    buckets: dict[float, float] = {}  # le -> cumulative predict calls
+    for sample in (sample for family in text_string_to_metric_families(text) for sample in family.samples):
+        totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+        if sample.name == "model_server_batch_size_rows_bucket":
+            buckets[float(sample.labels["le"])] = buckets.get(float(sample.labels["le"]), 0.0) + sample.value
+    return totals, buckets
+
+
 def metric_snapshot(text: str) -> MetricSnapshot:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    buckets: dict[float, float] = {}
-    rows = calls = predict_s = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "model_server_predict_duration_seconds_sum":
-                predict_s += sample.value
-            elif sample.name == "model_server_batch_size_rows_bucket":
-                upper = float(sample.labels["le"])
-                buckets[upper] = buckets.get(upper, 0.0) + sample.value
-            elif sample.name == "model_server_batch_size_rows_sum":
-                rows += sample.value
-            elif sample.name == "model_server_batch_size_rows_count":
-                calls += sample.value
-    return MetricSnapshot(buckets, rows, calls, predict_s)
-
-
-def metric_sum(url: str, name: str) -> float:
-    """One /metrics sample name, added up over every series."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = requests.get(url + "/metrics", timeout=30).text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name)
+    totals, buckets = metric_totals(text)
+    return MetricSnapshot(buckets, totals.get("model_server_batch_size_rows_sum", 0.0),
+                          totals.get("model_server_batch_size_rows_count", 0.0),
+                          totals.get("model_server_predict_duration_seconds_sum", 0.0))
 
 
 class Server(LiveServer):

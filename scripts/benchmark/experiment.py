@@ -327,19 +327,15 @@ def report_lines(run: Run) -> list[str]:
     args, closed = run.args, run.closed
     model = (Path(args.model_path).name if args.model_path else f"the wide-input model ({common.WIDE_MODEL_NAME})"
              if args.model == "wide" else "the built-in default model (4 → 4096 ×5 → 3 dense, ~268 MB of float32)")
-    spawning = (f"users started {args.spawn_rate:g} a second" if args.spawn_rate else
-                "all users started at once")
+    spawning = f"users started {args.spawn_rate:g} a second" if args.spawn_rate else "all users started at once"
     lines = ["**A quick run**: a smoke test of the benchmark, not measurements.", ""] if args.quick else []
-    lines += ["## Settings", "", f"- Model: {model}.", f"- Each load point: {args.duration:g} s of headless Locust "
-              f"(`locustfile.py`, one process), {spawning}, one random row per request, "
-              f"{THINK_TIME_S[0]:g}–{THINK_TIME_S[1]:g} s think time"
-              + (f"; then a closed loop of {closed.users} users without think time." if closed else "."),
-              "- Server CPU: user + system time of the server's processes (psutil) over each load point; "
-              "Locust's CPU: its own (getrusage).", "",
-              *markdown_table(["configuration", "workers", "environment", "what it is"],
-                              [(f"`{name}`", run.configs[name].workers, " ".join(
-                                  f"{k}={v}" for k, v in run.configs[name].env.items()) or "(defaults)",
-                                run.configs[name].what) for name in run.by_config]), ""]
+    lines += ["## Settings", "", f"Model: {model}. Each load point: {args.duration:g} s of headless Locust "
+              f"(`locustfile.py`, one process), {spawning}, one random row per request, {THINK_TIME_S[0]:g}–"
+              f"{THINK_TIME_S[1]:g} s think time" + (f"; then a closed loop of {closed.users} users" if closed else "")
+              + ". Server CPU: user + system time of the server's processes over each load point.", "",
+              *markdown_table(["configuration", "workers", "environment", "what it is"], [
+                  (f"`{name}`", config.workers, " ".join(f"{k}={v}" for k, v in config.env.items()) or "(defaults)",
+                   config.what) for name in run.by_config if (config := run.configs[name])]), ""]
     lines += ["## The model alone", ""] + model_alone_lines(run.alone) + [""]
     lines += ["## Servers under load", ""] + load_lines(run.by_config) + [""]
     lines += ["## Ratios", ""] + ratio_lines(run) + [""]

@@ -19,7 +19,7 @@ import requests
 
 from scripts.live_server import LiveServer
 
-from .common import DOCS, log, markdown_table, metric_sum, run_child, run_scenario
+from .common import DOCS, log, markdown_table, metric_totals, run_child, run_scenario
 from .load import run_wrk
 
 PAGE = DOCS / "variable-length-benchmark.md"
@@ -58,9 +58,10 @@ def run_mode(model_path: Path, env: dict[str, str], *, clients: int, seconds: fl
         (work_dir / "bodies.json").write_text("\n".join(bodies) + "\n")
         for body in bodies[:8]:  # the first answers, before the clock starts
             requests.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=60).raise_for_status()
-        before = {name: metric_sum(server.url, name) for name in (CALLS, REAL, PADDED)}
+        before, _ = metric_totals(requests.get(server.url + "/metrics", timeout=30).text)
         load, _ = run_wrk(url, work_dir / "bodies.json", duration_s=seconds, threads=1, connections=clients)
-        calls, real, padded = (metric_sum(server.url, name) - before[name] for name in (CALLS, REAL, PADDED))
+        after, _ = metric_totals(requests.get(server.url + "/metrics", timeout=30).text)
+        calls, real, padded = (after.get(name, 0.0) - before.get(name, 0.0) for name in (CALLS, REAL, PADDED))
     finally:
         server.stop()
     return {"requests": load.requests, "errors": load.errors, "rps": load.rps, "p50": load.p50_ms, "p99": load.p99_ms,
