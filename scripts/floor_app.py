@@ -41,11 +41,8 @@ METADATA = orjson.dumps(metadata.describe(model))
 
 
 class ModelThread:
-    """One predict call at a time; a request waits for a call that starts after it arrived.
-
-    A failed call fails the requests it was for (their views answer 500) and the thread goes
-    on: a benchmark against the floor must not hang on it.
-    """
+    """One predict call at a time; a request waits for a call that starts after it arrived. A failed call
+    fails the requests it was for (their views answer 500) and the thread goes on: nothing hangs on it."""
 
     def __init__(self, predict: Callable[[int], object], buckets: Sequence[int]) -> None:
         self._predict = predict

@@ -1,25 +1,22 @@
-"""`python -m scripts.benchmark <scenario>` (from the repository root) or `python scripts/benchmark <scenario>`."""
+"""`python -m scripts.benchmark <scenario> [options]`, from the repository root."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-if __package__ in (None, ""):
-    # Run as a folder: import the package by its full name, not its modules as top-level ones.
-    sys.path[0] = str(Path(__file__).resolve().parent.parent.parent)
-
-from scripts.benchmark import experiment, layouts, profile, variable_length  # noqa: E402
-from scripts.benchmark.common import COMMAND, child_main  # noqa: E402
+from scripts.benchmark import experiment, layouts, profile, variable_length
+from scripts.benchmark.common import COMMAND, DOCS
 
 # name: (one line of help, add the scenario's arguments, run it)
 SCENARIOS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "experiment": ("the published experiment: the model alone, then servers under Locust, 1 user against 20",
-                   lambda parser: experiment.add_arguments(parser, page=experiment.EXPERIMENT_PAGE),
-                   experiment.run_experiment),
+                   lambda parser: experiment.add_arguments(parser, page=DOCS / "benchmarks.md"),
+                   lambda args: experiment.run(experiment.resolve(args), title="Benchmarks")),
     "peers": ("this server beside PyTriton and the small Flask batcher, under wrk",
               lambda parser: layouts.add_arguments(parser, scenario="peers"), layouts.run),
     "model-processes": ("MODEL_PROCESSES=1 beside the default and PyTriton, under wrk",
@@ -27,7 +24,9 @@ SCENARIOS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Calla
     "variable-length": ("padding off, to the longest, and length buckets", variable_length.add_arguments,
                         variable_length.run),
     "floor": ("the floor and floor-batcher (scripts/floor_app.py) beside this tree",
-              lambda parser: experiment.add_arguments(parser, page=experiment.FLOOR_PAGE), experiment.run_floor),
+              lambda parser: experiment.add_arguments(parser, page=DOCS / "floor-benchmark.md"),
+              lambda args: experiment.run(experiment.resolve(args, configs=experiment.FLOOR_CONFIGS),
+                                          title="The floor beside this tree")),
     "profile": ("where one worker's time goes: py-spy per stage and per thread", profile.add_arguments, profile.run),
 }
 
@@ -43,9 +42,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str]) -> int:
-    if argv[:1] == ["_child"]:  # a part that loads TensorFlow, in a process of its own
-        child_main(*argv[1:])
-        return 0
+    if argv[:1] == ["_child"]:  # common.run_child's module:function(**kwargs), loading TensorFlow in this process
+        module, name = argv[1].split(":")
+        return getattr(importlib.import_module(module), name)(**json.loads(argv[2])) or 0
     args = parse_args(argv)
     # SIGTERM as SystemExit, so that the finally blocks stop the servers and the load generators.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

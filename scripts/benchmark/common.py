@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import importlib
 import json
 import os
 import platform
@@ -142,22 +141,14 @@ def metric_snapshot(text: str) -> MetricSnapshot:
 
 
 class Server(LiveServer):
-    """A configuration's `gunicorn -c gunicorn.conf.py` on a free loopback port, from the configuration's tree.
-
-    The caller's server and Locust variables are not inherited: each configuration runs with its
-    own settings only. LOG_LEVEL and ACCESS_LOG stay the server's defaults: writing the access log
-    is part of a request's cost.
-    """
+    """A configuration's Gunicorn, from its tree, with its own settings only: the caller's server and Locust
+    variables are not inherited. The access log stays on, as by default: writing it is part of a request's cost."""
 
     def __init__(self, config: Config, *, model_path: str | None, log_path: Path) -> None:
         env = dict(config.env) | ({"MODEL_PATH": model_path} if model_path else {})
         super().__init__(log_path.parent, env, app=config.app, cwd=config.tree,
                          drop_env=SERVER_VARIABLES | LOCUST_VARIABLES, log_name=log_path.name)
         self.config = config
-
-    def start(self, *, workers: int | None = None, ready_within_s: float = 300) -> Server:
-        super().start(workers=workers or self.config.workers, ready_within_s=ready_within_s)
-        return self
 
     def metrics(self) -> MetricSnapshot | None:
         """The batching figures of /metrics (all workers added up), or None where it cannot be read."""
@@ -299,11 +290,6 @@ def run_child(function: str, log_path: Path, *, timeout_s: float = 900, **kwargs
     with open(log_path, "wb") as output:
         subprocess.run([sys.executable, "-m", "scripts.benchmark", "_child", function, json.dumps(kwargs)], cwd=REPO,
                        env=env, check=True, timeout=timeout_s, stdout=output, stderr=subprocess.STDOUT)
-
-
-def child_main(function: str, kwargs: str) -> None:
-    module, name = function.split(":")
-    getattr(importlib.import_module(module), name)(**json.loads(kwargs))
 
 
 def save_wide_model(path: str) -> None:

@@ -1,14 +1,10 @@
-"""The published experiment: the model alone, then real servers under real Locust load, 1 user against 20.
+"""The published experiment: the model alone, then real servers under Locust, 1 user against 20.
 
-1. The model alone, in a child process: time and CPU per call at batch sizes 1, 2, 4, ... with
-   Keras' model.predict and with the server's predict path (a compiled tf.function), then
-   batch-1 calls after idling as long as a user thinks.
-2. Each configuration as a real `gunicorn -c gunicorn.conf.py wsgi:app`, loaded by headless
-   Locust (locustfile.py) at each user count with 1-3 s think time, then in a closed loop.
-   Locust's own CPU is measured, so that a saturated load generator is not taken for a slow server.
-3. The closed loop against the model's own ceiling at the batches each server really ran.
---baseline-ref REF adds `baseline@<sha>`: the server of commit REF (a temporary git worktree). The
-`floor` scenario is this one with the floor and floor-batcher (scripts/floor_app.py) beside this tree.
+The model alone (a child process) is timed per batch size with Keras' model.predict and the server's
+compiled predict path; each configuration's real Gunicorn is loaded by headless Locust with 1-3 s think
+time, then in a closed loop, whose req/s is set against the model's own ceiling at the batches each
+server ran. --baseline-ref REF adds the server of commit REF. The floor scenario is this one with the
+floor and floor-batcher (scripts/floor_app.py) beside this tree.
 """
 
 from __future__ import annotations
@@ -114,7 +110,6 @@ class CallTiming:
 
     calls: int
     median_ms: float
-    mean_ms: float
     items_per_s: float
     cpu_ms_per_call: float
     cpu_ms_per_row: float
@@ -161,7 +156,7 @@ def time_calls(call: Callable[[], Any], *, budget_s: float, batch_size: int, max
         wall.append(time.perf_counter() - started)
     cpu_s = time.process_time() - cpu_started
     median_s = statistics.median(wall)
-    return CallTiming(calls=len(wall), median_ms=median_s * 1000, mean_ms=statistics.mean(wall) * 1000,
+    return CallTiming(calls=len(wall), median_ms=median_s * 1000,
                       items_per_s=batch_size / median_s, cpu_ms_per_call=cpu_s / len(wall) * 1000,
                       cpu_ms_per_row=cpu_s / len(wall) / batch_size * 1000)
 
@@ -212,7 +207,6 @@ class ConfigResult:
 
     config: str
     loads: dict[str, LoadStats] = dataclasses.field(default_factory=dict)
-    start_s: float | None = None
     cwd: str | None = None  # the tree the server really ran, as the OS saw it
     error: str | None = None
 
@@ -228,11 +222,11 @@ def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, 
                                 spawn_rate=args.spawn_rate)
     try:
         started = time.monotonic()
-        server.start(ready_within_s=args.server_start_timeout)
-        result.start_s = time.monotonic() - started
+        server.start(workers=config.workers, ready_within_s=args.server_start_timeout)
+        start_s = time.monotonic() - started
         assert server.proc is not None
         result.cwd = psutil.Process(server.proc.pid).cwd()
-        log(f"{config.name}: ready in {result.start_s:.1f} s")
+        log(f"{config.name}: ready in {start_s:.1f} s")
         for load in loads:
             name = f"{config.name}{tag}-{load.label.replace(' ', '_')}"
             result.loads[load.label] = measure(load, prefix=work_dir / name, what=name)
@@ -246,11 +240,8 @@ def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, 
 
 def run_rounds(configs: Sequence[Config], loads: Sequence[Load], args: argparse.Namespace,
                work_dir: Path) -> list[list[ConfigResult]]:
-    """Every configuration, `args.rounds` times; each round's results in the order of `configs`.
-
-    The order alternates from round to round (A B, B A, ...), so that a machine growing faster
-    or slower over the run favours neither side of a ratio.
-    """
+    """Every configuration, `args.rounds` times, in alternating order (A B, B A, ...) so that a machine growing
+    faster or slower favours neither side of a ratio; each round's results in the order of `configs`."""
     rounds = []
     for number in range(args.rounds):
         order = list(configs) if number % 2 == 0 else list(configs)[::-1]
@@ -275,11 +266,8 @@ class Ceiling:
 
 def ceiling_figures(batches: BatchDelta, timings: dict[int, CallTiming], *, requests: int, rps: float,
                     server_cpu_s: float) -> Ceiling:
-    """The model alone's throughput at the batches the server ran, and the server's CPU split.
-
-    Ceiling: the real rows served ÷ the time the model alone takes to run the same calls back to
-    back. Predict CPU: the model's own CPU for those calls; everything else is the server's CPU less that.
-    """
+    """Ceiling: the real rows served ÷ the time the model alone takes to run the same calls back to back.
+    Predict CPU: the model's own CPU for those calls; everything else is the server's CPU less that."""
     measured = Ceiling(mean_batch_rows=batches.rows / batches.calls if batches.calls else None,
                        predict_wall_ms_per_request=batches.predict_s / requests * 1000 if requests else None,
                        cpu_ms_per_request=server_cpu_s / requests * 1000 if requests else None)
@@ -491,15 +479,3 @@ def run(args: argparse.Namespace, *, title: str) -> int:
         return report_lines(result), any(result.error for results in result.rounds for result in results)
 
     return common.run_scenario(args, title, measure_all)
-
-
-def run_experiment(args: argparse.Namespace) -> int:
-    return run(resolve(args), title="Benchmarks")
-
-
-def run_floor(args: argparse.Namespace) -> int:
-    return run(resolve(args, configs=FLOOR_CONFIGS), title="The floor beside this tree")
-
-
-EXPERIMENT_PAGE = common.DOCS / "benchmarks.md"
-FLOOR_PAGE = common.DOCS / "floor-benchmark.md"

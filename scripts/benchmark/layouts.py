@@ -180,7 +180,7 @@ def measure(server: Server, result: Measured, *, work_dir: Path, expected: np.nd
     body = work_dir / ("predict.json" if flask else "infer.json")
     wrk = dict(threads=args.wrk_threads, connections=args.connections)
     try:
-        server.start(ready_within_s=args.server_start_timeout)
+        server.start(workers=server.config.workers, ready_within_s=args.server_start_timeout)
         if not flask:  # the Flask batcher answers a fixed row
             result.check_difference = check_answer(url, body.read_bytes(), expected)
         if args.warmup > 0:

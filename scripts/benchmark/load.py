@@ -16,7 +16,6 @@ from typing import Any
 from .common import LOCUST_VARIABLES, REPO, Load, Server, fmt, log
 
 LOCUSTFILE = REPO / "locustfile.py"
-SUMMARY_FIELDS = ("answers_with_batch_headers", "mean_batch_rows", "mean_batch_requests")
 
 
 @dataclasses.dataclass
@@ -39,18 +38,12 @@ class LoadStats:
     p50_ms: float | None = None
     p95_ms: float | None = None
     p99_ms: float | None = None
-    max_ms: float | None = None
     rps: float = 0.0
-    locust_exit_code: int | None = None
     locust_wall_s: float = 0.0
     locust_cpu_share: float = 0.0
-    # From locustfile.py's summary (LOCUST_SUMMARY_FILE): the batch headers of the answers.
-    answers_with_batch_headers: int | None = None
-    mean_batch_rows: float | None = None
-    mean_batch_requests: float | None = None
+    mean_batch_rows: float | None = None  # the X-Batch-Size of the answers (locustfile.py's LOCUST_SUMMARY_FILE)
     server_batches: BatchDelta | None = None
     server_cpu_s: float | None = None
-    server_cpu_ms_per_request: float | None = None
     server_cpu_share: float | None = None
 
 
@@ -88,16 +81,13 @@ def run_locust(url: str, load: Load, *, duration_s: float, prefix: Path, protoco
     stats = parse_locust_stats(prefix)
     return dataclasses.replace(
         stats, rps=stats.requests / duration_s,  # over the run time, not Locust's first-to-last request
-        locust_exit_code=returncode, locust_wall_s=wall_s, locust_cpu_share=cpu_s / wall_s if wall_s else 0.0,
-        **{name: summary[name] for name in SUMMARY_FIELDS if name in summary})
+        locust_wall_s=wall_s, locust_cpu_share=cpu_s / wall_s if wall_s else 0.0,
+        mean_batch_rows=summary.get("mean_batch_rows"))
 
 
 def parse_locust_stats(prefix: Path) -> LoadStats:
-    """Percentiles from the Aggregated row of <prefix>_stats.csv; counts and mean from the JSON.
-
-    Locust rewrites the CSV once a second, so it may miss the last second's requests; the
-    JSON file is written once, at exit, with every request counted.
-    """
+    """Percentiles from the Aggregated row of <prefix>_stats.csv; counts and mean from the JSON, written once
+    at exit with every request (the CSV, rewritten once a second, may miss the last second's)."""
     stats: dict[str, Any] = {}
     csv_path = Path(f"{prefix}_stats.csv")
     if csv_path.exists():
@@ -106,7 +96,7 @@ def parse_locust_stats(prefix: Path) -> LoadStats:
                 if row["Name"] == "Aggregated":
                     stats.update(requests=int(row["Request Count"]), failures=int(row["Failure Count"]),
                                  mean_ms=float(row["Average Response Time"]), p50_ms=_number(row["50%"]),
-                                 p95_ms=_number(row["95%"]), p99_ms=_number(row["99%"]), max_ms=_number(row["100%"]))
+                                 p95_ms=_number(row["95%"]), p99_ms=_number(row["99%"]))
     json_path = Path(f"{prefix}.json")
     if json_path.exists():
         entries = json.loads(json_path.read_text())
@@ -127,12 +117,9 @@ def locust_host(server: Server, protocol: str) -> str:
 
 
 def batch_delta(before: Any, after: Any, buckets: list[int]) -> BatchDelta:
-    """Predict calls per padded batch size, real rows and predict seconds between two MetricSnapshots.
-
-    The histogram counts real rows per call, cumulatively (le=1, 2, 4, ...): the calls in
-    (lower, upper] are the ones the server padded up to the smallest bucket size >= upper
-    (or its largest, which no call exceeds).
-    """
+    """Predict calls per padded batch size, real rows and predict seconds between two MetricSnapshots. The
+    histogram counts real rows per call cumulatively (le=1, 2, 4, ...): the calls in (lower, upper] were
+    padded to the smallest bucket size >= upper (or the largest, which no call exceeds)."""
     calls: dict[int, int] = {}
     previous = 0.0
     for upper in sorted(after.buckets):
@@ -159,7 +146,6 @@ def measure_load(server: Server, load: Load, *, duration_s: float, prefix: Path,
     metrics_after = server.metrics()
     if metrics_before and metrics_after:
         stats.server_batches = batch_delta(metrics_before, metrics_after, buckets)
-    stats.server_cpu_ms_per_request = stats.server_cpu_s / stats.requests * 1000 if stats.requests else None
     stats.server_cpu_share = stats.server_cpu_s / stats.locust_wall_s
     log(f"{what}: {stats.requests} requests, {stats.failures} failed, mean {fmt(stats.mean_ms)} ms, "
         f"{fmt(stats.rps)} req/s, locust {stats.locust_cpu_share:.0%} of a core")

@@ -33,6 +33,7 @@ from .experiment import CONFIGS_BY_NAME
 from .load import run_locust
 
 PAGE = DOCS / "profile.md"
+PY_SPY = str(Path(sys.executable).parent / "py-spy")
 FLOOR, FLOOR_BATCHER = CONFIGS_BY_NAME["floor"], CONFIGS_BY_NAME["floor-batcher"]
 # The batching engine's files: app/batching/ (app/batching.py in trees before it was a package).
 ENGINE = "app/batching"
@@ -105,12 +106,8 @@ def read_raw(path: Path) -> collections.Counter:
     return samples
 
 
-def py_spy() -> str:
-    return str(Path(sys.executable).parent / "py-spy")
-
-
 def record(pid: int, *, seconds: float, rate: int, out: Path) -> tuple[collections.Counter, int]:
-    command = [py_spy(), "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", str(rate),
+    command = [PY_SPY, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", str(rate),
                "--nonblocking", "--gil", "--format", "raw", "--output", str(out)]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 120)
     errors = 0
@@ -125,7 +122,7 @@ def record(pid: int, *, seconds: float, rate: int, out: Path) -> tuple[collectio
 
 def thread_names(pid: int) -> dict[int, str]:
     """The name Python gave each of its threads, by native thread id (`py-spy dump`)."""
-    dump = subprocess.run([py_spy(), "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True,
+    dump = subprocess.run([PY_SPY, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True,
                           timeout=120)
     if dump.returncode != 0:
         raise RuntimeError(f"py-spy dump failed ({dump.returncode}): {dump.stderr[-2000:]}")
