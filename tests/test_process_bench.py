@@ -5,6 +5,7 @@ is not run here.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import threading
@@ -87,6 +88,19 @@ def test_wrk_posts_the_body_and_counts_every_answered_request(body: Path):
     assert result.rps == result.requests / result.duration_s
     assert 0 < result.p50_ms <= result.p99_ms
     assert wrk_cpu_s > 0
+
+
+def test_wrk_posts_the_lines_of_the_body_file_in_turn(tmp_path: Path):
+    """The variable-length scenario sends bodies of many lengths: one per line, each connection in turn."""
+    bodies = [b'{"instances": [[1]]}', b'{"instances": [[1, 2, 3]]}', b'{"instances": [[4, 5]]}']
+    path = tmp_path / "bodies.json"
+    path.write_bytes(b"\n".join(bodies) + b"\n")
+    with local_server(reply(200)) as (url, received):
+        result, _ = load.run_wrk(url, path, duration_s=1, threads=1, connections=1)
+        sent = list(received)
+    assert result.errors is None and len(sent) >= 3 and set(sent) == set(bodies)
+    # One connection: each body follows the one before it in the file (wrk may build a request it never sends).
+    assert all(bodies.index(after) == (bodies.index(before) + 1) % 3 for before, after in itertools.pairwise(sent))
 
 
 def test_non_2xx_answers_are_counted_and_make_the_load_unfit(body: Path):
