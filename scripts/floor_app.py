@@ -1,28 +1,14 @@
 """The floor under the server's own work: Gunicorn and Flask with nothing of app/ in a request.
 
-    GRPC_BIND= gunicorn -c gunicorn.conf.py --pythonpath scripts floor_app:app   # as profile_worker.py runs it
+    GRPC_BIND= gunicorn -c gunicorn.conf.py --pythonpath scripts floor_app:app   # the floor scenario runs it
     GRPC_BIND= FLOOR_BATCHER=true gunicorn -c gunicorn.conf.py --pythonpath scripts floor_app:app
 
-What a request costs here is what any batching server on Flask and Gunicorn's gthread worker
-pays, whatever its own code: Gunicorn reads and parses the request, Flask routes it, the
-view parses the JSON body (orjson), hands the request to a model thread and waits for it,
-and answers with a fixed body of the size a real answer has. There are no request ids, access
-lines, metrics, body limits, float32 decoding, padding, splitting or encoding.
-
-The model thread runs the served model's own compiled predict function whenever requests
-wait, on a row for each (one row a request, as Locust sends), padded to the server's bucket
-sizes and at most MAX_BATCH_SIZE of them a call, and releases the requests the call was
-for. So, as in the server, a call streams the weights through the caches between one batch
-of requests and the next, a lone request runs a batch of one, and request threads compete
-with TensorFlow for the cores: the floor is measured under the server's conditions, not on
-an idle machine. It does not hold a batch to let it fill under load, as the server does.
-Its rows are fixed (seeded random rows): the floor's answers are not the model's answers to
-the requests.
-
-With FLOOR_BATCHER=true the model thread is the server's own batching engine instead
-(app/batching.py's Batcher with the server's defaults, filling under load included), fed one
-seeded row a request: what Gunicorn, Flask and the server's batching cost, without the
-codec, request ids, access lines, metrics and body limits.
+Gunicorn reads the request, Flask routes it, the view parses the JSON body (orjson), hands the
+request to a model thread, waits, and answers a fixed body of a real answer's size: no request
+ids, access lines, metrics, limits, decoding, padding or encoding. The model thread runs the
+model's compiled predict on a seeded row per waiting request, padded to the server's buckets, at
+most MAX_BATCH_SIZE a call, so request threads compete with TensorFlow as in the server; it does
+not hold a batch to fill. With FLOOR_BATCHER=true the model thread is the server's own Batcher.
 """
 
 from __future__ import annotations
@@ -55,11 +41,8 @@ METADATA = orjson.dumps(metadata.describe(model))
 
 
 class ModelThread:
-    """One predict call at a time; a request waits for a call that starts after it arrived.
-
-    A failed call fails the requests it was for (their views answer 500) and the thread goes
-    on: a benchmark against the floor must not hang on it.
-    """
+    """One predict call at a time; a request waits for a call that starts after it arrived. A failed call
+    fails the requests it was for (their views answer 500) and the thread goes on: nothing hangs on it."""
 
     def __init__(self, predict: Callable[[int], object], buckets: Sequence[int]) -> None:
         self._predict = predict

@@ -6,6 +6,7 @@ so that what the tests check is the server the benchmark measures.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -33,12 +34,10 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """One Gunicorn master and its workers, in this process's group.
+    """One Gunicorn master and its workers, in this process's group, its output in `log_dir`/`log_name`.
 
-    Gunicorn's output goes to `log_dir`/`log_name` (by default named after the port). `env` is
-    laid over this process's environment less `drop_env`. Every server gets its own
-    gRPC port unless `env` names one: with SO_REUSEPORT, two servers on one port would share it.
-    """
+    `env` is laid over this process's environment less `drop_env`. Every server gets its own gRPC port
+    unless `env` names one: with SO_REUSEPORT, two servers on one port would share it."""
 
     def __init__(self, log_dir: Path, env: Mapping[str, str] | None = None, *, args: Sequence[str] = (),
                  app: Sequence[str] = SERVER_COMMAND[-1:], cwd: Path = REPO,
@@ -108,10 +107,8 @@ class LiveServer:
             return []
 
     def stop(self, *, signum: int = signal.SIGTERM, within_s: float = 60) -> int:
-        """Send `signum` (SIGTERM: Gunicorn drains and stops its workers) and wait for the master.
-
-        Past `within_s`, SIGKILL to the master and every worker, then TimeoutExpired.
-        """
+        """Send `signum` (SIGTERM: Gunicorn drains and stops its workers) and wait for the master; past
+        `within_s`, SIGKILL to the master and every worker, then TimeoutExpired."""
         if self.proc is None:
             return 0
         try:
@@ -123,10 +120,8 @@ class LiveServer:
                 return self.proc.wait(within_s)
             except subprocess.TimeoutExpired:
                 for process in processes:
-                    try:
+                    with contextlib.suppress(psutil.NoSuchProcess):
                         process.kill()
-                    except psutil.NoSuchProcess:
-                        pass
                 self.proc.wait()
                 raise
         finally:

@@ -1,12 +1,10 @@
-"""PyTriton around a saved Keras model: Triton's own server and dynamic batcher, for the v2 benchmark.
+"""PyTriton around a saved Keras model: Triton's own server and dynamic batcher, for the peers benchmark.
 
     .venv-pytriton/bin/python scripts/pytriton_server.py --model-path wide.keras --http-port 8000 --grpc-port 8001
 
-Runs in a virtualenv of its own (requirements-pytriton.txt): nvidia-pytriton pins its own
-numpy, protobuf and tritonclient. The model is served as "default", its one input and one
-output under the Keras model's own names, as this repository's server shows them over v2,
-so that one Locust user drives both. The callable is a compiled tf.function over a batch,
-like the server's own predict path, so the comparison is of what lies around the model.
+Runs in a virtualenv of its own (requirements-pytriton.txt: nvidia-pytriton pins its own numpy and
+protobuf). The model is served as "default" under the Keras model's own input and output names, as
+this server shows them over v2; the callable is a compiled tf.function over a batch, like the server's.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
     python scripts/settings_doc.py            # rewrite docs/settings.md
     python scripts/settings_doc.py --check    # exit 1 if docs/settings.md is stale
 
-The page is never edited by hand: a setting's description, default and allowed values live
-in its one definition, so the reference cannot drift from the code.
+Never edited by hand: each setting's description, default and allowed values live in its one definition.
 """
 
 from __future__ import annotations

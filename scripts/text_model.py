@@ -1,9 +1,7 @@
 """A text-classifier-like Keras model built in-process from seeds, for padding's tests and benchmark.
 
-Token ids (0 is padding) go through an Embedding with mask_zero, a per-token Dense layer and
-masked average pooling to class scores; the per-token scores are a second output, whose
-length follows the input's. `mask=False` builds the same model without the mask: padding
-changes its answers.
+Token ids (0 is padding): Embedding with mask_zero, a per-token Dense layer, masked average pooling to class
+scores; per-token scores are a second output as long as the input. `mask=False`: padding changes the answers.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from app.errors import ClientGone
 from app.metrics import Metrics
 from app.registry import ModelRegistry
 from app.serving import RequestLayer, socket_client_gone
-from scripts.slow_clients import Nginx
 from tests.conftest import Server, integer_rows, wait_for
+from tests.nginx_front import Nginx
 from tests.test_grpc import predict_request, scores
 from tests.test_serving import _record, _servable
 

@@ -1,7 +1,7 @@
 """deploy/nginx/nginx.conf in front of a live Gunicorn: slow clients cost Gunicorn nothing.
 
 The shipped config runs as it is, with only its ports and /tmp paths swapped for free ones
-(scripts/slow_clients.py renders it), in a real nginx started in the foreground as an
+(tests/nginx_front.py renders it), in a real nginx started in the foreground as an
 unprivileged process; all traffic stays on 127.0.0.1. 1,000 connections that send their
 headers or bodies a byte a second are held open (nginx closes slow headers after
 client_header_timeout; they are opened again) while normal clients keep predicting: every
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import requests
 
-from scripts.slow_clients import Nginx, SlowClients, free_port, normal_clients, raise_fd_limit, render_nginx_conf
 from tests.conftest import REPO, Server, integer_rows
+from tests.nginx_front import Nginx, SlowClients, free_port, normal_clients, raise_fd_limit, render_nginx_conf
 
 SLOW_CONNECTIONS = 1000
 NORMAL_CLIENTS = 4
@@ -142,7 +142,7 @@ def test_slow_clients_leave_normal_clients_served(nginx, exact_model):
     assert stats.opened >= SLOW_CONNECTIONS and held_at_end >= SLOW_CONNECTIONS * 0.95, stats
     statuses = [outcome.status for outcome in outcomes]
     assert len(outcomes) >= NORMAL_CLIENTS and set(statuses) == {200}, sorted(set(statuses))
-    expected = dict(zip(map(tuple, rows), exact_model(np.asarray(rows, dtype="float32")).numpy().tolist()))
+    expected = dict(zip(map(tuple, rows), exact_model(np.asarray(rows, dtype="float32")).numpy().tolist(), strict=True))
     for outcome in outcomes:
         assert outcome.predictions == [expected[tuple(outcome.row)]]
 

@@ -30,8 +30,8 @@ import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
-from scripts.slow_clients import Nginx
 from tests.conftest import REPO, Server, integer_rows
+from tests.nginx_front import Nginx
 
 PER_ADDRESS = 64
 STREAMS_PER_CONNECTION = 32

@@ -22,9 +22,9 @@ import socket
 import pytest
 import requests
 
-from scripts.slow_clients import Nginx
 from tests.conftest import REPO, Server, integer_rows, wait_for
 from tests.http_ledger import siege
+from tests.nginx_front import Nginx
 from tests.test_hostile_logs import FORGED, forged_path
 
 PER_CLIENT = 64

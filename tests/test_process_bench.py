@@ -1,10 +1,11 @@
-"""scripts/process_bench.py's pieces: wrk driven for real against a small local HTTP server, the check
-of a server's answer, and the page's targets. The benchmark itself (TensorFlow servers, PyTriton) is
-not run here.
+"""The model-processes scenario's pieces: wrk driven for real against a small local HTTP server, the
+check of a server's answer, and the page's tables. The scenario itself (TensorFlow servers, PyTriton)
+is not run here.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import threading
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scripts import process_bench
+from scripts.benchmark import layouts, load
 
 
 @contextmanager
@@ -66,7 +67,7 @@ def hang_up(handler: BaseHTTPRequestHandler, body: bytes) -> None:
 @pytest.fixture
 def body(tmp_path: Path) -> Path:
     path = tmp_path / "body.json"
-    path.write_bytes(process_bench.infer_body(np.array([[0.5, -1.25, 3.0]], dtype=np.float32)))
+    path.write_bytes(layouts.infer_body(np.array([[0.5, -1.25, 3.0]], dtype=np.float32)))
     return path
 
 
@@ -77,7 +78,7 @@ def wrk_installed() -> None:
 
 def test_wrk_posts_the_body_and_counts_every_answered_request(body: Path):
     with local_server(reply(200)) as (url, received):
-        result, wrk_cpu_s = process_bench.run_wrk(url, body, duration_s=1, threads=1, connections=4)
+        result, wrk_cpu_s = load.run_wrk(url, body, duration_s=1, threads=1, connections=4)
         served = len(received)
     assert result.errors is None
     assert result.requests > 0
@@ -89,9 +90,22 @@ def test_wrk_posts_the_body_and_counts_every_answered_request(body: Path):
     assert wrk_cpu_s > 0
 
 
+def test_wrk_posts_the_lines_of_the_body_file_in_turn(tmp_path: Path):
+    """The variable-length scenario sends bodies of many lengths: one per line, each connection in turn."""
+    bodies = [b'{"instances": [[1]]}', b'{"instances": [[1, 2, 3]]}', b'{"instances": [[4, 5]]}']
+    path = tmp_path / "bodies.json"
+    path.write_bytes(b"\n".join(bodies) + b"\n")
+    with local_server(reply(200)) as (url, received):
+        result, _ = load.run_wrk(url, path, duration_s=1, threads=1, connections=1)
+        sent = list(received)
+    assert result.errors is None and len(sent) >= 3 and set(sent) == set(bodies)
+    # One connection: each body follows the one before it in the file (wrk may build a request it never sends).
+    assert all(bodies.index(after) == (bodies.index(before) + 1) % 3 for before, after in itertools.pairwise(sent))
+
+
 def test_non_2xx_answers_are_counted_and_make_the_load_unfit(body: Path):
     with local_server(reply(503)) as (url, received):
-        result, _ = process_bench.run_wrk(url, body, duration_s=1, threads=1, connections=2)
+        result, _ = load.run_wrk(url, body, duration_s=1, threads=1, connections=2)
     assert result.requests > 0
     assert result.non_2xx_3xx == result.requests
     assert result.errors == f"{result.requests} non-2xx/3xx answers"
@@ -99,7 +113,7 @@ def test_non_2xx_answers_are_counted_and_make_the_load_unfit(body: Path):
 
 def test_connections_closed_without_an_answer_make_the_load_unfit(body: Path):
     with local_server(hang_up) as (url, received):
-        result, _ = process_bench.run_wrk(url, body, duration_s=1, threads=1, connections=2)
+        result, _ = load.run_wrk(url, body, duration_s=1, threads=1, connections=2)
     assert received  # the requests reached the server
     assert result.socket_errors["read"] > 0
     assert result.errors is not None and "socket read errors" in result.errors
@@ -107,12 +121,12 @@ def test_connections_closed_without_an_answer_make_the_load_unfit(body: Path):
 
 def test_wrk_output_without_the_summary_line_is_refused():
     with pytest.raises(ValueError, match="WRK_SUMMARY"):
-        process_bench.parse_wrk("Running 1s test @ http://127.0.0.1:1/\n  10 requests in 1.00s\n")
+        load.parse_wrk("Running 1s test @ http://127.0.0.1:1/\n  10 requests in 1.00s\n")
 
 
 def test_infer_body_is_v2_json_of_the_exact_float32_rows():
     rows = np.array([[0.1, -2.5, 1e-3]], dtype=np.float32)
-    request = json.loads(process_bench.infer_body(rows))
+    request = json.loads(layouts.infer_body(rows))
     (tensor,) = request["inputs"]
     assert (tensor["name"], tensor["shape"], tensor["datatype"]) == ("features", [1, 3], "FP32")
     assert np.array_equal(np.asarray(tensor["data"], dtype=np.float32).reshape(tensor["shape"]), rows)
@@ -126,47 +140,43 @@ def v2_answer(data: list[float]) -> bytes:
 def test_check_answer_accepts_the_model_output_and_refuses_another(body: Path):
     expected = np.array([[1.5, -0.25]], dtype=np.float32)
     with local_server(reply(200, v2_answer([1.5, -0.25]))) as (url, received):
-        assert process_bench.check_answer(url, body.read_bytes(), expected) == 0.0
+        assert layouts.check_answer(url, body.read_bytes(), expected) == 0.0
         assert received == [body.read_bytes()]
     with local_server(reply(200, v2_answer([1.5, -0.5]))) as (url, _):
         with pytest.raises(RuntimeError, match="differs from the model's by up to 0.25"):
-            process_bench.check_answer(url, body.read_bytes(), expected)
+            layouts.check_answer(url, body.read_bytes(), expected)
     with local_server(reply(200, v2_answer([1.5]))) as (url, _):
         with pytest.raises(RuntimeError, match="shape"):
-            process_bench.check_answer(url, body.read_bytes(), expected)
+            layouts.check_answer(url, body.read_bytes(), expected)
     with local_server(reply(503)) as (url, _):
         with pytest.raises(RuntimeError, match="503"):
-            process_bench.check_answer(url, body.read_bytes(), expected)
+            layouts.check_answer(url, body.read_bytes(), expected)
 
 
 def measured(model: str, layout: str, round_number: int, rps: float | None, error: str | None = None):
-    return process_bench.Measured(model, layout, round_number, rps=rps, error=error)
+    return layouts.Measured(model, layout, round_number, requests=int(rps or 0), rps=rps, p50_ms=rps and 5.0,
+                            p99_ms=rps and 9.0, cpu_ms_per_request=rps and 1000 / rps, rss_mib=rps and 10.0,
+                            error=error)
 
 
-def test_targets_compare_the_best_model_process_layout_over_the_rounds():
-    results = [
-        measured("tiny", "pytriton", 1, 1000.0), measured("tiny", "pytriton", 2, 1200.0),
-        measured("tiny", "procs-1w", 1, 900.0), measured("tiny", "procs-1w", 2, 1100.0),
-        measured("tiny", "procs-2w", 1, 1150.0), measured("tiny", "procs-2w", 2, 1250.0),
-        measured("wide", "default-1w", 1, 200.0), measured("wide", "default-1w", 2, None, error="refused"),
-        measured("wide", "procs-2w", 1, 190.0), measured("wide", "procs-2w", 2, 230.0),
-    ]
-    assert process_bench.targets(results, ["tiny", "wide"]) == [
-        "- Tiny model, MODEL_PROCESSES=1 at least PyTriton's req/s: best `procs-2w` 1,200 against PyTriton's "
-        "1,100 (1.09×): met.",
-        "- Wide model, MODEL_PROCESSES=1 at least the default's req/s with one model copy: best `procs-2w` 210 "
-        "against `default-1w`'s 200 (1.05×): met.",
-    ]
-    slower = [result for result in results if result.layout != "procs-2w"]
-    assert process_bench.targets(slower, ["tiny"]) == [
-        "- Tiny model, MODEL_PROCESSES=1 at least PyTriton's req/s: best `procs-1w` 1,000 against PyTriton's "
-        "1,100 (0.91×): not met."]
+def test_model_tables_average_the_rounds_and_divide_by_the_default_with_one_worker():
+    results = [measured("tiny", "default-1w", 1, 1000.0), measured("tiny", "default-1w", 2, 1200.0),
+               measured("tiny", "procs-2w", 1, 1150.0), measured("tiny", "procs-2w", 2, None, error="refused: 3 ..."),
+               measured("wide", "default-1w", 1, 5.0)]
+    chosen = [layouts.LAYOUTS_BY_NAME[name] for name in ("default-1w", "procs-2w")]
+    lines = layouts.model_tables(results, "tiny", chosen, 2)
+    # default-1w: mean 1,100 req/s and 1000/1000, 1000/1200 ms CPU a request; procs-2w: its one good round.
+    assert lines[4:6] == [
+        "| default, 1 worker | 1,100 | 1.00× | 5.0 | 9.0 | 0.92 | 1.00× | 10 | – | 2 of 2 |",
+        "| MODEL_PROCESSES=1, 2 workers | 1,150 | 1.05× | 5.0 | 9.0 | 0.87 | 0.95× | 10 | – | 1 of 2 |"]
+    assert lines[7] == "Every round's req/s: `default-1w` 1,000, 1,200; `procs-2w` 1,150, failed."
+    assert lines[8] == "- `procs-2w`, round 2: refused: 3 ..."
 
 
 def test_non_2xx_answers_in_wrk_text_that_its_summary_missed_are_refused():
     summary = {"requests": 10, "duration_us": 1_000_000, "non_2xx_3xx": 0, "connect": 0, "read": 0, "write": 0,
                "timeout": 0, "p50_us": 900, "p99_us": 2000, "mean_us": 1000.0}
-    line = process_bench.WRK_SUMMARY + json.dumps(summary)
-    assert process_bench.parse_wrk(line).p99_ms == 2.0
+    line = load.WRK_SUMMARY + json.dumps(summary)
+    assert load.parse_wrk(line).p99_ms == 2.0
     with pytest.raises(ValueError, match="did not count"):
-        process_bench.parse_wrk(f"  Non-2xx or 3xx responses: 10\n{line}\n")
+        load.parse_wrk(f"  Non-2xx or 3xx responses: 10\n{line}\n")

@@ -1,4 +1,4 @@
-"""scripts/profile_worker.py: how py-spy's samples become the stages of docs/profile.md.
+"""The profile scenario: how py-spy's samples become the stages of its page; and the floor app.
 
 The profile itself needs py-spy attached to a live worker (ptrace), which a CI container may
 not allow; what is tested here is the reading of py-spy's raw output and the attribution
@@ -8,22 +8,20 @@ of each stack to a stage and each thread to a role, on stacks as py-spy writes t
 from __future__ import annotations
 
 import collections
-import json
 import importlib.util
-import sys
+import json
 
 import pytest
 
+from scripts.benchmark.common import Server
 from tests.conftest import REPO, wait_for
 
 
 @pytest.fixture(scope="module")
 def profile_worker():
-    spec = importlib.util.spec_from_file_location("profile_worker", REPO / "scripts" / "profile_worker.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    from scripts.benchmark import profile
+
+    return profile
 
 
 REQUEST = ("_bootstrap (threading.py:995);_worker (concurrent/futures/thread.py:83);"
@@ -50,8 +48,7 @@ def test_the_batch_threads_predict_counts_as_the_model(profile_worker):
     stack = ("_bootstrap (threading.py:995);Batcher._run (app/batching.py:347);Batcher._execute (app/batching.py:470);"
              "_from_keras.<locals>.predict (app/models.py:245);quick_execute (tensorflow/python/eager/execute.py:53)")
     assert profile_worker.stage_of(stack) == "model: TensorFlow call"
-    assert profile_worker.role_of(stack) == "batch thread"
-    assert not profile_worker.is_waiting(stack)
+    assert profile_worker.on_batch_thread(stack)
 
 
 BATCH_THREAD = "_bootstrap (threading.py:995);_bootstrap_inner (threading.py:1038);run (threading.py:975)"
@@ -69,14 +66,7 @@ BATCH_THREAD = "_bootstrap (threading.py:995);_bootstrap_inner (threading.py:103
 ])
 def test_the_engines_frames_count_for_the_thread_they_run_on(profile_worker, stack, stage):
     assert profile_worker.stage_of(stack) == stage
-    assert profile_worker.role_of(stack) == ("batch thread" if stack.startswith(BATCH_THREAD) else "request threads")
-
-
-def test_waiting_is_read_from_the_leaf(profile_worker):
-    waiting = REQUEST + ";Future.result (concurrent/futures/_base.py:451);Condition.wait (threading.py:327)"
-    assert profile_worker.role_of(waiting) == "request threads"
-    assert profile_worker.is_waiting(waiting)
-    assert not profile_worker.is_waiting(REQUEST + ";parse_json (app/codec.py:67)")
+    assert profile_worker.on_batch_thread(stack) == stack.startswith(BATCH_THREAD)
 
 
 def test_raw_output_is_read_stack_by_stack(profile_worker, tmp_path):
@@ -97,21 +87,6 @@ def test_gil_table_turns_shares_into_milliseconds_per_request(profile_worker):
     assert "| JSON decode and checks | 75.0% | 1.500 |" in lines
     assert "| Flask and Werkzeug | 25.0% | 0.500 |" in lines
     assert "| **all (GIL held)** | 100% | **2.000** |" in lines
-
-
-def test_the_report_shows_its_command_without_local_folders(profile_worker):
-    """The committed report names no folder of the machine it ran on: --out and --work-dir go
-    with their values, in either spelling."""
-    args = profile_worker.parse_args(["--model", "wide", "--out", "/somewhere/prof", "--baseline-ref", "166bcbf",
-                                      "--work-dir=/elsewhere", "--users", "32"])
-    assert args.argv_shown == ["--model", "wide", "--baseline-ref", "166bcbf", "--users", "32"]
-
-
-def test_the_report_describes_the_method_not_the_usage(profile_worker):
-    text = profile_worker.description()
-    assert text.startswith("For each tree (this one, and with --baseline-ref a git worktree")
-    assert text.endswith("the kind told by the name Python gave the thread.")
-    assert "python scripts/profile_worker.py" not in text
 
 
 def test_thread_names_are_read_from_py_spys_dump(profile_worker):
@@ -163,7 +138,7 @@ def test_the_floor_profiles_as_the_floor_app_and_its_model_thread(profile_worker
     model = ("_bootstrap (threading.py:995);ModelThread._run (floor_app.py:67);"
              "_from_keras.<locals>.predict (app/models.py:245);quick_execute (tensorflow/python/eager/execute.py:53)")
     assert profile_worker.stage_of(model) == "model: TensorFlow call"
-    assert profile_worker.role_of(model) == "batch thread"
+    assert profile_worker.on_batch_thread(model)
 
 
 def load_floor_app(name: str):
@@ -224,7 +199,7 @@ def test_a_failed_call_of_the_floors_model_thread_fails_its_requests_and_the_thr
 
 
 def test_floor_batcher_sends_each_request_through_the_servers_batching_engine(monkeypatch):
-    """FLOOR_BATCHER=true: the floor's requests go through app/batching.py's Batcher (a batch
+    """FLOOR_BATCHER=true: the floor's requests go through app/batching/'s Batcher (a batch
     per call, its own thread), and still get the floor's fixed answer of one row."""
     monkeypatch.setenv("FLOOR_BATCHER", "true")
     floor_app = load_floor_app("floor_app_batcher")
@@ -249,7 +224,7 @@ def test_the_floor_describes_the_model_as_the_server_does_and_answers_one_row_of
     from app.metadata import describe
     from app.models import example_batch, load_model
 
-    server = profile_worker.benchmark.Server(profile_worker.FLOOR, model_path=None, log_path=tmp_path / "floor.log")
+    server = Server(profile_worker.FLOOR, model_path=None, log_path=tmp_path / "floor.log")
     try:
         server.start(ready_within_s=180)
         metadata = requests.get(server.url + "/v1/models/default/metadata", timeout=30)

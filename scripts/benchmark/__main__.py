@@ -1,15 +1,55 @@
-"""`python -m scripts.benchmark` (from the repository root) or `python scripts/benchmark`."""
+"""`python -m scripts.benchmark <scenario> [options]`, from the repository root."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import json
+import signal
 import sys
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
-if __package__ in (None, ""):
-    # Run as a folder (`python scripts/benchmark`): import the package by its full name, and not
-    # its modules as top-level ones (its locust.py would hide the locust package).
-    sys.path[0] = str(Path(__file__).resolve().parent.parent.parent)
+from scripts.benchmark import experiment, layouts, profile, variable_length
+from scripts.benchmark.common import COMMAND, DOCS
 
-from scripts.benchmark.cli import main  # noqa: E402
+# name: (one line of help, add the scenario's arguments, run it)
+SCENARIOS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "experiment": ("the published experiment: the model alone, then servers under Locust, 1 user against 20",
+                   lambda parser: experiment.add_arguments(parser, page=DOCS / "benchmarks.md"),
+                   lambda args: experiment.run(experiment.resolve(args), title="Benchmarks")),
+    "peers": ("this server beside PyTriton and the small Flask batcher, under wrk",
+              lambda parser: layouts.add_arguments(parser, scenario="peers"), layouts.run),
+    "model-processes": ("MODEL_PROCESSES=1 beside the default and PyTriton, under wrk",
+                        lambda parser: layouts.add_arguments(parser, scenario="model-processes"), layouts.run),
+    "variable-length": ("padding off, to the longest, and length buckets", variable_length.add_arguments,
+                        variable_length.run),
+    "floor": ("the floor and floor-batcher (scripts/floor_app.py) beside this tree",
+              lambda parser: experiment.add_arguments(parser, page=DOCS / "floor-benchmark.md"),
+              lambda args: experiment.run(experiment.resolve(args, configs=experiment.FLOOR_CONFIGS),
+                                          title="The floor beside this tree")),
+    "profile": ("where one worker's time goes: py-spy per stage and per thread", profile.add_arguments, profile.run),
+}
 
-sys.exit(main(sys.argv[1:]))
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
+    scenarios = parser.add_subparsers(dest="scenario", required=True, metavar="scenario")
+    for name, (what, add_arguments, _) in SCENARIOS.items():
+        add_arguments(scenarios.add_parser(name, help=what, description=what))
+    args = parser.parse_args(argv)
+    args.argv = list(argv)[1:]
+    return args
+
+
+def main(argv: Sequence[str]) -> int:
+    if argv[:1] == ["_child"]:  # common.run_child's module:function(**kwargs), loading TensorFlow in this process
+        module, name = argv[1].split(":")
+        return getattr(importlib.import_module(module), name)(**json.loads(argv[2])) or 0
+    args = parse_args(argv)
+    # SIGTERM as SystemExit, so that the finally blocks stop the servers and the load generators.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return SCENARIOS[args.scenario][2](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,63 +1,27 @@
-"""Slow clients against nginx + Gunicorn, and against bare Gunicorn: what normal clients see.
-
-    python scripts/slow_clients.py                       # 1,000 slow connections, about 2 minutes
-    python scripts/slow_clients.py --connections 300 --duration 10
-
-Three runs, each with a few normal clients sending one-row predictions in a closed loop
-for --duration seconds, all on 127.0.0.1:
-1. baseline: nginx (deploy/nginx/nginx.conf) in front of Gunicorn, no attack;
-2. the same while --connections slow clients (half send their headers a byte a second,
-   half their bodies) hold connections open, reopening any that nginx closes;
-3. bare Gunicorn under the same attack, without nginx.
-It prints a Markdown table of the normal clients' outcomes (answers, errors, p50/p99) for
-docs/reliability.md. tests/test_nginx.py runs the same pieces, smaller. Nothing here
-asserts a timing: the numbers are whatever this machine gives.
-"""
+"""A real nginx running deploy/nginx/nginx.conf in front of a test's Gunicorn, and the slow clients
+tests/test_nginx.py sends it: connections that send a byte a second, and closed-loop normal clients."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
-import os
 import re
 import resource
 import socket
 import subprocess
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import requests
 
-REPO = Path(__file__).resolve().parent.parent
+from scripts.live_server import REPO, free_port
+
 NGINX_CONF = REPO / "deploy" / "nginx" / "nginx.conf"
-# The slow clients' pace: one byte per connection per interval.
-TRICKLE_INTERVAL_S = 1.0
 # The workers' gRPC port behind nginx's gRPC front (GRPC_BIND in compose and Kubernetes).
 GRPC_UPSTREAM_PORT = 8510
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def raise_fd_limit(needed: int) -> int:
-    """Raise this process's soft descriptor limit toward `needed` (children inherit it)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    if soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-# ---------------------------------------------------------------------------- nginx
+# The slow clients' pace: one byte per connection per interval.
+TRICKLE_INTERVAL_S = 1.0
 
 
 def render_nginx_conf(*, listen_port: int, upstream_port: int, temp_dir: Path, text: str | None = None,
@@ -132,7 +96,13 @@ class Nginx:
             self.log.close()
 
 
-# ---------------------------------------------------------------------------- slow clients
+def raise_fd_limit(needed: int) -> int:
+    """Raise this process's soft descriptor limit toward `needed` (children inherit it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 @dataclasses.dataclass
@@ -214,7 +184,7 @@ class SlowClients:
         """Wait one trickle interval; True when the attack is over."""
         try:
             await asyncio.wait_for(self._stop.wait(), TRICKLE_INTERVAL_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 
@@ -259,86 +229,3 @@ def normal_clients(url: str, rows: list[list[float]], *, clients: int, duration_
     for thread in threads:
         thread.join(duration_s + timeout_s + 30)
     return outcomes
-
-
-def percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))] if ordered else float("nan")
-
-
-def summary(label: str, outcomes: list[Outcome], attack: SlowClients | None) -> str:
-    """A table row; `attack` is read before it stops, while its connections are still held."""
-    ok = [o.latency_s for o in outcomes if o.status == 200]
-    errors = len(outcomes) - len(ok)
-    held = f"{attack.stats.open_now} held at the end, {attack.stats.opened} opened" if attack else "none"
-    return (f"| {label} | {held} | {len(ok)} | {errors} | {percentile(ok, 0.5) * 1000:.1f} | "
-            f"{percentile(ok, 0.99) * 1000:.1f} | {max(ok, default=float('nan')) * 1000:.1f} |")
-
-
-# ---------------------------------------------------------------------------- the experiment
-
-
-@contextmanager
-def gunicorn(temp_dir: Path, env: dict[str, str]) -> Iterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    with open(temp_dir / f"gunicorn-{port}.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"], cwd=REPO,
-                                env={**inherited, "BIND": f"127.0.0.1:{port}", **env}, stdout=log, stderr=log)
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"gunicorn did not start: see {log.name}")
-                try:
-                    if requests.get(url + "/readyz", timeout=10).status_code == 200:
-                        break
-                except requests.RequestException:
-                    time.sleep(0.2)  # nothing listens yet: there is no event to wait on
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(60)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--connections", type=int, default=1000)
-    parser.add_argument("--clients", type=int, default=4, help="normal clients, each in a closed loop")
-    parser.add_argument("--duration", type=float, default=20, help="seconds of normal traffic per run")
-    parser.add_argument("--model-path", help="served model (default: the server's built-in one)")
-    args = parser.parse_args()
-    raise_fd_limit(4 * args.connections + 512)
-    rows = [[float(i % 7), 1.0, -2.0, float(i % 3)] for i in range(64)]
-    env = {"MODEL_PATH": args.model_path} if args.model_path else {}
-    lines = ["| run | slow connections | answered 200 | errors | p50 ms | p99 ms | max ms |",
-             "|---|---|---|---|---|---|---|"]
-    with tempfile.TemporaryDirectory(prefix="slow-clients-") as temp, gunicorn(Path(temp), env) as url:
-        upstream_port = int(url.rpartition(":")[2])
-        front = Nginx(Path(temp) / "nginx", upstream_port=upstream_port).start()
-        try:
-            lines.append(summary("nginx, no attack", normal_clients(front.url, rows, clients=args.clients,
-                                                                    duration_s=args.duration), None))
-            attack = SlowClients(front.port, args.connections).start()
-            outcomes = normal_clients(front.url, rows, clients=args.clients, duration_s=args.duration)
-            lines.append(summary("nginx, slow clients", outcomes, attack))
-            attack.stop()
-        finally:
-            front.stop()
-        lines.append(summary("bare Gunicorn, no attack",
-                             normal_clients(url, rows, clients=args.clients, duration_s=args.duration), None))
-        try:
-            attack = SlowClients(upstream_port, args.connections).start()
-        except TimeoutError as exc:
-            print(f"bare Gunicorn: {exc}", file=sys.stderr)
-            attack = None
-        outcomes = normal_clients(url, rows, clients=args.clients, duration_s=args.duration)
-        lines.append(summary("bare Gunicorn, slow clients", outcomes, attack))
-        if attack:
-            attack.stop()
-    print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main()

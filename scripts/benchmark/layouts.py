@@ -1,0 +1,296 @@
+"""Servers side by side under one load generator (wrk): the model-processes and peers scenarios.
+
+model-processes: the default with WORKERS=1, 2 and 4 (a model copy per worker), MODEL_PROCESSES=1
+with WORKERS=1, 2 and 4 (one copy), and PyTriton. peers: this server (the default, one worker) beside
+PyTriton (Triton's server and dynamic batcher around a compiled tf.function, scripts/pytriton_server.py,
+from a virtualenv of its own: --pytriton-python) and the small Flask batcher (scripts/floor_app.py:
+Flask and one model thread under the same Gunicorn configuration, fixed answers). Every layout serves
+the same saved Keras model, built from fixed seeds; wrk loads each in a closed loop, one row per
+request, over v2 REST infer (the Flask batcher: TF Serving's REST /predict). Each answer to that very
+request is first checked against the Keras model's own output (but the Flask batcher's); a load with
+any non-2xx answer or socket error is refused, not reported. Server CPU and resident memory are those
+of the server's whole process tree. Rounds run the layouts in alternating order, so that drift shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import requests
+
+from app.settings import Settings
+
+from . import common
+from .common import DOCS, FLOOR_APP, REPO, WIDE_MODEL, Config, Server, fmt, log, markdown_table, mean, ratio
+from .load import run_wrk
+
+PYTRITON_PYTHON = REPO / ".venv-pytriton" / "bin" / "python"
+PYTRITON_SCRIPT = REPO / "scripts" / "pytriton_server.py"
+MODEL = "default"
+FEATURES = WIDE_MODEL["features"]
+MODELS = {"tiny": f"{FEATURES:,} floats in, one Dense(3) layer: almost no compute, what lies around the model "
+                  "is measured", "wide": common.WIDE_MODEL_NAME}
+REFERENCE = "default-1w"
+PYTRITON, FLASK = "pytriton", "flask-batcher"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    name: str
+    workers: int
+    model_processes: int  # 0: the default, a model copy per worker
+    what: str
+
+
+LAYOUTS = [
+    *(Layout(f"default-{n}w", n, 0, f"default, {n} worker{'s' if n > 1 else ''}") for n in (1, 2, 4)),
+    *(Layout(f"procs-{n}w", n, 1, f"MODEL_PROCESSES=1, {n} worker{'s' if n > 1 else ''}") for n in (1, 2, 4)),
+    Layout(PYTRITON, 1, 0, "PyTriton"),
+    Layout(FLASK, 1, 0, "the small Flask batcher"),
+]
+LAYOUTS_BY_NAME = {layout.name: layout for layout in LAYOUTS}
+# scenario: (title, page, layouts, models)
+SCENARIOS = {
+    "model-processes": ("Model processes beside the default and PyTriton", DOCS / "model-processes-benchmark.md",
+                        [layout.name for layout in LAYOUTS[:7]], list(MODELS)),
+    "peers": ("This server beside PyTriton and the small Flask batcher", DOCS / "peers-benchmark.md",
+              [REFERENCE, PYTRITON, FLASK], ["wide"]),
+}
+
+
+class PyTritonServer(Server):
+    """scripts/pytriton_server.py on free loopback ports; ready once its model answers ready over v2."""
+
+    def __init__(self, *, python: Path, model_path: str, log_path: Path) -> None:
+        super().__init__(Config(PYTRITON, 1, {}, "PyTriton"), model_path=model_path, log_path=log_path)
+        self.python, self.model_path = python, model_path
+
+    def command(self, *, workers: int = 1) -> list[str]:
+        return [str(self.python), str(PYTRITON_SCRIPT), "--model-path", self.model_path, "--model-name", MODEL,
+                "--http-port", str(self.port), "--grpc-port", self.grpc_target.rsplit(":", 1)[1],
+                "--max-batch-size", str(Settings().max_batch_size)]
+
+    def wait_ready(self, *, workers: int = 1, within_s: float = 300) -> set[int]:
+        assert self.proc is not None
+        deadline = time.monotonic() + within_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"PyTriton exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"PyTriton not ready within {within_s} s:\n{self.log()[-3000:]}")
+            try:
+                if requests.get(f"{self.url}/v2/models/{MODEL}/ready", timeout=10).status_code == 200:
+                    return {self.proc.pid}
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)  # nothing listens yet, or the model still loads: there is no event to wait on
+
+    def metrics(self) -> None:
+        return None  # Triton's batch figures are not this server's /metrics
+
+
+def layout_server(layout: Layout, args: argparse.Namespace, model_path: str, log_path: Path) -> Server:
+    if layout.name == PYTRITON:
+        return PyTritonServer(python=args.pytriton_python, model_path=model_path, log_path=log_path)
+    if layout.name == FLASK:
+        return Server(Config(FLASK, 1, {"GRPC_BIND": ""}, layout.what, app=FLOOR_APP), model_path=model_path,
+                      log_path=log_path)
+    env = {"MODEL_PROCESSES": str(layout.model_processes)} if layout.model_processes else {}
+    return Server(Config(layout.name, layout.workers, env, layout.what), model_path=model_path, log_path=log_path)
+
+
+@dataclasses.dataclass
+class Measured:
+    model: str
+    layout: str
+    round: int
+    check_difference: float | None = None
+    requests: int | None = None
+    rps: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    cpu_ms_per_request: float | None = None
+    rss_mib: float | None = None
+    batch_rows: float | None = None
+    wrk_cores: float | None = None
+    error: str | None = None
+
+
+def infer_body(rows: np.ndarray) -> bytes:
+    """The v2 JSON request for `rows`: one FP32 input, numbers as wrk sends them."""
+    return json.dumps({"inputs": [{"name": "features", "shape": list(rows.shape), "datatype": "FP32",
+                                   "data": [float(value) for value in rows.reshape(-1)]}]}).encode()
+
+
+def predict_body(rows: np.ndarray) -> bytes:
+    """The same rows as TF Serving's REST /predict takes them."""
+    return json.dumps({"instances": [[float(value) for value in row] for row in rows]}).encode()
+
+
+def check_answer(url: str, body: bytes, expected: np.ndarray) -> float:
+    """POST `body` once; the largest difference of the answer from the Keras model's output (0 when exact)."""
+    answer = requests.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=60)
+    if answer.status_code != 200:
+        raise RuntimeError(f"check request: {answer.status_code} {answer.text[:500]}")
+    output = answer.json()["outputs"][0]
+    got = np.asarray(output["data"], dtype=np.float32).reshape(output["shape"])
+    if got.shape != expected.shape:
+        raise RuntimeError(f"check request: shape {got.shape}, the model's {expected.shape}")
+    difference = float(np.max(np.abs(got - expected)))
+    if not np.allclose(got, expected, rtol=1e-5, atol=1e-6):
+        raise RuntimeError(f"check request: answer differs from the model's by up to {difference:g}")
+    return difference
+
+
+def build_models(folder: str, names: list[str]) -> None:
+    """The child's side: each model saved, with the row wrk sends and the model's own answer to it."""
+    import keras
+    import tensorflow as tf
+
+    from app.models import build_default_model
+
+    rng = np.random.default_rng(0)
+    # Three decimals: what a client sends, and the same float32 whichever server parses it.
+    row = np.array([float(f"{value:.3f}") for value in rng.standard_normal(FEATURES)], dtype=np.float32)[None, :]
+    np.save(Path(folder) / "row.npy", row)
+    for name in names:
+        if name == "wide":
+            model = build_default_model(**WIDE_MODEL)
+        else:
+            inputs = keras.Input((FEATURES,), name="features")
+            scores = keras.layers.Dense(3, name="scores", kernel_initializer=keras.initializers.GlorotUniform(seed=0),
+                                        bias_initializer=keras.initializers.RandomNormal(seed=1))(inputs)
+            model = keras.Model(inputs, scores, name="default")
+        model.save(Path(folder) / f"{name}.keras")
+        np.save(Path(folder) / f"{name}-expected.npy", model(tf.constant(row), training=False).numpy())
+
+
+def measure(server: Server, result: Measured, *, work_dir: Path, expected: np.ndarray, args: argparse.Namespace,
+            tag: str) -> Measured:
+    """Start, check, warm, load and stop one server."""
+    flask = result.layout == FLASK
+    url = server.url + ("/predict" if flask else f"/v2/models/{MODEL}/infer")
+    body = work_dir / ("predict.json" if flask else "infer.json")
+    wrk = dict(threads=args.wrk_threads, connections=args.connections)
+    try:
+        server.start(workers=server.config.workers, ready_within_s=args.server_start_timeout)
+        if not flask:  # the Flask batcher answers a fixed row
+            result.check_difference = check_answer(url, body.read_bytes(), expected)
+        if args.warmup > 0:
+            run_wrk(url, body, duration_s=args.warmup, **wrk)
+        server.wait_quiet(within_s=60)
+        metrics_before = server.metrics()  # outside the CPU window: the scrape is not part of the load
+        cpu_before = server.cpu_seconds()
+        load, wrk_cpu_s = run_wrk(url, body, duration_s=args.duration, log_path=work_dir / f"{tag}-wrk.txt", **wrk)
+        cpu_s = server.cpu_seconds() - cpu_before
+        result.rss_mib = server.rss_bytes() / 2**20
+        metrics_after = server.metrics()
+        if load.errors:
+            raise RuntimeError(f"refused: {load.errors} in {load.requests} requests")
+        result.requests, result.rps, result.p50_ms, result.p99_ms = load.requests, load.rps, load.p50_ms, load.p99_ms
+        result.cpu_ms_per_request = cpu_s / load.requests * 1000 if load.requests else None
+        result.wrk_cores = wrk_cpu_s / load.duration_s
+        if metrics_before and metrics_after and metrics_after.calls > metrics_before.calls:
+            before, after = metrics_before, metrics_after
+            result.batch_rows = (after.rows - before.rows) / (after.calls - before.calls)
+        log(f"{tag}: {load.requests} requests, {load.rps:.0f} req/s, p50 {load.p50_ms:.1f} ms, "
+            f"{fmt(result.cpu_ms_per_request, 2)} ms CPU/request, {result.rss_mib:.0f} MiB")
+    except Exception as exc:  # one layout failing should not lose the others' numbers
+        result.error = common.failure(exc, server)
+        log(f"{tag}: {result.error}")
+    finally:
+        server.stop()
+    return result
+
+
+def model_tables(results: Sequence[Measured], model: str, layouts: Sequence[Layout], rounds: int) -> list[str]:
+    """Per model: the mean over rounds per layout, then every round's own row."""
+    mine = [result for result in results if result.model == model]
+
+    def average(layout: str, field: str) -> float | None:
+        return mean(getattr(r, field) for r in mine if r.layout == layout and r.error is None)
+
+    ref_rps, ref_cpu = average(REFERENCE, "rps"), average(REFERENCE, "cpu_ms_per_request")
+    summary = [(layout.what, fmt(rps := average(layout.name, "rps")), ratio(rps, ref_rps, 2),
+                fmt(average(layout.name, "p50_ms")), fmt(average(layout.name, "p99_ms")),
+                fmt(cpu := average(layout.name, "cpu_ms_per_request"), 2), ratio(cpu, ref_cpu, 2),
+                fmt(average(layout.name, "rss_mib"), 0), fmt(average(layout.name, "batch_rows")),
+                f"{sum(1 for r in mine if r.layout == layout.name and r.error is None)} of {rounds}")
+               for layout in layouts]
+    lines = [f"Mean of the rounds; ratios to `{REFERENCE}` (the default, 1 worker).", "",
+             *markdown_table(("layout", "req/s", "÷ default 1w", "p50 ms", "p99 ms", "server CPU ms/request",
+                              "÷ default 1w", "RSS all processes MiB", "mean batch rows", "rounds"), summary), "",
+             "Every round's req/s: " + "; ".join(
+                 f"`{layout.name}` " + ", ".join(fmt(r.rps) if r.error is None else "failed"
+                                                 for r in mine if r.layout == layout.name) for layout in layouts) + "."]
+    lines += [f"- `{r.layout}`, round {r.round}: {r.error}" for r in mine if r.error]
+    if wrk_cores := [r.wrk_cores for r in mine if r.wrk_cores is not None]:
+        lines += ["", f"wrk itself used {min(wrk_cores):.2f} to {max(wrk_cores):.2f} of a core over these loads."]
+    if differences := [r.check_difference for r in mine if r.check_difference is not None]:
+        lines += [f"Before each load, the server's answer to the very request wrk sends was checked against the Keras "
+                  f"model's own output: largest difference {max(differences):g} over {len(differences)} servers."]
+    return lines
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, scenario: str) -> None:
+    _, page, layouts, models = SCENARIOS[scenario]
+    add = parser.add_argument
+    add("--duration", type=float, default=30, help="seconds of load per layout (default 30)")
+    add("--warmup", type=float, default=3, help="seconds of unmeasured load first (default 3)")
+    add("--rounds", type=int, default=2, help="runs of every layout, order alternating (default 2)")
+    add("--models", type=common.names(list(MODELS)), default=models, help=f"comma-separated, of tiny and wide "
+        f"(default {','.join(models)})")
+    add("--layouts", type=common.names(list(LAYOUTS_BY_NAME)), default=layouts,
+        help=f"comma-separated, of {', '.join(LAYOUTS_BY_NAME)} (default {','.join(layouts)})")
+    add("--connections", type=int, default=32, help="wrk's connections (default 32)")
+    add("--wrk-threads", type=int, default=1, help="wrk's threads (default 1)")
+    add("--pytriton-python", type=Path, default=PYTRITON_PYTHON, help="the Python of PyTriton's own virtualenv")
+    add("--out", type=Path, default=page, help="the page to write (default %(default)s)")
+    add("--work-dir", type=Path, help="logs, wrk outputs and results.json (default: a temporary folder)")
+    add("--server-start-timeout", type=float, default=300)
+
+
+def run(args: argparse.Namespace) -> int:
+    if PYTRITON in args.layouts and not args.pytriton_python.exists():
+        raise SystemExit(f"{args.pytriton_python} is missing: make it, or leave {PYTRITON} out of --layouts")
+    return common.run_scenario(args, SCENARIOS[args.scenario][0], lambda work_dir, machine: measure_all(
+        args, work_dir, machine))
+
+
+def measure_all(args: argparse.Namespace, work_dir: Path, machine: dict[str, str]) -> tuple[list[str], bool]:
+    if PYTRITON in args.layouts:
+        done = subprocess.run([str(args.pytriton_python), "-c", "import importlib.metadata as m; "
+                               "print(m.version('nvidia-pytriton'))"], capture_output=True, text=True, timeout=60)
+        machine["nvidia-pytriton"] = done.stdout.strip() or "not found"
+    machine["wrk"] = subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split(" Copyright")[0]
+    layouts = [layout for layout in LAYOUTS if layout.name in args.layouts]
+    results: list[Measured] = []
+    log(f"building {', '.join(args.models)} in a child process")
+    common.run_child("scripts.benchmark.layouts:build_models", work_dir / "build.log", folder=str(work_dir),
+                     names=args.models)
+    row = np.load(work_dir / "row.npy")
+    (work_dir / "infer.json").write_bytes(infer_body(row))
+    (work_dir / "predict.json").write_bytes(predict_body(row))
+    for model in args.models:
+        model_path, expected = str(work_dir / f"{model}.keras"), np.load(work_dir / f"{model}-expected.npy")
+        for number in range(1, args.rounds + 1):
+            for layout in layouts if number % 2 else layouts[::-1]:
+                tag = f"{model}-{layout.name}-round{number}"
+                server = layout_server(layout, args, model_path, work_dir / f"{tag}.log")
+                results.append(measure(server, Measured(model, layout.name, number), work_dir=work_dir,
+                                       expected=expected, args=args, tag=tag))
+                (work_dir / "results.json").write_text(json.dumps([dataclasses.asdict(r) for r in results]))
+    lines = [__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(), "",
+             f"wrk: {args.connections} connections, {args.wrk_threads} thread(s), {args.duration:g} s after "
+             f"{args.warmup:g} s of warm-up; each request one row of {FEATURES:,} float32.", ""]
+    for model in args.models:
+        lines += [f"## The {model} model", "", f"{MODELS[model]}.", "", *model_tables(results, model, layouts,
+                                                                                    args.rounds), ""]
+    return lines, any(r.error for r in results)
