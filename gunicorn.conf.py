@@ -118,7 +118,9 @@ def post_fork(server, worker):
     worker.catch_early_stops()
     if _settings.model_processes:
         # The models run in the model processes; this worker imports no TensorFlow.
-        worker.tensorflow = {"model_processes": _settings.model_processes,
+        from app.jax_model import keras_backend
+
+        worker.tensorflow = {"model_processes": _settings.model_processes, "keras_backend": keras_backend(),
                              "model_process_gpus": server.model_processes.gpus}  # CUDA_VISIBLE_DEVICES of each
         return
     from app import runtime
