@@ -259,8 +259,11 @@ def test_bad_requests_get_the_same_error_on_both_backends(servers, case):
 
 
 def run_with_jax(code: str, **env: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter on JAX, as a worker that holds its models (whatever MODEL_PROCESSES
+    this run was given: that mode's workers hold none)."""
+    inherited = {key: value for key, value in os.environ.items() if key != "MODEL_PROCESSES"}
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "2", **env})
+                          env={**inherited, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "2", **env})
 
 
 def test_a_model_jax_cannot_hold_stops_start_up_naming_the_model_and_why(tmp_path):
