@@ -298,7 +298,6 @@ def configure(settings: Settings, *, workers: int,
         "gpus": len(gpus),
         "gpu_memory_limit_mb": max(limits, default=0) or None,  # the largest, where GPUs differ
         "workers": workers,
-        "keras_backend": "tensorflow",
         "usable_cpus": cpus.count,
         "usable_cpus_from": cpus.source,
     }
