@@ -108,20 +108,13 @@ def load(url: str, body: bytes, clients: int, seconds: float, processes: int) ->
             "p99_ms": round(float(np.percentile(latencies, 99)) * 1e3, 2) if len(latencies) else None}
 
 
-def batch_rows(url: str) -> dict:
-    """Rows and requests per predict call so far, from the server's histograms."""
+def predict_calls(url: str) -> float:
+    """The model's predict calls so far: the count of the server's rows-per-call histogram."""
     import requests
 
     text = requests.get(url + "/metrics", timeout=30).text
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        for name in ("model_server_batch_size_rows", "model_server_batch_size_requests"):
-            for part in ("_sum", "_count"):
-                if line.startswith(name + part) and 'model="wide"' in line:
-                    sums[name + part] = sums.get(name + part, 0.0) + float(line.rsplit(" ", 1)[1])
-    calls = sums.get("model_server_batch_size_rows_count", 0.0)
-    return {"predict_calls": int(calls),
-            "mean_rows": round(sums.get("model_server_batch_size_rows_sum", 0.0) / calls, 2) if calls else None}
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("model_server_batch_size_rows_count") and 'model="wide"' in line)
 
 
 def gpu_memory() -> dict:
@@ -187,10 +180,9 @@ def main() -> None:
         body = json.dumps({"instances": rows[:1].tolist()}).encode()
         results["load"] = []
         for clients in [int(count) for count in args.clients.split(",")]:
-            before = batch_rows(server.url)
+            before = predict_calls(server.url)
             level = load(server.url, body, clients, args.seconds, min(8, clients))
-            after = batch_rows(server.url)
-            calls = after["predict_calls"] - before["predict_calls"]
+            calls = predict_calls(server.url) - before
             level["rows_per_call"] = round(level["requests"] / calls, 2) if calls else None
             level["gpu"] = gpu_memory()
             results["load"].append(level)
