@@ -259,11 +259,11 @@ def test_bad_requests_get_the_same_error_on_both_backends(servers, case):
     assert 400 <= seen["jax"][0] < 500, seen["jax"]
 
 
-def run_with_jax(code: str, **env: str) -> subprocess.CompletedProcess:
+def run_with_jax(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     """`code` in a fresh interpreter on JAX, as a worker that holds its models (whatever MODEL_PROCESSES
     this run was given: that mode's workers hold none)."""
     inherited = {key: value for key, value in os.environ.items() if key != "MODEL_PROCESSES"}
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**inherited, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "2", **env})
 
 
@@ -315,3 +315,29 @@ def test_a_memory_limit_in_mb_is_the_fraction_it_is_of_the_smallest_gpu():
     # Where the driver shows no GPU there is nothing to cap: memory is left to grow.
     assert runtime.jax_allocator_env(settings, gpus=0, total_bytes=sizes.__getitem__, environ={}) == {
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+COUNT_PROGRAMS = """
+import json, sys
+import numpy as np
+from app.models import example_batch, load_model, warm_up
+model = load_model(sys.argv[1], name="text")
+counts = [model.tracing_count()]
+warm_up(model, [1, 2, 4], lengths=[4, 8])
+counts.append(model.tracing_count())
+for rows, length in [(2, 8), (4, 1), (1, 4)]:  # bucket sizes, as the batcher pads to
+    batch = example_batch(model, rows, length)
+    batch["tokens"][:] = 1 + np.arange(length) % 7
+    model.predict(batch)
+counts.append(model.tracing_count())
+model.predict(example_batch(model, 3, 5))  # off the buckets: a program of its own
+counts.append(model.tracing_count())
+print(json.dumps(counts))
+"""
+
+
+def test_warm_up_compiles_one_program_per_bucket_and_serving_compiles_none(model_root):
+    """3 batch buckets x lengths 1, 4 and 8: nine programs, all built before the first request."""
+    done = run_with_jax(COUNT_PROGRAMS, str(model_root / "text.keras"))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [0, 9, 9, 10]
