@@ -118,7 +118,7 @@ def post_fork(server, worker):
     worker.catch_early_stops()
     if _settings.model_processes:
         # The models run in the model processes; this worker imports no TensorFlow.
-        from app.jax_model import uses_jax
+        from app.runtime import uses_jax
 
         worker.tensorflow = {"model_processes": _settings.model_processes,
                              "model_process_gpus": server.model_processes.gpus}  # CUDA_VISIBLE_DEVICES of each

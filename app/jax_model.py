@@ -19,7 +19,6 @@ ModelLoadError that names the model and the reason.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -29,8 +28,6 @@ from app.models import LoadedModel, ModelLoadError, TensorInfo
 
 log = logging.getLogger(__name__)
 
-BACKEND_VARIABLE = "KERAS_BACKEND"
-
 # TensorFlow's DataType names (what metadata and gRPC show) for the dtypes JAX computes in.
 _DATA_TYPES = {
     "float16": "DT_HALF", "bfloat16": "DT_BFLOAT16", "float32": "DT_FLOAT", "float64": "DT_DOUBLE",
@@ -38,15 +35,6 @@ _DATA_TYPES = {
     "uint8": "DT_UINT8", "uint16": "DT_UINT16", "uint32": "DT_UINT32", "uint64": "DT_UINT64",
     "bool": "DT_BOOL", "complex64": "DT_COMPLEX64", "complex128": "DT_COMPLEX128",
 }
-
-
-def keras_backend(environ: Any = os.environ) -> str:
-    """The Keras backend this process runs: KERAS_BACKEND, else Keras's default, TensorFlow."""
-    return (environ.get(BACKEND_VARIABLE) or "tensorflow").strip().lower()
-
-
-def uses_jax(environ: Any = os.environ) -> bool:
-    return keras_backend(environ) == "jax"
 
 
 def _info(name: str, shape: Any, dtype: Any, *, model: str) -> TensorInfo:

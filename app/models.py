@@ -262,9 +262,9 @@ def _info_from_proto(name: str, proto: Any) -> TensorInfo:
 
 def _keras_servable(keras_model: Any, *, name: str, version: int, source: str, method: str) -> LoadedModel:
     """A Keras model on the backend Keras runs: TensorFlow's tf.function, or JAX's jit (app/jax_model.py)."""
-    from app import jax_model
+    from app import jax_model, runtime
 
-    if jax_model.uses_jax():
+    if runtime.uses_jax():
         return jax_model.from_keras(keras_model, name=name, version=version, source=source, method=method,
                                     name_outputs=output_namer(keras_model))
     return _from_keras(keras_model, name=name, version=version, source=source, method=method)

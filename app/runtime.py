@@ -208,6 +208,19 @@ def cuda_device_count(*, library: str = "libcuda.so.1") -> int:
     return count.value
 
 
+# Keras's own variable: which backend its layers run on, fixed when `keras` is first imported.
+BACKEND_VARIABLE = "KERAS_BACKEND"
+
+
+def keras_backend(environ: Any = os.environ) -> str:
+    """The Keras backend this process runs: KERAS_BACKEND, else Keras's default, TensorFlow."""
+    return (environ.get(BACKEND_VARIABLE) or "tensorflow").strip().lower()
+
+
+def uses_jax(environ: Any = os.environ) -> bool:
+    return keras_backend(environ) == "jax"
+
+
 # JAX's GPU allocator reads these when its GPU client starts (the first JAX op in the process).
 JAX_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 JAX_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
@@ -267,8 +280,6 @@ def configure(settings: Settings, *, workers: int,
     """Size TF's pools to usable CPUs / workers and cap GPU memory: once, before any TF op runs.
     `gpu_total_bytes(ordinal)`: a GPU's total memory, for GPU_MEMORY_FRACTION. With
     KERAS_BACKEND=jax, JAX's allocator instead (configure_jax)."""
-    from app.jax_model import uses_jax
-
     if uses_jax():
         return configure_jax(settings, workers=workers, gpu_total_bytes=gpu_total_bytes)
     tf = import_tensorflow(settings)
@@ -313,8 +324,6 @@ def import_tensorflow(settings: Settings) -> Any:
     None with KERAS_BACKEND=jax where TensorFlow is not installed (a host with JAX's CUDA build
     alone): `.keras` models need no TensorFlow there, and a SavedModel fails its own load.
     """
-    from app.jax_model import uses_jax
-
     if uses_jax() and "tensorflow" not in sys.modules and importlib.util.find_spec("tensorflow") is None:
         return None
     if "tensorflow" not in sys.modules:
