@@ -118,8 +118,12 @@ def post_fork(server, worker):
     worker.catch_early_stops()
     if _settings.model_processes:
         # The models run in the model processes; this worker imports no TensorFlow.
+        from app.runtime import uses_jax
+
         worker.tensorflow = {"model_processes": _settings.model_processes,
                              "model_process_gpus": server.model_processes.gpus}  # CUDA_VISIBLE_DEVICES of each
+        if uses_jax():  # /readyz names the backend the model processes run
+            worker.tensorflow["keras_backend"] = "jax"
         return
     from app import runtime
 

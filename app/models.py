@@ -152,16 +152,22 @@ def build_default_model(
     """
     import keras
 
+    # Weights from numpy's generator, not Keras's seeded initializers: those draw from each
+    # backend's own generator, so TensorFlow and JAX would build two different models.
+    rng = np.random.default_rng(seed)
+    sizes = [features, *[width] * (depth + 1), outputs]
     inputs = keras.Input((features,), name="features")
-    hidden = keras.layers.Dense(width, activation="relu", name="expand",
-                                kernel_initializer=keras.initializers.GlorotUniform(seed=seed))(inputs)
-    for index in range(depth):
-        hidden = keras.layers.Dense(
-            width, activation="relu", name=f"hidden_{index}",
-            kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 1 + index),
-        )(hidden)
-    scores = keras.layers.Dense(outputs, name="scores",
-                                kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 1 + depth))(hidden)
+    layers = [keras.layers.Dense(width, activation="relu", name="expand", kernel_initializer="zeros"),
+              *(keras.layers.Dense(width, activation="relu", name=f"hidden_{index}", kernel_initializer="zeros")
+                for index in range(depth)),
+              keras.layers.Dense(outputs, name="scores", kernel_initializer="zeros")]
+    scores = inputs
+    for layer in layers:
+        scores = layer(scores)
+    for layer, fan_in, fan_out in zip(layers, sizes[:-1], sizes[1:], strict=True):
+        limit = np.float32(np.sqrt(6.0 / (fan_in + fan_out)))  # Glorot uniform
+        kernel = rng.random((fan_in, fan_out), dtype=np.float32) * (2 * limit) - limit
+        layer.set_weights([kernel, np.zeros(fan_out, np.float32)])
     return keras.Model(inputs, scores, name="default")
 
 
@@ -170,7 +176,7 @@ def load_model(path: str | None, *, name: str, method: str = "function", version
     started = time.perf_counter()
     if path is None:
         source = "built-in default model"
-        model = _from_keras(build_default_model(), name=name, version=1, source=source, method=method)
+        model = _keras_servable(build_default_model(), name=name, version=1, source=source, method=method)
     else:
         resolved, version = resolve_version(path, version)
         source = resolved
@@ -183,7 +189,7 @@ def load_model(path: str | None, *, name: str, method: str = "function", version
                 keras_model = keras.models.load_model(resolved, compile=False)
             except Exception as exc:
                 raise ModelLoadError(f"cannot load {resolved}: {type(exc).__name__}: {exc}") from exc
-            model = _from_keras(keras_model, name=name, version=version, source=source, method=method)
+            model = _keras_servable(keras_model, name=name, version=version, source=source, method=method)
         else:
             raise ModelLoadError(
                 f"MODEL_PATH={path!r}: expected a .keras or .h5 file, a SavedModel folder or a folder of versions"
@@ -254,15 +260,19 @@ def _info_from_proto(name: str, proto: Any) -> TensorInfo:
     return _info(name, shape, proto.dtype, tensor_name=proto.name)
 
 
-def _from_keras(keras_model: Any, *, name: str, version: int, source: str, method: str) -> LoadedModel:
-    import tensorflow as tf
+def _keras_servable(keras_model: Any, *, name: str, version: int, source: str, method: str) -> LoadedModel:
+    """A Keras model on the backend Keras runs: TensorFlow's tf.function, or JAX's jit (app/jax_model.py)."""
+    from app import jax_model, runtime
 
-    inputs = [_info(t.name, t.shape, t.dtype) for t in keras_model.inputs]
-    single_input = len(inputs) == 1
+    if runtime.uses_jax():
+        return jax_model.from_keras(keras_model, name=name, version=version, source=source, method=method,
+                                    name_outputs=output_namer(keras_model))
+    return _from_keras(keras_model, name=name, version=version, source=source, method=method)
+
+
+def output_namer(keras_model: Any) -> Callable[[Any], dict[str, Any]]:
+    """Names a Keras model's outputs: a dict's keys, else the model's output names, else output_N."""
     declared_outputs = list(getattr(keras_model, "output_names", None) or [])
-
-    def call(tensors: dict[str, Any]) -> Any:
-        return keras_model(tensors[inputs[0].name] if single_input else tensors, training=False)
 
     def name_outputs(result: Any) -> dict[str, Any]:
         if isinstance(result, Mapping):
@@ -272,6 +282,19 @@ def _from_keras(keras_model: Any, *, name: str, version: int, source: str, metho
                      else [f"output_{i}" for i in range(len(result))])
             return dict(zip(names, result, strict=True))
         return {declared_outputs[0] if len(declared_outputs) == 1 else "output_0": result}
+
+    return name_outputs
+
+
+def _from_keras(keras_model: Any, *, name: str, version: int, source: str, method: str) -> LoadedModel:
+    import tensorflow as tf
+
+    inputs = [_info(t.name, t.shape, t.dtype) for t in keras_model.inputs]
+    single_input = len(inputs) == 1
+    name_outputs = output_namer(keras_model)
+
+    def call(tensors: dict[str, Any]) -> Any:
+        return keras_model(tensors[inputs[0].name] if single_input else tensors, training=False)
 
     signature = [tf.TensorSpec((None, *spec.shape), tf.as_dtype(spec.dtype if spec.dtype != STRING else tf.string),
                                name=spec.name) for spec in inputs]

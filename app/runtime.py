@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
+import importlib.util
 import logging
 import math
 import os
@@ -207,10 +208,80 @@ def cuda_device_count(*, library: str = "libcuda.so.1") -> int:
     return count.value
 
 
+# Keras's own variable: which backend its layers run on, fixed when `keras` is first imported.
+BACKEND_VARIABLE = "KERAS_BACKEND"
+
+
+def keras_backend(environ: Any = os.environ) -> str:
+    """The Keras backend this process runs: KERAS_BACKEND, else Keras's default, TensorFlow."""
+    return (environ.get(BACKEND_VARIABLE) or "tensorflow").strip().lower()
+
+
+def uses_jax(environ: Any = os.environ) -> bool:
+    return keras_backend(environ) == "jax"
+
+
+# JAX's GPU allocator reads these when its GPU client starts (the first JAX op in the process).
+JAX_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
+JAX_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def jax_allocator_env(settings: Settings, *, gpus: int, total_bytes: Callable[[int], int],
+                      environ: Any = os.environ) -> dict[str, str]:
+    """JAX's allocator settings for this process's GPU memory cap, as TensorFlow's are set.
+
+    JAX caps its pool at a fraction of each GPU's memory, never at a size: GPU_MEMORY_FRACTION
+    is that fraction; GPU_MEMORY_LIMIT_MB becomes the fraction it is of the smallest GPU the
+    process sees (rounded down), so no GPU gives it more. With a cap the pool is taken at
+    start, as TensorFlow takes a capped logical device; without one memory grows as needed
+    (TensorFlow's memory growth), unless the environment already says otherwise.
+    """
+    fraction = settings.gpu_memory_fraction
+    if settings.gpu_memory_limit_mb and gpus:
+        smallest = min(total_bytes(ordinal) for ordinal in range(gpus))
+        fraction = min(1.0, settings.gpu_memory_limit_mb * 2**20 / smallest)
+    if fraction:
+        return {JAX_MEM_FRACTION: f"{math.floor(fraction * 10**4) / 10**4:g}", JAX_PREALLOCATE: "true"}
+    return {JAX_PREALLOCATE: environ.get(JAX_PREALLOCATE, "false")}
+
+
+def configure_jax(settings: Settings, *, workers: int, gpu_total_bytes: Callable[[int], int] = cuda_total_memory,
+                  gpu_count: Callable[[], int] = cuda_device_count) -> dict[str, Any]:
+    """KERAS_BACKEND=jax: JAX's allocator capped as GPU_MEMORY_* say, before JAX starts on the GPU.
+
+    JAX has no per-process thread setting to match TensorFlow's pools: on a GPU its host threads
+    only launch work, and XLA's CPU client sizes its pool to the machine (see the manual's JAX
+    page). TensorFlow, where installed, still serves SavedModels beside it, on the CPU only: one
+    allocator per GPU keeps the cap what it says.
+    """
+    gpus = gpu_count()
+    allocator = jax_allocator_env(settings, gpus=gpus, total_bytes=gpu_total_bytes)
+    os.environ.update(allocator)
+    cpus = usable_cpus()
+    configured: dict[str, Any] = {"keras_backend": "jax", "jax_allocator": allocator, "gpus": gpus,
+                                  "workers": workers, "usable_cpus": cpus.count, "usable_cpus_from": cpus.source}
+    tf = import_tensorflow(settings)
+    if tf is not None:
+        share = max(1, cpus.count // max(1, workers))
+        configured["intra_op_threads"] = settings.tf_intra_op_threads or share
+        configured["inter_op_threads"] = settings.tf_inter_op_threads or share
+        tf.config.threading.set_intra_op_parallelism_threads(configured["intra_op_threads"])
+        tf.config.threading.set_inter_op_parallelism_threads(configured["inter_op_threads"])
+        with native_stderr_logged():
+            tf.config.set_visible_devices([], "GPU")
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        configured["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    log.info("keras backend jax configured in pid %d: %s", os.getpid(), configured)
+    return configured
+
+
 def configure(settings: Settings, *, workers: int,
               gpu_total_bytes: Callable[[int], int] = cuda_total_memory) -> dict[str, Any]:
     """Size TF's pools to usable CPUs / workers and cap GPU memory: once, before any TF op runs.
-    `gpu_total_bytes(ordinal)`: a GPU's total memory, for GPU_MEMORY_FRACTION."""
+    `gpu_total_bytes(ordinal)`: a GPU's total memory, for GPU_MEMORY_FRACTION. With
+    KERAS_BACKEND=jax, JAX's allocator instead (configure_jax)."""
+    if uses_jax():
+        return configure_jax(settings, workers=workers, gpu_total_bytes=gpu_total_bytes)
     tf = import_tensorflow(settings)
     cpus = usable_cpus()
     # Each worker's pools get its share of the usable CPUs: N workers with pools as wide
@@ -248,7 +319,13 @@ def configure(settings: Settings, *, workers: int,
 
 
 def import_tensorflow(settings: Settings) -> Any:
-    """`import tensorflow`, its native start-up lines logged (at DEBUG), not printed."""
+    """`import tensorflow`, its native start-up lines logged (at DEBUG), not printed.
+
+    None with KERAS_BACKEND=jax where TensorFlow is not installed (a host with JAX's CUDA build
+    alone): `.keras` models need no TensorFlow there, and a SavedModel fails its own load.
+    """
+    if uses_jax() and "tensorflow" not in sys.modules and importlib.util.find_spec("tensorflow") is None:
+        return None
     if "tensorflow" not in sys.modules:
         if settings.log_level != "DEBUG":
             # Read by TensorFlow's own C++ logging when it loads; an explicit value is kept.

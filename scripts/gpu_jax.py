@@ -1,0 +1,205 @@
+"""The wide model on Keras's JAX backend on one GPU: the model alone, then served under load.
+
+    python -m scripts.gpu_jax --out results/          # on a host with JAX's CUDA build
+
+1. The model alone: app.models' jitted predict (host copies included) at B = 1 .. 256.
+2. Served: MODEL_PROCESSES=1 (one model process holds the GPU), WORKERS workers, REST and v2
+   only (gRPC needs TensorFlow's protos), GPU_MEMORY_LIMIT_MB as the cap. A local generator
+   (processes x threads, one keep-alive connection each, one row per request) runs closed loops
+   at each client count: req/s, p50, p99; rows per predict call from /metrics; the GPU memory
+   nvidia-smi reports against the cap. Answers are checked against the model alone first.
+
+Writes gpu_jax.json under --out and prints a summary. `--small` sizes it for a CPU check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+WIDE = {"features": 1024, "depth": 3, "outputs": 1000}  # 1,024 -> 4 x 4,096 -> 1,000
+SMALL = {"features": 1024, "width": 256, "depth": 3, "outputs": 1000}
+
+
+def check_rows() -> np.ndarray:
+    return np.random.default_rng(0).normal(size=(3, 1024)).astype("float32")
+
+
+def model_alone(path: str, sizes: list[int], budget_s: float, *, small: bool) -> dict:
+    """Build and save the model, then time it: in a process of its own, so that its JAX client
+    (and the GPU memory JAX takes by default) is gone before the server's starts."""
+    from app.models import build_default_model, example_batch, load_model
+
+    build_default_model(**(SMALL if small else WIDE)).save(path)
+    model = load_model(path, name="wide")
+    expected = model.predict({"features": check_rows()})["scores"]
+    rows = []
+    for size in sizes:
+        batch = example_batch(model, size)
+        batch["features"] = np.random.default_rng(size).normal(size=batch["features"].shape).astype("float32")
+        model.predict(batch)  # compiles this size
+        times: list[float] = []
+        until = time.perf_counter() + budget_s
+        while time.perf_counter() < until or len(times) < 5:
+            started = time.perf_counter()
+            model.predict(batch)
+            times.append(time.perf_counter() - started)
+        median = float(np.median(times))
+        rows.append({"batch": size, "calls": len(times), "median_ms": round(median * 1e3, 3),
+                     "rows_per_s": round(size / median)})
+    return {"timings": rows, "check": expected.tolist()}
+
+
+def _client(url: str, body: bytes, until: float, latencies: list[float], errors: list[str]) -> None:
+    host, port = url.split("//")[1].split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    headers = {"Content-Type": "application/json"}
+    while time.perf_counter() < until:
+        started = time.perf_counter()
+        try:
+            connection.request("POST", "/v1/models/wide:predict", body, headers)
+            answer = connection.getresponse()
+            answer.read()
+            if answer.status != 200:
+                errors.append(str(answer.status))
+                continue
+        except (OSError, http.client.HTTPException) as exc:
+            errors.append(type(exc).__name__)
+            connection = http.client.HTTPConnection(host, int(port), timeout=60)
+            continue
+        latencies.append(time.perf_counter() - started)
+
+
+def _generator_process(args: tuple) -> tuple[list[float], list[str]]:
+    url, body, threads, until = args
+    latencies: list[float] = []
+    errors: list[str] = []
+    workers = [threading.Thread(target=_client, args=(url, body, until, latencies, errors)) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return latencies, errors
+
+
+def load(url: str, body: bytes, clients: int, seconds: float, processes: int) -> dict:
+    shares = [clients // processes + (index < clients % processes) for index in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        pool.map(abs, range(processes))  # started and imported before the clock runs
+        until = time.perf_counter() + seconds  # CLOCK_MONOTONIC: one clock for every process
+        parts = pool.map(_generator_process, [(url, body, share, until) for share in shares if share])
+    latencies = np.array([value for part, _ in parts for value in part])
+    errors = [error for _, part in parts for error in part]
+    return {"clients": clients, "seconds": seconds, "requests": len(latencies), "errors": len(errors),
+            "req_per_s": round(len(latencies) / seconds, 1),
+            "p50_ms": round(float(np.percentile(latencies, 50)) * 1e3, 2) if len(latencies) else None,
+            "p99_ms": round(float(np.percentile(latencies, 99)) * 1e3, 2) if len(latencies) else None}
+
+
+def predict_calls(url: str) -> float:
+    """The model's predict calls so far: the count of the server's rows-per-call histogram."""
+    import requests
+
+    text = requests.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("model_server_batch_size_rows_count") and 'model="wide"' in line)
+
+
+def gpu_memory() -> dict:
+    query = ["nvidia-smi", "--query-gpu=name,memory.used,memory.total", "--format=csv,noheader,nounits"]
+    apps = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+    try:
+        name, used, total = subprocess.run(query, capture_output=True, text=True, check=True).stdout.split(",")
+        per_process = subprocess.run(apps, capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return {}
+    return {"gpu": name.strip(), "used_mib": int(used), "total_mib": int(total), "processes_mib": per_process}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-jax-results")))
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--clients", default="32,128,256")
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--cap-mb", default="8192")
+    parser.add_argument("--max-batch", default="128")
+    parser.add_argument("--small", action="store_true", help="a narrow model and short runs: a CPU check")
+    parser.add_argument("--alone", help=argparse.SUPPRESS)  # the model-alone child: its model's path
+    args = parser.parse_args()
+    os.environ["KERAS_BACKEND"] = "jax"
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    if args.alone:
+        print(json.dumps(model_alone(args.alone, sizes, 0.3 if args.small else 1.0, small=args.small)))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = str(Path(tempfile.mkdtemp(prefix="gpu-jax-")) / "wide.keras")
+    results: dict = {"model": "small" if args.small else "wide", "idle": gpu_memory()}
+    child = subprocess.run([sys.executable, "-m", "scripts.gpu_jax", "--alone", path, *(["--small"] * args.small)],
+                           cwd=REPO, capture_output=True, text=True)
+    if child.returncode:
+        sys.exit(f"the model alone failed:\n{child.stderr[-4000:]}")
+    alone = json.loads(child.stdout.strip().splitlines()[-1])
+    results["alone"], expected = alone["timings"], np.array(alone["check"], dtype=np.float32)
+
+    sys.path.insert(0, str(REPO))
+    from scripts.live_server import LiveServer
+
+    env = {"MODEL_PATH": path, "MODEL_NAME": "wide", "MODEL_PROCESSES": "1", "GRPC_BIND": "",
+           "GPU_MEMORY_LIMIT_MB": args.cap_mb, "MAX_BATCH_SIZE": args.max_batch, "MAX_QUEUE_ROWS": "1024",
+           "ACCESS_LOG": "false", "KERAS_BACKEND": "jax"}
+    server = LiveServer(args.out, env, log_name="server.log")
+    started = time.perf_counter()
+    server.start(workers=args.workers, ready_within_s=300)
+    results["server"] = {**env, "workers": args.workers, "ready_s": round(time.perf_counter() - started, 1)}
+    try:
+        import requests
+
+        rows = check_rows()
+        rest = requests.post(server.url + "/v1/models/wide:predict", json={"instances": rows.tolist()}, timeout=60)
+        v2 = requests.post(server.url + "/v2/models/wide/infer", timeout=60, json={"inputs": [
+            {"name": "features", "shape": [3, 1024], "datatype": "FP32", "data": rows.ravel().tolist()}]})
+        served = np.array(rest.json()["predictions"], dtype=np.float32)
+        from_v2 = np.array(v2.json()["outputs"][0]["data"], dtype=np.float32).reshape(served.shape)
+        results["readyz"] = requests.get(server.url + "/readyz", timeout=30).json().get("tensorflow")
+        results["check"] = {"rest_status": rest.status_code, "v2_status": v2.status_code,
+                            "rest_equals_v2": bool(np.array_equal(served, from_v2)),
+                            "max_abs_diff_to_alone": float(np.abs(served - expected).max())}
+        body = json.dumps({"instances": rows[:1].tolist()}).encode()
+        results["load"] = []
+        for clients in [int(count) for count in args.clients.split(",")]:
+            before = predict_calls(server.url)
+            level = load(server.url, body, clients, args.seconds, min(8, clients))
+            calls = predict_calls(server.url) - before
+            level["rows_per_call"] = round(level["requests"] / calls, 2) if calls else None
+            level["gpu"] = gpu_memory()
+            results["load"].append(level)
+            print(json.dumps(level), flush=True)
+    finally:
+        server.stop()
+    (args.out / "gpu_jax.json").write_text(json.dumps(results, indent=1))
+    print("model alone (B, ms, rows/s):", [(row["batch"], row["median_ms"], row["rows_per_s"])
+                                           for row in results["alone"]])
+    print("check:", results["check"], "readyz:", results["readyz"])
+    print(*[line for line in server.log().splitlines() if "configured in pid" in line or "JAX backend" in line],
+          sep="\n")
+    for level in results["load"]:
+        print(f"{level['clients']:>4} clients: {level['req_per_s']} req/s, p50 {level['p50_ms']} ms, "
+              f"p99 {level['p99_ms']} ms, {level['rows_per_call']} rows/call, errors {level['errors']}, "
+              f"gpu {level['gpu'].get('used_mib')}/{level['gpu'].get('total_mib')} MiB (cap {args.cap_mb})")
+
+
+if __name__ == "__main__":
+    main()
