@@ -167,9 +167,9 @@ def handle_serving_error(exc: ServingError) -> Response:
 # fits neither is "Malformed request" (400), one that fits but names nothing is 404.
 _V1_PATH = re.compile(r"(?i)/v1/.*")
 _V1_PREDICT = re.compile(
-    r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)")
+    r"(?i)/v1/models/([^/:]+)(?:(?:/versions/([0-9]+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)")
 _V1_STATUS = re.compile(
-    r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?(?:\/(metadata))?")
+    r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/([0-9]+))|(?:/labels/([^/:]+)))?(?:\/(metadata))?")
 
 
 def handle_http_error(exc: HTTPException) -> Response:

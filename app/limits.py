@@ -182,10 +182,8 @@ class BodyLimits:
 
 def _content_length(environ: dict[str, Any]) -> int:
     # The WSGI server has checked the header's syntax (Gunicorn answers 400 otherwise).
-    try:
-        return max(int(environ.get("CONTENT_LENGTH") or 0), 0)
-    except ValueError:
-        return 0
+    text = environ.get("CONTENT_LENGTH") or "0"
+    return int(text) if text.isascii() and text.isdigit() else 0
 
 
 def _read_exactly(stream: Any, length: int) -> bytes:

@@ -128,7 +128,9 @@ def _split(data: bytes, header_length: str | None) -> tuple[dict[str, Any], memo
     if header_length is None:
         length = len(data)
     else:
-        if not header_length.strip().isdigit() or int(header_length) > len(data):
+        text = header_length.strip()
+        # ASCII digits only: isdigit() also takes '²', which int() then refuses.
+        if not (text.isascii() and text.isdigit()) or int(text) > len(data):
             raise BadRequest(f"{HEADER_LENGTH} must be a number of bytes within the body's {len(data)}; "
                              f"got {header_length!r}")
         length = int(header_length)

@@ -335,6 +335,9 @@ BAD_REQUESTS = {
     "no inputs": ("/v2/models/exact/infer", b"{}", None, 400, "'inputs' must be a JSON array"),
     "header length not a number": ("/v2/models/exact/infer", *framed(features(), b"", length="ten"), 400,
                                    "Inference-Header-Content-Length must be a number of bytes"),
+    "header length in Unicode digits": ("/v2/models/exact/infer", *framed(features(), b"", length="²"), 400,
+                                        "Inference-Header-Content-Length must be a number of bytes within the "
+                                        "body's 93; got '²'"),
     "header length past the body": ("/v2/models/exact/infer", *framed(features(), b"", length="9999"), 400,
                                     "Inference-Header-Content-Length must be a number of bytes within"),
     "binary size past the body": ("/v2/models/exact/infer",
