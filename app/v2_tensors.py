@@ -45,6 +45,9 @@ _NAMES = {dtype: name for name, dtype in DATATYPES.items()}
 # The JSON values each kind of datatype takes (V: bfloat16).
 _JSON_TYPES = {"b": (bool,), "i": (int,), "u": (int,), "f": (int, float), "V": (int, float)}
 _LENGTH = struct.Struct("<I")
+# The request parameters both front doors read, refused in the same words when mistyped.
+SIGNATURE_NAME_ERROR = "the parameter 'signature_name' must be a string"
+TIMEOUT_ERROR = "the parameter 'timeout' is microseconds, a whole number of 0 or more"
 
 
 def model_spec(name: str, version: str | None) -> ModelSpec:
