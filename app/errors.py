@@ -3,6 +3,7 @@
     ServingError (500)
     ├── BadRequest (400)
     │   ├── InvalidInput (400)          body parsed, but not what the model takes
+    │   ├── UnsupportedEncoding (415)   a Content-Encoding the server does not decode
     │   └── SignatureNotFound (400)     gRPC answers it FAILED_PRECONDITION, as TF Serving
     ├── NotFound (404)
     ├── MethodNotAllowed (405)
@@ -65,6 +66,11 @@ class BadRequest(ServingError):
 
 class InvalidInput(BadRequest):
     reason = "invalid_input"
+
+
+class UnsupportedEncoding(BadRequest):
+    status_code = 415
+    reason = "unsupported_encoding"
 
 
 class SignatureNotFound(BadRequest):

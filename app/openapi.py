@@ -26,6 +26,7 @@ _ERRORS = {
     404: "Unknown route, model or version.",
     405: "Wrong method for this path; 'Allow' lists the right ones.",
     413: "Body over MAX_REQUEST_BYTES, or more rows in one request than MAX_REQUEST_ROWS.",
+    415: "A Content-Encoding other than identity: bodies are read uncompressed.",
     500: "The model raised; the message names the exception's class.",
     503: "Overloaded (queue full), shutting down, or the batch thread died; retry after 'Retry-After' seconds.",
     504: "The deadline (REQUEST_TIMEOUT_MS) passed before the result.",
@@ -36,9 +37,11 @@ _HEADERS = {
     503: {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}},
 }
 
+# MODEL_NAME_PATTERN is matched whole (fullmatch); an OpenAPI pattern matches anywhere unless anchored.
+_NAME_PATTERN = f"^{MODEL_NAME_PATTERN.pattern}$"
 _NAME = {
     "name": "name", "in": "path", "required": True, "description": "The model's name.",
-    "schema": {"type": "string", "pattern": MODEL_NAME_PATTERN.pattern},
+    "schema": {"type": "string", "pattern": _NAME_PATTERN},
 }
 _VERSION = {
     "name": "version", "in": "path", "required": True, "description": "The model's version number.",
@@ -47,10 +50,15 @@ _VERSION = {
 
 _LABEL = {
     "name": "label", "in": "path", "required": True, "description": "A version label of MODEL_CONFIG's version_labels.",
-    "schema": {"type": "string", "pattern": MODEL_NAME_PATTERN.pattern},
+    "schema": {"type": "string", "pattern": _NAME_PATTERN},
+}
+_V2_VERSION = {
+    "name": "version", "in": "path", "required": True,
+    "description": "A version number, or (any other text) a version label.",
+    "schema": {"type": "string", "pattern": "^[^/]+$"},
 }
 
-_PREDICT_ERRORS = (400, 404, 405, 413, 500, 503, 504)
+_PREDICT_ERRORS = (400, 404, 405, 413, 415, 500, 503, 504)
 _GET_ERRORS = (400, 404, 405)
 
 

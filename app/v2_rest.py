@@ -88,19 +88,23 @@ def infer(name: str, version: str | None = None) -> Response:
     servable = layer.model(spec, record)
     body, tensors = _split(limits.body(), request.headers.get(HEADER_LENGTH))
     parameters = _parameters(body, "the request")
-    signature = layer.predict_signature(servable, _text(parameters.get("signature_name", ""), "signature_name"))
+    request_id = _text(body["id"], "id") if "id" in body else None
+    every_binary = _flag(parameters.get("binary_data_output", False), "the parameter 'binary_data_output'")
+    signature_name = parameters.get("signature_name", "")
+    if not isinstance(signature_name, str):
+        raise BadRequest(v2_tensors.SIGNATURE_NAME_ERROR)
+    signature = layer.predict_signature(servable, signature_name)
     wanted = _requested_outputs(body)
     outputs = layer.select_outputs(signature, [output_name for output_name, _ in wanted])
     inputs = v2_tensors.decode_inputs(_inputs(body, tensors), signature, max_rows=layer.row_limit(servable))
     answer = layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
                            client_timeout_s=_timeout_s(parameters),
                            client_gone=socket_client_gone(request.environ.get("gunicorn.socket")))
-    every_binary = parameters.get("binary_data_output") is True
     binary = {output_name: every_binary if choice is None else choice for output_name, choice in wanted}
     header: dict[str, Any] = {"model_name": answer.servable.model.name,
                               "model_version": str(answer.servable.model.version)}
-    if "id" in body:
-        header["id"] = body["id"]
+    if request_id is not None:
+        header["id"] = request_id
     header["outputs"], chunks = [], []
     for output in outputs:
         array = v2_tensors.output_array(answer.outputs[output.name], output)
@@ -156,12 +160,19 @@ def _text(value: Any, where: str) -> str:
     return value
 
 
+def _flag(value: Any, where: str) -> bool:
+    # A JSON boolean only: "yes" or 1 ignored would answer in a form the client did not ask for.
+    if not isinstance(value, bool):
+        raise BadRequest(f"{where} must be true or false")
+    return value
+
+
 def _timeout_s(parameters: dict[str, Any]) -> float | None:
     timeout = parameters.get("timeout")
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
-        raise BadRequest("the parameter 'timeout' is microseconds, a whole number")
+        raise BadRequest(v2_tensors.TIMEOUT_ERROR)
     return timeout / 1e6
 
 
@@ -179,7 +190,9 @@ def _requested_outputs(body: dict[str, Any]) -> list[tuple[str, bool | None]]:
         if parameters.get("classification"):
             raise BadRequest(f"{where}: the classification extension is not supported")
         binary = parameters.get("binary_data")
-        wanted.append((_text(output.get("name"), f"{where}.name"), binary if isinstance(binary, bool) else None))
+        if binary is not None:
+            binary = _flag(binary, f"{where}.parameters.binary_data")
+        wanted.append((_text(output.get("name"), f"{where}.name"), binary))
     return wanted
 
 
