@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 
-from app import limits, logs, v2_tensors
+from app import codec, limits, logs, v2_tensors
 from app.errors import BadRequest, Unavailable
 from app.serving import Answer, get_layer, socket_client_gone
 
@@ -137,11 +137,8 @@ def _split(data: bytes, header_length: str | None) -> tuple[dict[str, Any], memo
         if not (text.isascii() and text.isdigit()) or int(text) > len(data):
             raise BadRequest(f"{HEADER_LENGTH} must be a number of bytes within the body's {len(data)}; "
                              f"got {header_length!r}")
-        length = int(header_length)
-    try:
-        body = orjson.loads(memoryview(data)[:length])
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"malformed JSON: {exc}") from None
+        length = int(text)
+    body = codec.loads(memoryview(data)[:length])
     if not isinstance(body, dict):
         raise BadRequest("the request must be a JSON object with 'inputs'")
     return body, memoryview(data)[length:]

@@ -23,6 +23,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from app import codec
 from app.errors import InvalidInput
 from app.models import STRING, LoadedModel, Signature, TensorInfo
 from app.serving import ModelSpec, braced, check_rows
@@ -223,10 +224,15 @@ def to_bytes(array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
 
 
-def to_json(array: np.ndarray, name: str) -> list[Any]:
-    """An output's values, flat, row-major; BYTES as text (binary data carries any other bytes)."""
+def to_json(array: np.ndarray, name: str) -> Any:
+    """An output's values, flat, row-major; BYTES as text (binary data carries any other bytes);
+    NaN and infinities as the tokens NaN, Infinity and -Infinity, as Triton writes them."""
     if array.dtype != STRING:
-        return array.ravel().tolist()
+        flat = array.ravel()
+        # As float64, every float datatype (BF16 too) writes as tolist() would write it.
+        if flat.dtype.kind in "fV" and (fragment := codec.non_finite_fragment(flat.astype(np.float64))) is not None:
+            return fragment
+        return flat.tolist()
     try:
         return [item.decode() if isinstance(item, bytes) else str(item) for item in array.flat]
     except UnicodeDecodeError:
