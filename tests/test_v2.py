@@ -50,7 +50,7 @@ def save_dtype_echo(path) -> None:
         @tf.function(input_signature=[tf.TensorSpec([None, 2], tf_types[name], name=f"in_{name.lower()}")
                                       for name in names])
         def serve(self, *tensors):
-            return {f"out_{name.lower()}": tf.identity(tensor) for name, tensor in zip(names, tensors)}
+            return {f"out_{name.lower()}": tf.identity(tensor) for name, tensor in zip(names, tensors, strict=True)}
 
     module = Echo()
     tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})
