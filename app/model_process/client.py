@@ -73,7 +73,7 @@ class HangUps:
         self._link = link
         self._epoll = select.epoll()
         self._lock = threading.Lock()
-        self._watched: dict[int, int] = {}  # socket fd: the request id it waits for
+        self._watched: dict[int, tuple[int, Callable[[], bool]]] = {}  # socket fd: (request id, client_gone)
         threading.Thread(target=self._run, name="client-hang-ups", daemon=True).start()
 
     def watch(self, client_gone: Callable[[], bool], request_id: int) -> Callable[[], None]:
@@ -82,7 +82,7 @@ class HangUps:
         if sock is not None:
             fd = sock.fileno()
             with self._lock:
-                self._watched[fd] = request_id
+                self._watched[fd] = (request_id, client_gone)
                 # Level-triggered: a client gone before this line is reported at once.
                 self._epoll.register(fd, select.EPOLLRDHUP)
             return lambda: self._unwatch(fd)
@@ -108,11 +108,14 @@ class HangUps:
         while True:
             for fd, _events in self._epoll.poll():
                 with self._lock:
-                    request_id = self._watched.pop(fd, None)
-                    if request_id is not None:
-                        self._epoll.unregister(fd)
-                if request_id is not None:
-                    self._link.cancel(request_id)
+                    watched = self._watched.get(fd)
+                    # Asked again: an event read just before its request ended may name an fd
+                    # that another connection's request has taken since.
+                    if watched is None or not watched[1]():
+                        continue
+                    del self._watched[fd]
+                    self._epoll.unregister(fd)
+                self._link.cancel(watched[0])
 
 
 class RemoteBatcher:
