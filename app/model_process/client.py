@@ -162,10 +162,18 @@ class RemoteBatcher:
             raise concurrent.futures.CancelledError()
         header = {"op": "predict", "model": self.model, "version": self.version, "signature": self.signature,
                   "pinned": _PINNED.get(), "timeout_s": timeout_s}
+        if trace is not None:  # only with tracing on, so the import costs nothing otherwise
+            from app import tracing
+
+            header["trace"] = tracing.frame_fields(trace)
         request_id, future = self.link.send_request(header, inputs)
         unwatch = self.hang_ups.watch(client_gone, request_id) if client_gone is not None else None
         try:
-            return batch_result(future.result(timeout=timeout_s))
+            answer = future.result(timeout=timeout_s)
+            if trace is not None:
+                # The start of the model process's predict call: where the queue-wait span ends.
+                trace.predict_started_ns = answer[0].get("predict_started_ns")
+            return batch_result(answer)
         except concurrent.futures.TimeoutError:
             # The model process drops the rows at the same deadline, if they have not run.
             raise DeadlineExceeded(f"no result from model '{self.name}' within {timeout_s * 1000:.0f} ms") from None

@@ -150,7 +150,12 @@ class WorkerConnection:
             batcher = servable.batchers[servable.signature(header["signature"]).name]
             # In before the submit: its answer may come before the next line.
             left = self._left[request_id] = threading.Event()
-            future = batcher.submit(inputs, timeout_s=header["timeout_s"], client_gone=left.is_set)
+            trace = None
+            if "trace" in header:  # sent only with tracing on
+                from app import tracing
+
+                trace = tracing.LinkedTrace(header["trace"])
+            future = batcher.submit(inputs, timeout_s=header["timeout_s"], client_gone=left.is_set, trace=trace)
             if header.get("flush"):
                 batcher.flush()  # from a stopping worker: it waits for no company
         except Exception as exc:
@@ -158,7 +163,7 @@ class WorkerConnection:
             servable.leave()
             self._error(request_id, exc)
             return
-        future.add_done_callback(lambda done: self._answer(request_id, servable, done))
+        future.add_done_callback(lambda done: self._answer(request_id, servable, done, trace))
 
     def _cancel(self, header: dict[str, Any], _payload: bytes) -> None:
         """The worker saw the request's client leave; no answer but the request's own."""
@@ -188,7 +193,8 @@ class WorkerConnection:
             raise NotFound(registry.servable_not_found(name, None))
         return servable
 
-    def _answer(self, request_id: int, servable: Servable, future: concurrent.futures.Future[BatchResult]) -> None:
+    def _answer(self, request_id: int, servable: Servable, future: concurrent.futures.Future[BatchResult],
+                trace: Any = None) -> None:
         servable.leave()
         self._left.pop(request_id, None)
         try:
@@ -207,7 +213,8 @@ class WorkerConnection:
             self._error(request_id, exc)
             return
         self.send({"op": "result", "id": request_id, "version": servable.model.version, "outputs": outputs,
-                   "batch_rows": result.batch_rows, "batch_requests": result.batch_requests}, box.payload)
+                   "batch_rows": result.batch_rows, "batch_requests": result.batch_requests,
+                   **({"predict_started_ns": trace.predict_started_ns} if trace is not None else {})}, box.payload)
 
     def _error(self, request_id: int | None, exc: BaseException) -> None:
         error = exc if isinstance(exc, ServingError) else PredictFailed.from_exception(exc)
