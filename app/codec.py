@@ -313,7 +313,8 @@ def _to_number_array(value: list[Any], spec: TensorInfo, where: str, booleans: b
         raise InvalidInput(f"{where}: input '{spec.name}' takes true/false values ({spec.tf_dtype})")
     if kind not in "biuf":
         raise InvalidInput(_describe_bad_rows(value, spec, where))
-    if spec.dtype.kind in "iu" and kind == "f":
+    # An empty list reads as float64 and holds nothing fractional: it is refused, if at all, for its shape.
+    if spec.dtype.kind in "iu" and kind == "f" and raw.size:
         what = "a fractional number" if np.isfinite(raw).all() else "NaN or Infinity"
         raise InvalidInput(f"{where}: input '{spec.name}' takes integers ({spec.tf_dtype}); got {what}")
     if spec.dtype.kind in "iu" and raw.size:

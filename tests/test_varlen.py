@@ -330,8 +330,10 @@ def test_live_server_batches_mixed_lengths_and_answers_each_as_if_alone(start_se
         # Empty sequences in the same window as the others (BATCH_TIMEOUT_MS), and alone after.
         empties = [pool.submit(ask_empty, rows) for rows in (1, 2)]
         answers = list(pool.map(ask, enumerate(lengths)))
-    for rows, refused in zip((1, 2, 1, 2), [future.result() for future in empties] + [ask_empty(1), ask_empty(2)],
-                             strict=True):
+    # TF Serving's REST API too (which answers "got a fractional number" for [[]]).
+    tf_serving = requests.post(server.url + "/v1/models/default:predict", json={"instances": [[]]}, timeout=60)
+    for rows, refused in zip((1, 2, 1, 2, 1), [future.result() for future in empties] + [ask_empty(1), ask_empty(2),
+                                                                                        tf_serving], strict=True):
         assert refused.status_code == 400, refused.text
         assert refused.json() == {"error": f"input 'tokens' has shape [{rows}, 0]: its dimension 1 is "
                                            "variable-length and must hold at least one element"}
