@@ -11,6 +11,7 @@ import concurrent.futures
 import logging
 import threading
 
+import grpc
 import numpy as np
 import pytest
 import requests
@@ -330,6 +331,15 @@ def test_live_server_batches_mixed_lengths_and_answers_each_as_if_alone(start_se
         # Empty sequences in the same window as the others (BATCH_TIMEOUT_MS), and alone after.
         empties = [pool.submit(ask_empty, rows) for rows in (1, 2)]
         answers = list(pool.map(ask, enumerate(lengths)))
+    # Over gRPC (v2) as INVALID_ARGUMENT, in the same words.
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    request = service_pb2.ModelInferRequest(model_name="default", raw_input_contents=[b""])
+    request.inputs.add(name="tokens", datatype="INT32", shape=[2, 0])
+    with grpc.insecure_channel(server.grpc_target) as channel, pytest.raises(grpc.RpcError) as raised:
+        service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+    assert (raised.value.code(), raised.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, (
+        "input 'tokens' has shape [2, 0]: its dimension 1 is variable-length and must hold at least one element"))
     # TF Serving's REST API too (which answers "got a fractional number" for [[]]).
     tf_serving = requests.post(server.url + "/v1/models/default:predict", json={"instances": [[]]}, timeout=60)
     for rows, refused in zip((1, 2, 1, 2, 1), [future.result() for future in empties] + [ask_empty(1), ask_empty(2),
