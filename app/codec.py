@@ -63,13 +63,19 @@ class TensorSpecs(Protocol):
 def parse_json(body: bytes) -> Any:
     if not body:
         raise BadRequest("the request body is empty; send a JSON object with 'instances' or 'inputs'")
+    return loads(body)
+
+
+def loads(body: bytes | memoryview) -> Any:
+    """A JSON document that may hold NaN, Infinity and -Infinity; 400 if it is not JSON."""
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        body = bytes(body)
         if b"NaN" not in body and b"Infinity" not in body:
             raise BadRequest(f"malformed JSON: {exc}") from None
-    # orjson keeps to RFC 8259; TF Serving's parser (rapidjson, kParseNanAndInfFlag) also
-    # reads NaN, Infinity and -Infinity. Python's json does too, more slowly: only for such bodies.
+    # orjson keeps to RFC 8259; TF Serving's and Triton's parser (rapidjson, kParseNanAndInfFlag)
+    # also read NaN, Infinity and -Infinity. Python's json does too, more slowly: only for such bodies.
     try:
         document = json.loads(body.decode(), parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -307,7 +313,8 @@ def _to_number_array(value: list[Any], spec: TensorInfo, where: str, booleans: b
         raise InvalidInput(f"{where}: input '{spec.name}' takes true/false values ({spec.tf_dtype})")
     if kind not in "biuf":
         raise InvalidInput(_describe_bad_rows(value, spec, where))
-    if spec.dtype.kind in "iu" and kind == "f":
+    # An empty list reads as float64 and holds nothing fractional: it is refused, if at all, for its shape.
+    if spec.dtype.kind in "iu" and kind == "f" and raw.size:
         what = "a fractional number" if np.isfinite(raw).all() else "NaN or Infinity"
         raise InvalidInput(f"{where}: input '{spec.name}' takes integers ({spec.tf_dtype}); got {what}")
     if spec.dtype.kind in "iu" and raw.size:
@@ -455,14 +462,22 @@ def _jsonable(array: np.ndarray, name: str) -> Any:
     if array.dtype.kind == "f" and array.dtype.itemsize < 4:
         array = array.astype(np.float32)
     if array.dtype.kind == "f":
-        finite = np.isfinite(array)
-        if not finite.all():
-            return orjson.Fragment(_non_finite_json(array, finite))
+        fragment = non_finite_fragment(array)
+        if fragment is not None:
+            return fragment
     if array.ndim == 0:
         return array[()]  # a numpy scalar: orjson writes float32 0.1 as 0.1, where float() would not
     # orjson writes numpy arrays natively (each float in its shortest exact form for its
     # width), but only native-endian C-contiguous ones.
     return np.ascontiguousarray(array)
+
+
+def non_finite_fragment(array: np.ndarray) -> orjson.Fragment | None:
+    """A float array's JSON where it holds NaN or an infinity (None where it does not), written
+    as TF Serving and Triton write them (rapidjson, kWriteNanAndInfFlag): orjson alone would
+    write null, an answer the model never gave."""
+    finite = np.isfinite(array)
+    return None if finite.all() else orjson.Fragment(_non_finite_json(array, finite))
 
 
 def _non_finite_json(array: np.ndarray, finite: np.ndarray) -> bytes:

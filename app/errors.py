@@ -3,6 +3,7 @@
     ServingError (500)
     ├── BadRequest (400)
     │   ├── InvalidInput (400)          body parsed, but not what the model takes
+    │   ├── UnsupportedEncoding (415)   a Content-Encoding the server does not decode
     │   └── SignatureNotFound (400)     gRPC answers it FAILED_PRECONDITION, as TF Serving
     ├── NotFound (404)
     ├── MethodNotAllowed (405)
@@ -65,6 +66,11 @@ class BadRequest(ServingError):
 
 class InvalidInput(BadRequest):
     reason = "invalid_input"
+
+
+class UnsupportedEncoding(BadRequest):
+    status_code = 415
+    reason = "unsupported_encoding"
 
 
 class SignatureNotFound(BadRequest):
@@ -167,9 +173,9 @@ def handle_serving_error(exc: ServingError) -> Response:
 # fits neither is "Malformed request" (400), one that fits but names nothing is 404.
 _V1_PATH = re.compile(r"(?i)/v1/.*")
 _V1_PREDICT = re.compile(
-    r"(?i)/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)")
+    r"(?i)/v1/models/([^/:]+)(?:(?:/versions/([0-9]+))|(?:/labels/([^/:]+)))?:(classify|regress|predict)")
 _V1_STATUS = re.compile(
-    r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?(?:\/(metadata))?")
+    r"(?i)/v1/models(?:/([^/:]+))?(?:(?:/versions/([0-9]+))|(?:/labels/([^/:]+)))?(?:\/(metadata))?")
 
 
 def handle_http_error(exc: HTTPException) -> Response:

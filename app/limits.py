@@ -32,7 +32,7 @@ from typing import Any
 
 from flask import Flask, request
 
-from app.errors import BadRequest, PayloadTooLarge, ServingError, Unavailable
+from app.errors import BadRequest, PayloadTooLarge, ServingError, Unavailable, UnsupportedEncoding
 from app.models import STRING, LoadedModel, Signature
 from app.registry import ModelRegistry
 from app.settings import Settings
@@ -182,10 +182,8 @@ class BodyLimits:
 
 def _content_length(environ: dict[str, Any]) -> int:
     # The WSGI server has checked the header's syntax (Gunicorn answers 400 otherwise).
-    try:
-        return max(int(environ.get("CONTENT_LENGTH") or 0), 0)
-    except ValueError:
-        return 0
+    text = environ.get("CONTENT_LENGTH") or "0"
+    return int(text) if text.isascii() and text.isdigit() else 0
 
 
 def _read_exactly(stream: Any, length: int) -> bytes:
@@ -248,6 +246,11 @@ def _framing_message(exc: BaseException) -> str:
 
 def body() -> bytes:
     """The current request's body: what BodyLimits read, or (no layer, no length) Werkzeug's reading."""
+    encoding = request.headers.get("Content-Encoding", "").strip()
+    if encoding.lower() not in ("", "identity"):
+        # Read as it is, a compressed body would fail as malformed JSON, and an uncompressed one
+        # labelled so would be served: neither says what the server does not do.
+        raise UnsupportedEncoding(f"Content-Encoding {encoding!r} is not supported: send the body uncompressed")
     read = request.environ.get(BODY_KEY)
     return read if read is not None else request.get_data(cache=False)
 

@@ -3,11 +3,13 @@
 Werkzeug's '/v1/models/<model_name:name>:predict' is the literal OpenAPI path
 '/v1/models/{name}:predict': the name pattern stops at ':'. Every error answers
 {"error": "..."} with one of the statuses listed for its route (the README's error table);
-tests/test_fuzz.py holds a live server to this document.
+init_app checks the document against the routes the app serves; tests/test_fuzz.py holds a live
+server to it.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -26,6 +28,7 @@ _ERRORS = {
     404: "Unknown route, model or version.",
     405: "Wrong method for this path; 'Allow' lists the right ones.",
     413: "Body over MAX_REQUEST_BYTES, or more rows in one request than MAX_REQUEST_ROWS.",
+    415: "A Content-Encoding other than identity: bodies are read uncompressed.",
     500: "The model raised; the message names the exception's class.",
     503: "Overloaded (queue full), shutting down, or the batch thread died; retry after 'Retry-After' seconds.",
     504: "The deadline (REQUEST_TIMEOUT_MS) passed before the result.",
@@ -36,9 +39,11 @@ _HEADERS = {
     503: {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}},
 }
 
+# MODEL_NAME_PATTERN is matched whole (fullmatch); an OpenAPI pattern matches anywhere unless anchored.
+_NAME_PATTERN = f"^{MODEL_NAME_PATTERN.pattern}$"
 _NAME = {
     "name": "name", "in": "path", "required": True, "description": "The model's name.",
-    "schema": {"type": "string", "pattern": MODEL_NAME_PATTERN.pattern},
+    "schema": {"type": "string", "pattern": _NAME_PATTERN},
 }
 _VERSION = {
     "name": "version", "in": "path", "required": True, "description": "The model's version number.",
@@ -47,10 +52,15 @@ _VERSION = {
 
 _LABEL = {
     "name": "label", "in": "path", "required": True, "description": "A version label of MODEL_CONFIG's version_labels.",
-    "schema": {"type": "string", "pattern": MODEL_NAME_PATTERN.pattern},
+    "schema": {"type": "string", "pattern": _NAME_PATTERN},
+}
+_V2_VERSION = {
+    "name": "version", "in": "path", "required": True,
+    "description": "A version number, or (any other text) a version label.",
+    "schema": {"type": "string", "pattern": "^[^/]+$"},
 }
 
-_PREDICT_ERRORS = (400, 404, 405, 413, 500, 503, 504)
+_PREDICT_ERRORS = (400, 404, 405, 413, 415, 500, 503, 504)
 _GET_ERRORS = (400, 404, 405)
 
 
@@ -136,7 +146,85 @@ def _version_paths() -> dict[str, Any]:
     return paths
 
 
+def _v2_paths() -> dict[str, Any]:
+    """The Open Inference Protocol (KServe v2) routes of app/v2_rest.py."""
+    infer_ok = {
+        "description": "The outputs: JSON, or with binary outputs a JSON header (its length in "
+                       "Inference-Header-Content-Length) followed by their bytes.",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/V2InferResponse"}},
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+    header_length = {
+        "name": "Inference-Header-Content-Length", "in": "header", "required": False,
+        "description": "Binary tensor data: the length of the JSON request at the body's start.",
+        "schema": {"type": "integer", "minimum": 0},
+    }
+    signature = {"name": "signature_name", "in": "query", "required": False,
+                 "description": "A signature of the model; absent: 'serving_default'.", "schema": {"type": "string"}}
+    metadata_ok = _json_ok("The model's versions and its signature's inputs and outputs, with v2 datatypes.",
+                           {"$ref": "#/components/schemas/V2ModelMetadata"})
+    ready_ok = _json_ok("The model can serve.", {"type": "object", "required": ["ready"]})
+    paths: dict[str, Any] = {
+        "/v2": {"get": _operation("Server metadata: name, version and extensions.", _json_ok(
+            "The server.", {"type": "object", "required": ["name", "version", "extensions"]}), (405,))},
+        "/v2/health/live": {"get": _operation("Liveness.", _json_ok("Alive.", {"type": "object"}), (405,))},
+        "/v2/health/ready": {"get": _operation("Readiness of every model.", _json_ok("Ready.", {"type": "object"}),
+                                               (405, 503))},
+    }
+    for prefix, parameters in (("/v2/models/{name}", (_NAME,)),
+                               ("/v2/models/{name}/versions/{version}", (_NAME, _V2_VERSION))):
+        paths[prefix] = {"get": _operation("A model's metadata.", metadata_ok, _GET_ERRORS,
+                                           parameters=(*parameters, signature))}
+        paths[f"{prefix}/ready"] = {"get": _operation("Whether a model can serve.", ready_ok, (*_GET_ERRORS, 503),
+                                                      parameters=parameters)}
+        infer = _operation("Run the model on named tensors (Open Inference Protocol).", infer_ok, _PREDICT_ERRORS,
+                           parameters=(*parameters, header_length), body=True)
+        infer["requestBody"]["content"]["application/json"]["schema"] = {"$ref": "#/components/schemas/V2InferRequest"}
+        paths[f"{prefix}/infer"] = {"post": infer}
+    return paths
+
+
+_V2_TENSOR = {
+    "type": "object",
+    "required": ["name", "datatype", "shape"],
+    "properties": {
+        "name": {"type": "string"},
+        "datatype": {"type": "string", "description": "BOOL, INT8-64, UINT8-64, FP16, FP32, FP64, BF16 or BYTES."},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "parameters": {"type": "object", "properties": {"binary_data_size": {"type": "integer", "minimum": 0}}},
+        "data": {"type": "array", "description": "Values, flat or nested, row-major; floats may be NaN, "
+                                                 "Infinity or -Infinity."},
+    },
+}
+
 _SCHEMAS: dict[str, Any] = {
+    "V2InferRequest": {
+        "type": "object",
+        "required": ["inputs"],
+        "properties": {
+            "id": {"type": "string", "description": "Echoed back."},
+            "parameters": {"type": "object", "properties": {
+                "signature_name": {"type": "string"},
+                "timeout": {"type": "integer", "minimum": 0, "description": "Microseconds."},
+                "binary_data_output": {"type": "boolean"}}},
+            "inputs": {"type": "array", "minItems": 1, "items": _V2_TENSOR},
+            "outputs": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string"},
+                "parameters": {"type": "object", "properties": {"binary_data": {"type": "boolean"}}}}}},
+        },
+    },
+    "V2InferResponse": {
+        "type": "object",
+        "required": ["model_name", "model_version", "outputs"],
+        "properties": {"model_name": {"type": "string"}, "model_version": {"type": "string"},
+                       "id": {"type": "string"}, "outputs": {"type": "array", "items": {"type": "object"}}},
+    },
+    "V2ModelMetadata": {
+        "type": "object",
+        "required": ["name", "versions", "platform", "inputs", "outputs"],
+        "properties": {"name": {"type": "string"}, "versions": {"type": "array", "items": {"type": "string"}},
+                       "platform": {"type": "string"}, "inputs": {"type": "array"}, "outputs": {"type": "array"}},
+    },
     "Error": {
         "type": "object",
         "required": ["error"],
@@ -249,14 +337,34 @@ def spec() -> dict[str, Any]:
                 (405,))},
             "/openapi.json": {"get": _operation(
                 "This document.", _json_ok("The OpenAPI description.", {"type": "object"}), (405,))},
+            **_v2_paths(),
         },
         "components": {"schemas": _SCHEMAS},
     }
 
 
+def operations(app: Flask) -> set[tuple[str, str]]:
+    """(OpenAPI path, method) of each route `app` serves; METRICS_PATH's alias of /metrics left out."""
+    return {
+        (re.sub(r"<(?:[^:>]+:)?([^>]+)>", r"{\1}", rule.rule), method.lower())
+        for rule in app.url_map.iter_rules() if rule.endpoint not in ("static", "metrics_path")
+        for method in (rule.methods or set()) - {"HEAD", "OPTIONS"}
+    }
+
+
 def init_app(app: Flask) -> None:
-    document = orjson.dumps(spec())
+    """Serve the document, once it is known to describe every route the app serves (registered
+    before this), and nothing else: a route added without its description stops start-up."""
+    document = spec()
 
     @app.get("/openapi.json")
     def openapi_json() -> Response:
-        return Response(document, mimetype="application/json")
+        return Response(served, mimetype="application/json")
+
+    described = {(path, method) for path, methods in document["paths"].items() for method in methods}
+    served_routes = operations(app)
+    if described != served_routes:
+        raise RuntimeError(f"app/openapi.py and the app's routes differ: not described "
+                           f"{sorted(served_routes - described)}, described but not served "
+                           f"{sorted(described - served_routes)}")
+    served = orjson.dumps(document)

@@ -84,9 +84,21 @@ def socket_client_gone(sock: socket.socket | None) -> ClientGonePredicate | None
     """
     if sock is None or _PEER_CLOSED is None:
         return None
-    poller = select.poll()
-    poller.register(sock, _PEER_CLOSED)
-    return lambda: bool(poller.poll(0))
+    return SocketClientGone(sock, _PEER_CLOSED)
+
+
+class SocketClientGone:
+    """socket_client_gone's predicate; `sock` lets a model process's client watch it (one poll set for all)."""
+
+    __slots__ = ("sock", "_poller")
+
+    def __init__(self, sock: socket.socket, events: int) -> None:
+        self.sock = sock
+        self._poller = select.poll()
+        self._poller.register(sock, events)
+
+    def __call__(self) -> bool:
+        return bool(self._poller.poll(0))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,36 +19,44 @@ class SettingsError(ValueError):
     pass
 
 
+def numeral(value: str) -> str:
+    """Number text as an environment or config file gives it: ASCII only. int() and float() would
+    also read '１６' (fullwidth), Arabic-Indic digits and '1_000'; nothing else reading these does."""
+    if not value.isascii() or "_" in value:
+        raise ValueError
+    return value
+
+
 def validate_pos_int(value: str) -> int:
-    number = int(value)
+    number = int(numeral(value))
     if number < 1:
         raise ValueError
     return number
 
 
 def validate_non_neg_int(value: str) -> int:
-    number = int(value)
+    number = int(numeral(value))
     if number < 0:
         raise ValueError
     return number
 
 
 def validate_non_neg_float(value: str) -> float:
-    number = float(value)
+    number = float(numeral(value))
     if not number >= 0 or number == float("inf"):
         raise ValueError
     return number
 
 
 def validate_finite_float(value: str) -> float:
-    number = float(value)
+    number = float(numeral(value))
     if number != number or number in (float("inf"), float("-inf")):
         raise ValueError
     return number
 
 
 def validate_pos_float(value: str) -> float:
-    number = float(value)
+    number = float(numeral(value))
     if not 0 < number < float("inf"):
         raise ValueError
     return number
@@ -73,11 +81,12 @@ def validate_choice(*choices: str) -> Callable[[str], str]:
     return validate
 
 
-MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# Matched with fullmatch: "$" would also match before a final newline ("abc\n").
+MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def validate_model_name(value: str) -> str:
-    if not MODEL_NAME_PATTERN.match(value):
+    if not MODEL_NAME_PATTERN.fullmatch(value):
         raise ValueError
     return value
 
@@ -102,15 +111,15 @@ def validate_length_buckets(value: str) -> tuple[int, ...]:
     text = value.strip().strip("[]()").strip()
     if not text:
         return ()
-    lengths = tuple(int(part) for part in text.split(","))
+    lengths = tuple(int(numeral(part)) for part in text.split(","))
     if any(length < 1 for length in lengths) or list(lengths) != sorted(set(lengths)):
         raise ValueError
     return lengths
 
 
 # absl::SimpleAtoi's int32: optional sign, decimal digits, surrounding whitespace allowed.
-_INT32_TEXT = re.compile(r"^\s*[+-]?[0-9]+\s*$")
-_CHANNEL_ARGUMENT_KEY = re.compile(r"^[A-Za-z0-9_.-]+$")
+_INT32_TEXT = re.compile(r"[ \t\n\v\f\r]*[+-]?[0-9]+[ \t\n\v\f\r]*")
+_CHANNEL_ARGUMENT_KEY = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def validate_grpc_channel_arguments(value: str) -> tuple[tuple[str, int | str], ...]:
@@ -127,9 +136,9 @@ def validate_grpc_channel_arguments(value: str) -> tuple[tuple[str, int | str], 
     for item in value.split(",") if value else []:
         key, _, text = item.partition("=")
         key = key.strip()  # no argument name has spaces; "a=1, b=2" means b
-        if not _CHANNEL_ARGUMENT_KEY.match(key) or item.count("=") != 1:
+        if not _CHANNEL_ARGUMENT_KEY.fullmatch(key) or item.count("=") != 1:
             raise ValueError
-        number = int(text) if _INT32_TEXT.match(text) else None
+        number = int(text) if _INT32_TEXT.fullmatch(text) else None
         arguments.setdefault(key, number if number is not None and -2**31 <= number < 2**31 else text)
     if arguments.get("grpc.so_reuseport", 1) != 1:
         raise ValueError
@@ -143,7 +152,7 @@ def validate_metrics_path(value: str) -> str:
 
 
 def validate_fraction(value: str) -> float:
-    number = float(value)
+    number = float(numeral(value))
     if not 0 <= number <= 1:
         raise ValueError
     return number
@@ -547,7 +556,7 @@ def _version_labels(value: Any) -> tuple[tuple[str, int], ...]:
     if not isinstance(value, dict):
         raise ValueError(f'version_labels must be an object like {{"stable": 1, "canary": 2}}; got {json.dumps(value)}')
     for label, version in value.items():
-        if not MODEL_NAME_PATTERN.match(label) or not isinstance(version, int) or isinstance(version, bool) \
+        if not MODEL_NAME_PATTERN.fullmatch(label) or not isinstance(version, int) or isinstance(version, bool) \
                 or version < 0:
             raise ValueError(f"version_labels: {label!r}: {json.dumps(version)} is not valid: expected a label "
                              "of letters, digits, '_', '.' or '-' naming a version number")

@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from app.settings import allowed, validate_grpc_channel_arguments, validate_metrics_path, validate_socket_path
+from app.settings import allowed, numeral, validate_grpc_channel_arguments, validate_metrics_path, validate_socket_path
 
 MAPPED, ACCEPTED, REFUSED = "mapped", "accepted", "refused"
 # TF Serving's REST port in its Docker image and docs; this server always answers HTTP.
@@ -57,11 +57,11 @@ def _bool(text: str) -> bool:
 
 
 def _int(text: str) -> int:
-    return int(text.strip())
+    return int(numeral(text.strip()))
 
 
 def _float(text: str) -> float:
-    return float(text.strip())
+    return float(numeral(text.strip()))
 
 
 def _text(text: str) -> str:

@@ -8,6 +8,11 @@ Spans (docs/tracing.md is the manual):
       └─ encode      from the answer to the end of the front door: shaping and the response body
     predict         one per predict call (a trace of its own), LINKED to each request it served
 
+With MODEL_PROCESSES the predict calls run in a model process: the request span's context
+travels in the frame (`frame_fields`), the model process's BatchTracer links its predict span
+to it (`LinkedTrace`) and exports it with its own provider, and the call's start comes back
+in the answer to end the queue-wait span. The spans and links are the default mode's.
+
 A request continues the W3C `traceparent` it came with (the propagators OTEL_PROPAGATORS
 names, tracecontext and baggage by default). A predict call serves many requests, so it
 cannot be the child of one: its span starts a trace of its own with a link to each.
@@ -242,6 +247,30 @@ class BatchTracer(BatchObserver):
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
         span.end(ended_ns)
+
+
+# -- MODEL_PROCESSES: the request's trace in the frame, its predict span in the model process ----
+
+
+def frame_fields(request: RequestTrace) -> list[str | int]:
+    """What a model process needs of a request's trace to link its predict span to it: the
+    request span's context (W3C's trace id, span id and flags), as text the frame's JSON holds."""
+    context = request.span.get_span_context()
+    return [format(context.trace_id, "032x"), format(context.span_id, "016x"), int(context.trace_flags)]
+
+
+class LinkedTrace:
+    """A request's trace as a model process's BatchTracer sees it: the request span to link to
+    (remote, not recording), and the start of the first predict call that runs its rows, which
+    goes back to the worker in the answer and ends the request's queue-wait span there."""
+
+    __slots__ = ("span", "predict_started_ns")
+
+    def __init__(self, fields: list[str | int]) -> None:
+        trace_id, span_id, flags = fields
+        self.span = trace.NonRecordingSpan(trace.SpanContext(
+            int(str(trace_id), 16), int(str(span_id), 16), is_remote=True, trace_flags=trace.TraceFlags(int(flags))))
+        self.predict_started_ns: int | None = None
 
 
 # -- front doors: the request span -------------------------------------------------------------

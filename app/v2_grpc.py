@@ -81,8 +81,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         spec = v2_tensors.model_spec(request.model_name, request.model_version)
         servable = self._layer.model(spec, record)
         parameters = request.parameters
-        signature_name = parameters["signature_name"].string_param if "signature_name" in parameters else ""
-        signature = self._layer.predict_signature(servable, signature_name)
+        signature = self._layer.predict_signature(servable, _signature_name(parameters))
         outputs = self._layer.select_outputs(signature, [output.name for output in request.outputs])
         inputs = v2_tensors.decode_inputs(_tensors(request), signature, max_rows=self._layer.row_limit(servable))
         answer = self._layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
@@ -97,10 +96,24 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return response
 
 
+def _signature_name(parameters: Any) -> str:
+    if "signature_name" not in parameters:
+        return ""
+    if parameters["signature_name"].WhichOneof("parameter_choice") != "string_param":
+        raise BadRequest(v2_tensors.SIGNATURE_NAME_ERROR)
+    return parameters["signature_name"].string_param
+
+
 def _timeout_s(parameters: Any, remaining_s: float | None) -> float | None:
     if "timeout" not in parameters:
         return remaining_s
-    timeout_s = parameters["timeout"].int64_param / 1e6
+    # Read from int64_param (tritonclient's) or uint64_param; any other kind, or a negative
+    # number, is refused as over REST rather than read as 0 (an immediate deadline).
+    timeout = parameters["timeout"]
+    choice = timeout.WhichOneof("parameter_choice")
+    if choice not in ("int64_param", "uint64_param") or getattr(timeout, choice) < 0:
+        raise BadRequest(v2_tensors.TIMEOUT_ERROR)
+    timeout_s = getattr(timeout, choice) / 1e6
     return timeout_s if remaining_s is None else min(timeout_s, remaining_s)
 
 
@@ -112,6 +125,9 @@ def _tensors(request: Any) -> list[v2_tensors.Tensor]:
     tensors = []
     for index, tensor in enumerate(request.inputs):
         shape = tuple(tensor.shape)
+        if raw and tensor.HasField("contents"):
+            # Triton refuses both too: reading one would silently drop the other's values.
+            raise BadRequest(f"input '{tensor.name}': contents must not be given with raw_input_contents")
         if raw:
             tensors.append(v2_tensors.Tensor(tensor.name, tensor.datatype, shape, raw=raw[index]))
             continue

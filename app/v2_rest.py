@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 
-from app import limits, logs, v2_tensors
+from app import codec, limits, logs, v2_tensors
 from app.errors import BadRequest, Unavailable
 from app.serving import Answer, get_layer, socket_client_gone
 
@@ -88,19 +88,23 @@ def infer(name: str, version: str | None = None) -> Response:
     servable = layer.model(spec, record)
     body, tensors = _split(limits.body(), request.headers.get(HEADER_LENGTH))
     parameters = _parameters(body, "the request")
-    signature = layer.predict_signature(servable, _text(parameters.get("signature_name", ""), "signature_name"))
+    request_id = _text(body["id"], "id") if "id" in body else None
+    every_binary = _flag(parameters.get("binary_data_output", False), "the parameter 'binary_data_output'")
+    signature_name = parameters.get("signature_name", "")
+    if not isinstance(signature_name, str):
+        raise BadRequest(v2_tensors.SIGNATURE_NAME_ERROR)
+    signature = layer.predict_signature(servable, signature_name)
     wanted = _requested_outputs(body)
     outputs = layer.select_outputs(signature, [output_name for output_name, _ in wanted])
     inputs = v2_tensors.decode_inputs(_inputs(body, tensors), signature, max_rows=layer.row_limit(servable))
     answer = layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
                            client_timeout_s=_timeout_s(parameters),
                            client_gone=socket_client_gone(request.environ.get("gunicorn.socket")))
-    every_binary = parameters.get("binary_data_output") is True
     binary = {output_name: every_binary if choice is None else choice for output_name, choice in wanted}
     header: dict[str, Any] = {"model_name": answer.servable.model.name,
                               "model_version": str(answer.servable.model.version)}
-    if "id" in body:
-        header["id"] = body["id"]
+    if request_id is not None:
+        header["id"] = request_id
     header["outputs"], chunks = [], []
     for output in outputs:
         array = v2_tensors.output_array(answer.outputs[output.name], output)
@@ -128,14 +132,13 @@ def _split(data: bytes, header_length: str | None) -> tuple[dict[str, Any], memo
     if header_length is None:
         length = len(data)
     else:
-        if not header_length.strip().isdigit() or int(header_length) > len(data):
+        text = header_length.strip()
+        # ASCII digits only: isdigit() also takes '²', which int() then refuses.
+        if not (text.isascii() and text.isdigit()) or int(text) > len(data):
             raise BadRequest(f"{HEADER_LENGTH} must be a number of bytes within the body's {len(data)}; "
                              f"got {header_length!r}")
-        length = int(header_length)
-    try:
-        body = orjson.loads(memoryview(data)[:length])
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"malformed JSON: {exc}") from None
+        length = int(text)
+    body = codec.loads(memoryview(data)[:length])
     if not isinstance(body, dict):
         raise BadRequest("the request must be a JSON object with 'inputs'")
     return body, memoryview(data)[length:]
@@ -154,12 +157,19 @@ def _text(value: Any, where: str) -> str:
     return value
 
 
+def _flag(value: Any, where: str) -> bool:
+    # A JSON boolean only: "yes" or 1 ignored would answer in a form the client did not ask for.
+    if not isinstance(value, bool):
+        raise BadRequest(f"{where} must be true or false")
+    return value
+
+
 def _timeout_s(parameters: dict[str, Any]) -> float | None:
     timeout = parameters.get("timeout")
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
-        raise BadRequest("the parameter 'timeout' is microseconds, a whole number")
+        raise BadRequest(v2_tensors.TIMEOUT_ERROR)
     return timeout / 1e6
 
 
@@ -177,7 +187,9 @@ def _requested_outputs(body: dict[str, Any]) -> list[tuple[str, bool | None]]:
         if parameters.get("classification"):
             raise BadRequest(f"{where}: the classification extension is not supported")
         binary = parameters.get("binary_data")
-        wanted.append((_text(output.get("name"), f"{where}.name"), binary if isinstance(binary, bool) else None))
+        if binary is not None:
+            binary = _flag(binary, f"{where}.parameters.binary_data")
+        wanted.append((_text(output.get("name"), f"{where}.name"), binary))
     return wanted
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from app import codec
 from app.errors import InvalidInput
 from app.models import STRING, LoadedModel, Signature, TensorInfo
 from app.serving import ModelSpec, braced, check_rows
@@ -45,6 +46,9 @@ _NAMES = {dtype: name for name, dtype in DATATYPES.items()}
 # The JSON values each kind of datatype takes (V: bfloat16).
 _JSON_TYPES = {"b": (bool,), "i": (int,), "u": (int,), "f": (int, float), "V": (int, float)}
 _LENGTH = struct.Struct("<I")
+# The request parameters both front doors read, refused in the same words when mistyped.
+SIGNATURE_NAME_ERROR = "the parameter 'signature_name' must be a string"
+TIMEOUT_ERROR = "the parameter 'timeout' is microseconds, a whole number of 0 or more"
 
 
 def model_spec(name: str, version: str | None) -> ModelSpec:
@@ -220,10 +224,15 @@ def to_bytes(array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
 
 
-def to_json(array: np.ndarray, name: str) -> list[Any]:
-    """An output's values, flat, row-major; BYTES as text (binary data carries any other bytes)."""
+def to_json(array: np.ndarray, name: str) -> Any:
+    """An output's values, flat, row-major; BYTES as text (binary data carries any other bytes);
+    NaN and infinities as the tokens NaN, Infinity and -Infinity, as Triton writes them."""
     if array.dtype != STRING:
-        return array.ravel().tolist()
+        flat = array.ravel()
+        # As float64, every float datatype (BF16 too) writes as tolist() would write it.
+        if flat.dtype.kind in "fV" and (fragment := codec.non_finite_fragment(flat.astype(np.float64))) is not None:
+            return fragment
+        return flat.tolist()
     try:
         return [item.decode() if isinstance(item, bytes) else str(item) for item in array.flat]
     except UnicodeDecodeError:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import orjson
 import pytest
@@ -90,29 +89,18 @@ def check_answer(template: str, where: str, status: int, content_type: str | Non
 
 
 def test_openapi_document_describes_every_route(server):
-    from flask import Flask
-
-    from app import api, metrics
-
-    # The routes as the app registers them, without loading a model.
-    probe = Flask("probe")
-    api.init_app(probe)
-    metrics.init_app(probe)
-    openapi.init_app(probe)
-    routes = {
-        (re.sub(r"<(?:[^:>]+:)?([^>]+)>", r"{\1}", rule.rule), method.lower())
-        for rule in probe.url_map.iter_rules() if rule.endpoint != "static"
-        for method in rule.methods - {"HEAD", "OPTIONS"}
-    }
+    # The served app checked the document against its own routes as it started
+    # (openapi.init_app); tests/test_v2_edges.py holds that check to a failing case.
     documented = {(path, method) for path, operations in SPEC["paths"].items() for method in operations}
-    assert routes == documented
+    assert ("/v2/models/{name}/infer", "post") in documented
+    assert len(documented) == 29
 
     served = requests.get(server.url + "/openapi.json", timeout=CLIENT_TIMEOUT_S)
     assert served.status_code == 200
     assert served.headers["Content-Type"] == "application/json"
     assert served.json() == SPEC
     assert SPEC["paths"]["/v1/models/{name}:predict"]["post"]["responses"].keys() == {
-        "200", "400", "404", "405", "413", "500", "503", "504"}
+        "200", "400", "404", "405", "413", "415", "500", "503", "504"}
 
 
 @schemathesis.check
@@ -161,13 +149,14 @@ def test_schemathesis_cases_get_documented_answers(server, session):
 # -- hand-written mutations ------------------------------------------------------------
 
 VALID_BODY = b'{"instances": [[1, 2, 3, 4], [-9, 0, 9, 5]]}'
-PREDICT_TEMPLATES = {
-    "/predict": "/predict",
-    "/v1/models/{name}:predict": "/v1/models/{name}:predict",
-    "/v1/models/{name}/versions/{version}:predict": "/v1/models/{name}/versions/{version}:predict",
-}
+VALID_V2_BODY = b'{"id": "a", "inputs": [{"name": "features", "datatype": "FP32", "shape": [2, 4], ' \
+                b'"data": [1, 2, 3, 4, -9, 0, 9, 5]}], "outputs": [{"name": "scores"}]}'
+PREDICT_TEMPLATES = ["/predict", "/v1/models/{name}:predict", "/v1/models/{name}/versions/{version}:predict",
+                     "/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"]
 GET_TEMPLATES = ["/v1/models/{name}", "/v1/models/{name}/versions/{version}", "/v1/models/{name}/metadata",
-                 "/v1/models/{name}/versions/{version}/metadata", "/healthz", "/readyz", "/openapi.json"]
+                 "/v1/models/{name}/versions/{version}/metadata", "/healthz", "/readyz", "/openapi.json",
+                 "/v2", "/v2/health/live", "/v2/health/ready", "/v2/models/{name}", "/v2/models/{name}/ready",
+                 "/v2/models/{name}/versions/{version}", "/v2/models/{name}/versions/{version}/ready"]
 
 # Header values requests will send: printable, no CR/LF, no leading space.
 header_text = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=60).map(str.lstrip)
@@ -181,7 +170,7 @@ numbers = st.one_of(st.integers(-(2**64), 2**64), st.floats(), st.sampled_from([
 @st.composite
 def mutated_bytes(draw) -> bytes:
     body = bytearray(draw(st.sampled_from([VALID_BODY, b'{"inputs": [[1, 2, 3, 4]]}',
-                                           b'{"instances": [{"features": [1, 2, 3, 4]}]}'])))
+                                           b'{"instances": [{"features": [1, 2, 3, 4]}]}', VALID_V2_BODY])))
     for _ in range(draw(st.integers(1, 4))):
         position = draw(st.integers(0, len(body)))
         action = draw(st.sampled_from(["flip", "insert", "delete", "truncate"]))
@@ -215,17 +204,20 @@ content_types = st.one_of(
     header_text,
 )
 extra_headers = st.dictionaries(
-    st.sampled_from(["Accept", "X-Request-ID", "Content-Encoding", "Accept-Encoding", "Cookie", "Origin"]),
+    st.sampled_from(["Accept", "X-Request-ID", "Content-Encoding", "Accept-Encoding", "Cookie", "Origin",
+                     "Inference-Header-Content-Length"]),
     header_text, max_size=3)
-model_names = st.one_of(st.just("default"), st.just("default"), st.just("default"), st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,70}", fullmatch=True),
+model_names = st.one_of(st.just("default"), st.just("default"), st.just("default"),
+                        st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,70}", fullmatch=True),
                         st.sampled_from(["..", "../etc", "..%2F..%2Fetc", "%2e%2e", "a%00b", "a:b", "~root", "a b"]))
-versions = st.one_of(st.just("1"), st.just("1"), st.just("1"), st.integers(-5, 2**70).map(str), st.sampled_from(["01", "1.0", "x", "%31"]))
+versions = st.one_of(st.just("1"), st.just("1"), st.just("1"), st.integers(-5, 2**70).map(str),
+                     st.sampled_from(["01", "1.0", "x", "%31"]))
 
 
 @st.composite
 def requests_to_send(draw):
     if draw(st.integers(0, 3)):
-        template = draw(st.sampled_from(sorted(PREDICT_TEMPLATES)))
+        template = draw(st.sampled_from(PREDICT_TEMPLATES))
         method = draw(st.sampled_from(["POST"] * 12 + ["GET", "PUT", "DELETE", "PATCH"]))
     else:
         template = draw(st.sampled_from(GET_TEMPLATES))

@@ -104,12 +104,15 @@ def grpc_predict(target: str, rows: np.ndarray, header: str):
         return stub.Predict(request, timeout=60, metadata=(("traceparent", header),))
 
 
+# With model processes the predict calls run and are exported there: the same spans and links.
+@pytest.mark.parametrize("model_processes", ["0", "1"], ids=["default", "model-processes"])
 def test_concurrent_requests_are_traced_and_each_predict_call_links_the_requests_it_served(
-        start_server, receiver, exact_model_path, exact_model):
+        start_server, receiver, exact_model_path, exact_model, model_processes):
     # A long batch window (a batch goes as soon as it is full), so that concurrent requests share calls.
     server = start_server({"TRACING": "otlp", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
                            "OTEL_SERVICE_NAME": "traced-test", "MODEL_PATH": str(exact_model_path),
-                           "MODEL_NAME": "default", "MAX_BATCH_SIZE": "4", "BATCH_TIMEOUT_MS": "1000"})
+                           "MODEL_NAME": "default", "MAX_BATCH_SIZE": "4", "BATCH_TIMEOUT_MS": "1000",
+                           "MODEL_PROCESSES": model_processes})
     sent = [(f"rest{index}", integer_rows(1, seed=index), *traceparent()) for index in range(REST_REQUESTS)]
     sent += [(f"grpc{index}", integer_rows(1, seed=100 + index), *traceparent()) for index in range(GRPC_REQUESTS)]
 
@@ -163,7 +166,7 @@ def test_concurrent_requests_are_traced_and_each_predict_call_links_the_requests
     predicts = [span for span in spans if span.name == "predict"
                 and all(link.trace_id.hex() != unread[1] for link in span.links)]
     served = Counter(link.span_id for span in predicts for link in span.links)
-    for (name, _rows, _header, trace_id, parent_id), (batch_requests, batch_rows) in zip(sent, batches):
+    for (name, _rows, _header, trace_id, parent_id), (batch_requests, batch_rows) in zip(sent, batches, strict=True):
         in_trace = [span for span in spans if span.trace_id.hex() == trace_id]
         [request] = [span for span in in_trace if span.kind == Span.SPAN_KIND_SERVER]
         # Every span of the request is in the client's trace, the request span under the client's span.

@@ -50,7 +50,7 @@ def save_dtype_echo(path) -> None:
         @tf.function(input_signature=[tf.TensorSpec([None, 2], tf_types[name], name=f"in_{name.lower()}")
                                       for name in names])
         def serve(self, *tensors):
-            return {f"out_{name.lower()}": tf.identity(tensor) for name, tensor in zip(names, tensors)}
+            return {f"out_{name.lower()}": tf.identity(tensor) for name, tensor in zip(names, tensors, strict=True)}
 
     module = Echo()
     tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})
@@ -335,6 +335,9 @@ BAD_REQUESTS = {
     "no inputs": ("/v2/models/exact/infer", b"{}", None, 400, "'inputs' must be a JSON array"),
     "header length not a number": ("/v2/models/exact/infer", *framed(features(), b"", length="ten"), 400,
                                    "Inference-Header-Content-Length must be a number of bytes"),
+    "header length in Unicode digits": ("/v2/models/exact/infer", *framed(features(), b"", length="²"), 400,
+                                        "Inference-Header-Content-Length must be a number of bytes within the "
+                                        "body's 93; got '²'"),
     "header length past the body": ("/v2/models/exact/infer", *framed(features(), b"", length="9999"), 400,
                                     "Inference-Header-Content-Length must be a number of bytes within"),
     "binary size past the body": ("/v2/models/exact/infer",
@@ -500,8 +503,33 @@ def _raw_request(model: str = "exact", *, datatype: str = "FP32", shape=(1, 4), 
     return request
 
 
+def _typed_beside_raw() -> service_pb2.ModelInferRequest:
+    """raw_input_contents says 0, 1, 2, 3; the typed contents beside it say otherwise."""
+    request = _raw_request()
+    request.inputs[0].contents.fp32_contents.extend([9, 9, 9, 9])
+    return request
+
+
+def _parameter(name: str, **value) -> service_pb2.ModelInferRequest:
+    request = _raw_request()
+    field, given = next(iter(value.items()))
+    setattr(request.parameters[name], field, given)
+    return request
+
+
 FOUR_FLOATS_LIST = [np.arange(4, dtype=np.float32).tobytes()]
+TIMEOUT_REFUSED = "the parameter 'timeout' is microseconds, a whole number of 0 or more"
 BAD_GRPC = {
+    "typed contents beside raw": (_typed_beside_raw(), grpc.StatusCode.INVALID_ARGUMENT,
+                                  "input 'features': contents must not be given with raw_input_contents"),
+    "timeout as text": (_parameter("timeout", string_param="300000"), grpc.StatusCode.INVALID_ARGUMENT,
+                        TIMEOUT_REFUSED),
+    "timeout as a boolean": (_parameter("timeout", bool_param=True), grpc.StatusCode.INVALID_ARGUMENT,
+                             TIMEOUT_REFUSED),
+    "negative timeout": (_parameter("timeout", int64_param=-5), grpc.StatusCode.INVALID_ARGUMENT,
+                         TIMEOUT_REFUSED),
+    "signature_name as a number": (_parameter("signature_name", int64_param=1), grpc.StatusCode.INVALID_ARGUMENT,
+                                   "the parameter 'signature_name' must be a string"),
     "unknown model": (_raw_request("nothing"), grpc.StatusCode.NOT_FOUND, "Servable not found"),
     "wrong datatype": (_raw_request(datatype="FP64"), grpc.StatusCode.INVALID_ARGUMENT,
                        "input 'features' takes datatype FP32; the request sent FP64"),
@@ -525,6 +553,14 @@ def test_grpc_bad_requests_have_clear_codes(served, case):
         service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
     assert raised.value.code() == code
     assert message in raised.value.details()
+
+
+def test_grpc_timeout_as_uint64_param_is_read_too(served):
+    request = _parameter("timeout", uint64_param=300_000)
+    request.model_name = "held"
+    with grpc.insecure_channel(served.grpc_target) as channel, pytest.raises(grpc.RpcError) as raised:
+        service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def test_grpc_timeout_parameter_caps_the_deadline(grpc_client):

@@ -11,12 +11,14 @@ import concurrent.futures
 import logging
 import threading
 
+import grpc
 import numpy as np
 import pytest
 import requests
 
 from app.batching import Batcher, BatchObserver
 from app.batching.rows import Padding, batch_key, join_padded
+from app.errors import InvalidInput
 from app.settings import ModelConfig, Settings, SettingsError, model_configs
 from scripts.text_model import build_text_model, token_rows
 
@@ -85,6 +87,28 @@ def test_rows_of_different_lengths_share_one_call_and_get_their_own_answers():
     # The held call, then one call of 4 rows padded to the longest, 7, with zeros.
     assert [call.shape for call in model.calls] == [(1, 1), (4, 7)]
     np.testing.assert_array_equal(model.calls[1][2], [1, 2, 0, 0, 0, 0, 0])
+
+
+EMPTY_REFUSED = "input 'ids' has shape [2, 0]: its dimension 1 is variable-length and must hold at least one element"
+
+
+def test_an_empty_sequence_is_refused_alone_and_in_company_before_it_is_queued():
+    model = MaskingFake()
+    batcher = Batcher(model, max_batch_size=8, padding=TEXT_PADDING)
+    with pytest.raises(InvalidInput) as alone_refused:
+        batcher.submit(ids(0, rows=2))
+    started, release = model.hold()
+    first = batcher.submit(ids(1))
+    assert started.wait(WAIT_S)
+    company = batcher.submit(ids(3))
+    with pytest.raises(InvalidInput) as refused_in_company:
+        batcher.submit(ids(0, rows=2))
+    release.set()
+    np.testing.assert_array_equal(company.result(WAIT_S).outputs["total"], alone(ids(3))["total"])
+    first.result(WAIT_S)
+    batcher.close()
+    assert str(alone_refused.value) == str(refused_in_company.value) == EMPTY_REFUSED
+    assert [call.shape for call in model.calls] == [(1, 1), (1, 3)]
 
 
 def test_without_padding_each_length_waits_for_its_own_call():
@@ -299,8 +323,30 @@ def test_live_server_batches_mixed_lengths_and_answers_each_as_if_alone(start_se
                                  timeout=60)
         return row, response
 
+    def ask_empty(rows):
+        tensor = {"name": "tokens", "datatype": "INT32", "shape": [rows, 0], "data": []}
+        return requests.post(server.url + "/v2/models/default/infer", json={"inputs": [tensor]}, timeout=60)
+
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        # Empty sequences in the same window as the others (BATCH_TIMEOUT_MS), and alone after.
+        empties = [pool.submit(ask_empty, rows) for rows in (1, 2)]
         answers = list(pool.map(ask, enumerate(lengths)))
+    # Over gRPC (v2) as INVALID_ARGUMENT, in the same words.
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    request = service_pb2.ModelInferRequest(model_name="default", raw_input_contents=[b""])
+    request.inputs.add(name="tokens", datatype="INT32", shape=[2, 0])
+    with grpc.insecure_channel(server.grpc_target) as channel, pytest.raises(grpc.RpcError) as raised:
+        service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+    assert (raised.value.code(), raised.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, (
+        "input 'tokens' has shape [2, 0]: its dimension 1 is variable-length and must hold at least one element"))
+    # TF Serving's REST API too (which answers "got a fractional number" for [[]]).
+    tf_serving = requests.post(server.url + "/v1/models/default:predict", json={"instances": [[]]}, timeout=60)
+    for rows, refused in zip((1, 2, 1, 2, 1), [future.result() for future in empties] + [ask_empty(1), ask_empty(2),
+                                                                                        tf_serving], strict=True):
+        assert refused.status_code == 400, refused.text
+        assert refused.json() == {"error": f"input 'tokens' has shape [{rows}, 0]: its dimension 1 is "
+                                           "variable-length and must hold at least one element"}
     shared = 0
     for row, response in answers:
         assert response.status_code == 200, response.text

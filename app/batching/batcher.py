@@ -24,7 +24,7 @@ from app.batching.execution import Executor, PredictFn
 from app.batching.fill import FillPolicy
 from app.batching.observer import BatchObserver, GuardedObserver
 from app.batching.row_queue import RowQueue
-from app.batching.rows import Padding, Tensors, bucket_sizes, request_rows
+from app.batching.rows import Padding, Tensors, bucket_sizes, check_lengths, request_rows
 from app.batching.work import Batch, BatchResult, Pending, drop_if_abandoned, settle, start
 from app.errors import BatcherBroken, DeadlineExceeded, PredictFailed, ShuttingDown
 
@@ -94,6 +94,8 @@ class Batcher:
         reaches the observer's `predict_call` with every call that runs the request's rows.
         """
         rows = 1 if self.whole else request_rows(inputs, max_rows=self.max_request_rows, name=self.name)
+        if self.padding is not None:
+            check_lengths(inputs, self.padding)
         now = self._clock()
         pending = Pending(inputs, rows, now, None if timeout_s is None else now + timeout_s, client_gone,
                           self.padding, trace)

@@ -52,6 +52,20 @@ def request_rows(inputs: Tensors, *, max_rows: int, name: str) -> int:
     return rows
 
 
+def check_lengths(inputs: Tensors, padding: Padding) -> None:
+    """400 for an input with no element along an axis that padding pads: in a batch, padding
+    would invent every value the model sees of that row, and alone the model may fail on it;
+    refused the same way whoever shares the queue."""
+    for name, axes in padding.inputs.items():
+        array = inputs.get(name)
+        if array is None:
+            continue
+        for axis in axes:
+            if axis + 1 < array.ndim and array.shape[axis + 1] == 0:
+                raise InvalidInput(f"input '{name}' has shape {list(array.shape)}: its dimension {axis + 1} is "
+                                   "variable-length and must hold at least one element")
+
+
 @dataclasses.dataclass(frozen=True)
 class Padding:
     """Which per-row dimensions of a signature may be padded, with what, and to which lengths.

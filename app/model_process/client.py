@@ -13,6 +13,7 @@ import concurrent.futures
 import contextvars
 import logging
 import os
+import select
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -62,11 +63,68 @@ class RemoteRegistry(ModelRegistry):
             _PINNED.reset(token)
 
 
+class HangUps:
+    """Tells the model process when the client of a request it holds leaves, so that it drops the
+    rows unrun, as the default mode's batch thread does when it asks client_gone. Its batch thread
+    cannot ask the worker's sockets: the worker watches them instead, an HTTP client's in one epoll
+    set (one thread per worker, woken only by a hang-up) and a gRPC call through its context."""
+
+    def __init__(self, link: ModelProcessLink) -> None:
+        self._link = link
+        self._epoll = select.epoll()
+        self._lock = threading.Lock()
+        self._watched: dict[int, tuple[int, Callable[[], bool]]] = {}  # socket fd: (request id, client_gone)
+        threading.Thread(target=self._run, name="client-hang-ups", daemon=True).start()
+
+    def watch(self, client_gone: Callable[[], bool], request_id: int) -> Callable[[], None]:
+        """Until the call it returns, the client of `client_gone` leaving cancels `request_id`."""
+        sock = getattr(client_gone, "sock", None)
+        if sock is not None:
+            fd = sock.fileno()
+            with self._lock:
+                self._watched[fd] = (request_id, client_gone)
+                # Level-triggered: a client gone before this line is reported at once.
+                self._epoll.register(fd, select.EPOLLRDHUP)
+            return lambda: self._unwatch(fd)
+        context = getattr(client_gone, "context", None)
+        if context is None:
+            return lambda: None
+        answered = threading.Event()
+
+        def ended() -> None:
+            if not answered.is_set():
+                self._link.cancel(request_id)
+
+        if not context.add_callback(ended):
+            ended()  # the call had already ended
+        return answered.set
+
+    def _unwatch(self, fd: int) -> None:
+        with self._lock:
+            if self._watched.pop(fd, None) is not None:
+                self._epoll.unregister(fd)
+
+    def _run(self) -> None:
+        while True:
+            for fd, _events in self._epoll.poll():
+                with self._lock:
+                    watched = self._watched.get(fd)
+                    # Asked again: an event read just before its request ended may name an fd
+                    # that another connection's request has taken since.
+                    if watched is None or not watched[1]():
+                        continue
+                    del self._watched[fd]
+                    self._epoll.unregister(fd)
+                self._link.cancel(watched[0])
+
+
 class RemoteBatcher:
     """A batcher in the model process, as the worker's registry and request layer see it."""
 
-    def __init__(self, link: ModelProcessLink, model: str, version: int, signature: str, info: dict[str, Any]) -> None:
+    def __init__(self, link: ModelProcessLink, model: str, version: int, signature: str, info: dict[str, Any],
+                 hang_ups: HangUps) -> None:
         self.link = link
+        self.hang_ups = hang_ups
         self.model = model
         self.version = version
         self.signature = signature
@@ -104,12 +162,24 @@ class RemoteBatcher:
             raise concurrent.futures.CancelledError()
         header = {"op": "predict", "model": self.model, "version": self.version, "signature": self.signature,
                   "pinned": _PINNED.get(), "timeout_s": timeout_s}
-        future = self.link.request(header, inputs)
+        if trace is not None:  # only with tracing on, so the import costs nothing otherwise
+            from app import tracing
+
+            header["trace"] = tracing.frame_fields(trace)
+        request_id, future = self.link.send_request(header, inputs)
+        unwatch = self.hang_ups.watch(client_gone, request_id) if client_gone is not None else None
         try:
-            return batch_result(future.result(timeout=timeout_s))
+            answer = future.result(timeout=timeout_s)
+            if trace is not None:
+                # The start of the model process's predict call: where the queue-wait span ends.
+                trace.predict_started_ns = answer[0].get("predict_started_ns")
+            return batch_result(answer)
         except concurrent.futures.TimeoutError:
             # The model process drops the rows at the same deadline, if they have not run.
             raise DeadlineExceeded(f"no result from model '{self.name}' within {timeout_s * 1000:.0f} ms") from None
+        finally:
+            if unwatch is not None:
+                unwatch()
 
     def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
         """Nothing to stop here: the link drains the requests of the whole worker (shutdown_app)."""
@@ -121,6 +191,7 @@ class RemoteModels:
     def __init__(self, registry: ModelRegistry, link: ModelProcessLink) -> None:
         self.registry = registry
         self.link = link
+        self.hang_ups = HangUps(link)
         self._lock = threading.Lock()
 
     def apply(self, description: dict[str, Any]) -> Callable[[], None]:
@@ -161,7 +232,7 @@ class RemoteModels:
         return [(name, number) for number in served if number not in wanted]
 
     def _servable(self, name: str, version: dict[str, Any]) -> Servable:
-        batchers = {key: RemoteBatcher(self.link, name, version["version"], key, info)
+        batchers = {key: RemoteBatcher(self.link, name, version["version"], key, info, self.hang_ups)
                     for key, info in version["batchers"].items()}
         return Servable(meta.loaded_model(name, version), batchers)  # type: ignore[arg-type]
 

@@ -139,6 +139,22 @@ class ModelProcessLink:
     def request(self, header: dict[str, Any], arrays: Mapping[str, np.ndarray] | None = None,
                 ) -> concurrent.futures.Future[Any]:
         """Send one frame; its future resolves to the answer's (header, outputs), or fails."""
+        return self.send_request(header, arrays)[1]
+
+    def cancel(self, request_id: int) -> None:
+        """Tell the model process a request's client has left: it drops the rows if they have not run
+        (the request's own answer says which). Nothing is sent while it is down: nothing of ours waits there."""
+        connection = self._connection
+        if connection is None:
+            return
+        try:
+            wire.send(connection.sock, connection.send_lock, {"op": "cancel", "cancel": request_id})
+        except OSError:
+            pass  # the reader fails the request with the rest
+
+    def send_request(self, header: dict[str, Any], arrays: Mapping[str, np.ndarray] | None = None,
+                     ) -> tuple[int, concurrent.futures.Future[Any]]:
+        """request(), and the id that cancel() names the request by."""
         with self._lock:
             connection = self._connection
             if connection is None:
@@ -163,7 +179,7 @@ class ModelProcessLink:
                 self._pending.pop(request_id, None)
             box.release()
             raise
-        return entry.future
+        return request_id, entry.future
 
     # -- the reader thread -----------------------------------------------------------------------
 

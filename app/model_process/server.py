@@ -34,7 +34,7 @@ from flask import Flask
 
 from app import logs, metrics, registry, runtime
 from app.batching import BatchResult
-from app.errors import NotFound, PredictFailed, ServingError, Unavailable
+from app.errors import ClientGone, NotFound, PredictFailed, ServingError, Unavailable
 from app.model_process import meta, wire
 from app.model_process.arena import Arena
 from app.registry import RELOAD, ModelRegistry, Servable
@@ -59,6 +59,10 @@ class WorkerConnection:
         self.closed = threading.Event()
         # Descriptions pushed and not yet acknowledged as applied by the worker.
         self._acks: dict[int, threading.Event] = {}
+        # Whether the client of each request queued or running has left, by the worker's id: the
+        # worker watches its clients and says so ('cancel'); the batch thread asks as it asks a
+        # socket in the default mode, just before the request's first rows run.
+        self._left: dict[int, threading.Event] = {}
 
     def serve(self) -> None:
         stream = self.sock.makefile("rb", buffering=1 << 16)
@@ -144,18 +148,32 @@ class WorkerConnection:
         try:
             inputs = wire.unpack(header["inputs"], self.inbox, payload, copy=False)
             batcher = servable.batchers[servable.signature(header["signature"]).name]
-            future = batcher.submit(inputs, timeout_s=header["timeout_s"])
+            # In before the submit: its answer may come before the next line.
+            left = self._left[request_id] = threading.Event()
+            trace = None
+            if "trace" in header:  # sent only with tracing on
+                from app import tracing
+
+                trace = tracing.LinkedTrace(header["trace"])
+            future = batcher.submit(inputs, timeout_s=header["timeout_s"], client_gone=left.is_set, trace=trace)
             if header.get("flush"):
                 batcher.flush()  # from a stopping worker: it waits for no company
         except Exception as exc:
+            self._left.pop(request_id, None)
             servable.leave()
             self._error(request_id, exc)
             return
-        future.add_done_callback(lambda done: self._answer(request_id, servable, done))
+        future.add_done_callback(lambda done: self._answer(request_id, servable, done, trace))
+
+    def _cancel(self, header: dict[str, Any], _payload: bytes) -> None:
+        """The worker saw the request's client leave; no answer but the request's own."""
+        left = self._left.get(header["cancel"])
+        if left is not None:
+            left.set()
 
     _handlers: dict[str, Callable[[WorkerConnection, dict[str, Any], bytes], None]] = {
         "predict": _predict, "describe": _describe, "stats": _stats, "flush": _flush, "applied": _applied,
-        "reload": _start_reload,
+        "reload": _start_reload, "cancel": _cancel,
     }
 
     def _enter(self, name: str, version: int, *, pinned: bool) -> Servable:
@@ -175,11 +193,16 @@ class WorkerConnection:
             raise NotFound(registry.servable_not_found(name, None))
         return servable
 
-    def _answer(self, request_id: int, servable: Servable, future: concurrent.futures.Future[BatchResult]) -> None:
+    def _answer(self, request_id: int, servable: Servable, future: concurrent.futures.Future[BatchResult],
+                trace: Any = None) -> None:
         servable.leave()
+        self._left.pop(request_id, None)
         try:
             result = future.result(0)
-        except BaseException as exc:  # a failed, expired or cancelled request: its error goes back
+        except concurrent.futures.CancelledError:  # the batch thread's, for a client that left
+            self._error(request_id, ClientGone("the client left before its request ran"))
+            return
+        except BaseException as exc:  # a failed or expired request: its error goes back
             self._error(request_id, exc)
             return
         box = wire.Outbox(self.outbox)
@@ -190,7 +213,8 @@ class WorkerConnection:
             self._error(request_id, exc)
             return
         self.send({"op": "result", "id": request_id, "version": servable.model.version, "outputs": outputs,
-                   "batch_rows": result.batch_rows, "batch_requests": result.batch_requests}, box.payload)
+                   "batch_rows": result.batch_rows, "batch_requests": result.batch_requests,
+                   **({"predict_started_ns": trace.predict_started_ns} if trace is not None else {})}, box.payload)
 
     def _error(self, request_id: int | None, exc: BaseException) -> None:
         error = exc if isinstance(exc, ServingError) else PredictFailed.from_exception(exc)
