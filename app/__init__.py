@@ -18,7 +18,7 @@ def create_app(settings: Settings | None = None, *, replace_worker: Callable[[],
     are the caller's to size first (`runtime.configure`, Gunicorn's post_fork); what it set
     goes in app.extensions["tensorflow"], which /readyz shows.
     """
-    from app import api, errors, limits, logs, metrics, openapi, patches, registry, runtime, serving, v2_rest
+    from app import api, errors, limits, loading, logs, metrics, openapi, patches, registry, runtime, serving, v2_rest
 
     settings = settings or Settings.from_env()
     logs.configure_logging(settings.log_level, settings.log_format)
@@ -38,9 +38,14 @@ def create_app(settings: Settings | None = None, *, replace_worker: Callable[[],
 
         models = client.init_app(app, settings)
     else:
-        models = registry.init_app(app, settings, serving_metrics)
+        models = registry.init_app(app, settings, serving_metrics, loading=loading.steps(settings))
     limits.init_app(app, settings, models)
-    serving.init_app(app, settings, models)
+    if settings.tracing_on:
+        from app import tracing  # only when on: a server without tracing never imports it
+
+        serving.init_app(app, settings, models, make_layer=tracing.init_app(app, settings))
+    else:
+        serving.init_app(app, settings, models)
     api.init_app(app)
     v2_rest.init_app(app)
     openapi.init_app(app)

@@ -177,3 +177,22 @@ def _serializer(call: _Call, serialize: Callable[[Any], bytes] | None) -> Callab
             raise
 
     return serialized
+
+
+def client_gone(context: grpc.ServicerContext) -> Callable[[], bool]:
+    """The request layer's client_gone for a call: gRPC marks a call inactive once its client
+    cancelled it, its deadline passed or its connection dropped. Reading that mark takes the
+    call's lock and nothing else, and only a request that reaches its batch asks."""
+    return CallClientGone(context)
+
+
+class CallClientGone:
+    """client_gone's predicate; `context` lets a model process's client hear the call end (add_callback)."""
+
+    __slots__ = ("context",)
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self.context = context
+
+    def __call__(self) -> bool:
+        return not self.context.is_active()

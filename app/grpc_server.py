@@ -46,7 +46,7 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import errors, grpc_limits, grpc_record, grpc_socket, metadata, tensor_proto, tfs_flags, tls, v2_grpc
+from app import errors, grpc_limits, grpc_record, grpc_socket, metadata, tensor_proto, tfs_config, tls, v2_grpc
 from app.errors import SignatureNotFound
 from app.logs import RequestRecord
 from app.models import LoadedModel, Signature
@@ -95,25 +95,6 @@ def details(exc: errors.ServingError) -> str:
         # TF Serving's gRPC words (model_servers/predict_util.cc); REST's are the error's own.
         return errors.bounded(f'Serving signature key "{exc.key}" not found.')
     return exc.message
-
-
-def client_gone(context: grpc.ServicerContext) -> Callable[[], bool]:
-    """The request layer's client_gone for a call: gRPC marks a call inactive once its client
-    cancelled it, its deadline passed or its connection dropped. Reading that mark takes the
-    call's lock and nothing else, and only a request that reaches its batch asks."""
-    return CallClientGone(context)
-
-
-class CallClientGone:
-    """client_gone's predicate; `context` lets a model process's client hear the call end (add_callback)."""
-
-    __slots__ = ("context",)
-
-    def __init__(self, context: grpc.ServicerContext) -> None:
-        self.context = context
-
-    def __call__(self) -> bool:
-        return not self.context.is_active()
 
 
 def model_spec(proto: Any) -> ModelSpec:
@@ -215,7 +196,8 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         outputs = self._layer.select_outputs(signature, list(request.output_filter))
         inputs = decode_inputs(request, signature, max_rows=self._layer.row_limit(servable), max_bytes=self._max_bytes)
         answer = self._layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
-                                     client_timeout_s=context.time_remaining(), client_gone=client_gone(context))
+                                     client_timeout_s=context.time_remaining(),
+                                     client_gone=grpc_record.client_gone(context))
         response = predict_pb2.PredictResponse()
         _set_model_spec(response.model_spec, answer.servable.model, signature.name)
         for output in outputs:
@@ -230,7 +212,7 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         examples = serialized_examples(request.input, max_rows=self._layer.row_limit(servable))
         answer, result = method(servable, request.model_spec.signature_name, examples, record=record,
                                 pinned=spec.pinned, client_timeout_s=context.time_remaining(),
-                                client_gone=client_gone(context))
+                                client_gone=grpc_record.client_gone(context))
         _set_model_spec(response.model_spec, answer.servable.model, answer.signature.name)
         return result
 
@@ -253,7 +235,7 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         examples = serialized_examples(request.input, max_rows=self._layer.row_limit(servable))
         servable, results = self._layer.multi_inference(servable, tasks, examples, record=record, pinned=spec.pinned,
                                                         client_timeout_s=context.time_remaining(),
-                                                        client_gone=client_gone(context))
+                                                        client_gone=grpc_record.client_gone(context))
         response = inference_pb2.MultiInferenceResponse()
         for result in results:
             entry = response.results.add()
@@ -309,8 +291,8 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
             raise errors.BadRequest("ServerModelConfig type not supported by HandleReloadConfigRequest. "
                                     "Only ModelConfigList is currently supported")
         try:
-            document = tfs_flags.model_config_document(request.config)
-        except tfs_flags.FlagError as exc:
+            document = tfs_config.model_config_document(request.config)
+        except tfs_config.FlagError as exc:
             raise errors.BadRequest(str(exc)) from None
         # With MODEL_PROCESSES, the registry asks the model processes (app/model_process/client.py).
         self._layer.registry.reload_config(document, timeout_s=context.time_remaining())

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from app.models import LoadedModel, ModelLoadError, TensorInfo
+from app.model_types import LoadedModel, ModelLoadError, TensorInfo
 
 log = logging.getLogger(__name__)
 

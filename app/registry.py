@@ -29,7 +29,7 @@ from typing import Any
 
 from flask import Flask
 
-from app import models, padding, runtime, shared_config, warmup
+from app import models, padding, runtime, shared_config
 from app.batching import Batcher, BatchObserver, BatchResult, Tensors, bucket_sizes
 from app.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
 from app.metrics import Metrics
@@ -119,8 +119,29 @@ class Servable:
             batcher.close(drain=drain, timeout_s=timeout_s)
 
 
+# What loading a version does besides building its batchers, given by whoever starts the
+# registry (app/loading.py), so that loading a model imports no front door and no tracing.
+WarmUp = Callable[["Servable", Settings, Metrics], int]
+ObserverFactory = Callable[[Metrics, Settings, models.LoadedModel, str], BatchObserver]
+
+
+def metrics_observer(metrics: Metrics, _settings: Settings, model: models.LoadedModel, _signature: str
+                     ) -> BatchObserver:
+    """A batcher's observer: the batch metrics of its model."""
+    return metrics.observer(model.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loading:
+    """The steps a load takes from above: warm-up replay (with ENABLE_MODEL_WARMUP) and each
+    batcher's observer (the metrics', or a tracer around them)."""
+
+    warm_up: WarmUp | None = None
+    observer: ObserverFactory = metrics_observer
+
+
 def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, version: int | None = None, *,
-                  on_broken: Callable[[Batcher], None] | None = None) -> Servable:
+                  on_broken: Callable[[Batcher], None] | None = None, loading: Loading = Loading()) -> Servable:
     model = models.load_model(config.path, name=config.name, method=settings.predict_method, version=version)
     buckets = bucket_sizes(config.max_batch_size)
     models.warm_up(model, buckets, padding.warm_lengths(config))
@@ -141,30 +162,19 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
             fill_under_load=settings.batch_fill_under_load,
             buckets=buckets,
             padding=paddings[key],
-            observer=batch_observer(metrics, settings, model, key),
+            observer=loading.observer(metrics, settings, model, key),
             on_broken=on_broken,
         )
     log.info("model '%s' v%d from %s loaded in %.2f s (signatures: %s)", config.name, model.version, model.source,
              model.load_s, ", ".join(sorted(model.signatures)))
     servable = Servable(model, batchers)
-    if settings.enable_model_warmup:
+    if settings.enable_model_warmup and loading.warm_up is not None:
         try:
-            warmup.replay(servable, settings, metrics)
+            loading.warm_up(servable, settings, metrics)
         except BaseException:
             servable.close(drain=False)
             raise
     return servable
-
-
-def batch_observer(metrics: Metrics, settings: Settings, model: models.LoadedModel, signature: str) -> BatchObserver:
-    """The metrics' observer of a batcher; with tracing on, inside a tracer of its predict calls."""
-    observer = metrics.observer(model.name)
-    if settings.tracing_on:
-        from app import tracing  # only when on: a server without tracing never imports it
-
-        observer = tracing.BatchTracer(observer, tracing.tracer(settings), model=model.name, version=model.version,
-                                       signature=signature)
-    return observer
 
 
 def without_paths(message: str, *, name: str, path: str) -> str:
@@ -367,8 +377,9 @@ class LiveConfig:
     sibling workers and applies theirs here (app/shared_config.py), each generation once."""
 
     def __init__(self, registry: ModelRegistry, settings: Settings, metrics: Metrics, *,
-                 on_broken: Callable[[Batcher], None] | None = None) -> None:
+                 on_broken: Callable[[Batcher], None] | None = None, loading: Loading = Loading()) -> None:
         self.registry = registry
+        self._loading = loading
         self._settings = settings
         self._metrics = metrics
         # What a batcher whose thread died calls: the process asks to be replaced.
@@ -400,9 +411,10 @@ class LiveConfig:
                                                     f"{config.path!r}: {available}")
                     for version in wanted:
                         self.registry.add(load_servable(config, self._settings, self._metrics, version,
-                                               on_broken=self._on_broken))
+                                                        on_broken=self._on_broken, loading=self._loading))
                 else:
-                    self.registry.add(load_servable(config, self._settings, self._metrics, on_broken=self._on_broken))
+                    self.registry.add(load_servable(config, self._settings, self._metrics, on_broken=self._on_broken,
+                                                    loading=self._loading))
                 self.label(config)
             except Exception:
                 # Served in full or not at all: a live reload must not leave versions no config names.
@@ -514,7 +526,8 @@ class LiveConfig:
                     continue
                 self.registry.set_state(config.name, version, LOADING)
                 try:
-                    servable = load_servable(config, self._settings, self._metrics, version, on_broken=self._on_broken)
+                    servable = load_servable(config, self._settings, self._metrics, version, on_broken=self._on_broken,
+                                             loading=self._loading)
                 except Exception as exc:
                     self._failed.add((config.name, version))
                     message = f"{type(exc).__name__}: {exc}"
@@ -612,7 +625,7 @@ class ConfigPoller(_Poller):
             log.info("MODEL_CONFIG applied: serving %s", [config.name for config in configs])
 
 
-def init_app(app: Flask, settings: Settings, metrics: Metrics) -> ModelRegistry:
+def init_app(app: Flask, settings: Settings, metrics: Metrics, *, loading: Loading = Loading()) -> ModelRegistry:
     def on_broken(_batcher: Batcher) -> None:
         # Read when it happens: Gunicorn's post_worker_init names it once the app is loaded.
         replace_worker = app.extensions.get("replace_worker")
@@ -627,7 +640,7 @@ def init_app(app: Flask, settings: Settings, metrics: Metrics) -> ModelRegistry:
     latest = shared.latest() if shared is not None and not polled_config else None
     configs = configs_from_document(latest.document, settings, RELOAD) if latest else model_configs(settings)
     registry = ModelRegistry(configs[0].name)
-    live = registry.live_config = LiveConfig(registry, settings, metrics, on_broken=on_broken)
+    live = registry.live_config = LiveConfig(registry, settings, metrics, on_broken=on_broken, loading=loading)
     if latest is not None:
         _number, error = live.apply_generation(latest)
         log.info("started with model config generation %d, the newest reload's", latest.number)

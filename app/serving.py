@@ -437,12 +437,9 @@ def braced(names: Any) -> str:
     return "{" + ",".join(sorted(names)) + "}"
 
 
-def init_app(app: Flask, settings: Settings, registry: ModelRegistry) -> RequestLayer:
-    make_layer: Callable[..., RequestLayer] = RequestLayer
-    if settings.tracing_on:
-        from app import tracing  # only when on: a server without tracing never imports it
-
-        make_layer = tracing.init_app(app, settings)
+def init_app(app: Flask, settings: Settings, registry: ModelRegistry, *,
+             make_layer: Callable[..., RequestLayer] = RequestLayer) -> RequestLayer:
+    """The app's request layer; `make_layer` is its class, or tracing's (app/tracing.py) when on."""
     layer = make_layer(registry, timeout_s=settings.request_timeout_ms / 1000.0,
                        max_request_bytes=max_request_bytes(settings, registry), metrics=app.extensions["metrics"],
                        check_method_name=settings.enable_signature_method_name_check)

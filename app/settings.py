@@ -14,6 +14,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from app import tfs_config
+
 
 class SettingsError(ValueError):
     pass
@@ -476,11 +478,9 @@ def model_configs(settings: Settings) -> list[ModelConfig]:
     try:
         document = json.loads(content)
     except ValueError as exc:
-        from app import tfs_flags
-
         try:
-            document = tfs_flags.model_config_json(content.decode(errors="replace"))
-        except tfs_flags.FlagError as text_error:
+            document = tfs_config.model_config_json(content.decode(errors="replace"))
+        except tfs_config.FlagError as text_error:
             raise SettingsError(f"{where}: cannot read it as JSON ({exc}) nor as a ModelServerConfig "
                                 f"({text_error})") from None
     return configs_from_document(document, settings, where)

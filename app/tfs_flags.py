@@ -33,6 +33,10 @@ from typing import Any
 
 from app.settings import allowed, numeral, validate_grpc_channel_arguments, validate_metrics_path, validate_socket_path
 
+# FlagError and the ModelServerConfig reading live below the settings (app/tfs_config.py), which read
+# MODEL_CONFIG's text format with them; the flags' tests and callers find them here too.
+from app.tfs_config import FlagError, model_config_document, model_config_json  # noqa: F401
+
 MAPPED, ACCEPTED, REFUSED = "mapped", "accepted", "refused"
 # TF Serving's REST port in its Docker image and docs; this server always answers HTTP.
 DEFAULT_REST_PORT = 8501
@@ -41,10 +45,6 @@ DEFAULT_REST_PORT = 8501
 MAX_QUEUE_ROWS_CAP = 1024
 # PrometheusExporter::kPrometheusPath: where an enabled prometheus_config without a path serves.
 PROMETHEUS_PATH = "/monitoring/prometheus/metrics"
-
-
-class FlagError(ValueError):
-    """A flag or a config file this server cannot honour; the message names it."""
 
 
 def _bool(text: str) -> bool:
@@ -191,46 +191,6 @@ def _check(name: str, text: str, value: Any) -> None:
             validate_socket_path(value)
         except ValueError:
             raise FlagError(f"--{name}={text}: expected {allowed(validate_socket_path)}") from None
-
-
-def model_config_json(text: str) -> dict[str, Any]:
-    """A ModelServerConfig in text format, as our MODEL_CONFIG JSON ({"models": [...]})."""
-    from google.protobuf import text_format
-    from tensorflow_serving.config import model_server_config_pb2
-
-    config = model_server_config_pb2.ModelServerConfig()
-    try:
-        text_format.Parse(text, config)
-    except text_format.ParseError as exc:
-        # TF Serving's own words, which its test looks for.
-        raise FlagError(f"Error parsing text-format tensorflow.serving.ModelServerConfig: {exc}") from None
-    return model_config_document(config)
-
-
-def model_config_document(config: Any) -> dict[str, Any]:
-    """A ModelServerConfig message, as our MODEL_CONFIG JSON document."""
-    if config.HasField("custom_model_config"):
-        raise FlagError("--model_config_file: custom_model_config is not supported; use model_config_list")
-    models = []
-    for entry in config.model_config_list.config:
-        if entry.model_platform not in ("", "tensorflow"):
-            raise FlagError(f"--model_config_file: model '{entry.name}': model_platform "
-                            f"{entry.model_platform!r} is not supported; only 'tensorflow'")
-        model: dict[str, Any] = {"name": entry.name, "path": entry.base_path}
-        policy = entry.model_version_policy
-        choice = policy.WhichOneof("policy_choice")
-        if choice == "latest":
-            model["model_version_policy"] = {"latest": {"num_versions": policy.latest.num_versions or 1}}
-        elif choice == "all":
-            model["model_version_policy"] = {"all": {}}
-        elif choice == "specific":
-            model["model_version_policy"] = {"specific": {"versions": list(policy.specific.versions)}}
-        if entry.version_labels:
-            model["version_labels"] = dict(entry.version_labels)
-        models.append(model)
-    if not models:
-        raise FlagError("--model_config_file: model_config_list holds no config")
-    return {"models": models, "default": models[0]["name"]}
 
 
 # BatchingParameters (servables/tensorflow/session_bundle_config.proto) is not in the

@@ -52,8 +52,8 @@ from opentelemetry.util.types import AttributeValue
 from app import grpc_record
 from app.batching import BatchObserver
 from app.logs import PROBE_PATHS, RequestRecord
-from app.metrics import ROUTE_KEY
-from app.models import Signature
+from app.metrics import ROUTE_KEY, Metrics
+from app.models import LoadedModel, Signature
 from app.registry import Servable
 from app.serving import Answer, ClientGonePredicate, ModelSpec, RequestLayer
 from app.settings import Settings
@@ -128,6 +128,12 @@ def tracer(settings: Settings) -> trace.Tracer:
     provider(settings)
     assert _tracer is not None
     return _tracer
+
+
+def batch_observer(metrics: Metrics, settings: Settings, model: LoadedModel, signature: str) -> BatchObserver:
+    """A batcher's observer with tracing on: a tracer of its predict calls around the batch metrics."""
+    return BatchTracer(metrics.observer(model.name), tracer(settings), model=model.name, version=model.version,
+                       signature=signature)
 
 
 class Tracing:

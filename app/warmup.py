@@ -29,6 +29,7 @@ from app.errors import ServingError
 from app.logs import RequestRecord
 from app.metrics import Metrics
 from app.models import ModelLoadError
+from app.registry import ModelRegistry
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -65,12 +66,10 @@ def replay(servable: Any, settings: Settings, metrics: Metrics) -> int:
     path = warmup_path(servable.model.source)
     if path is None:
         return 0
-    # Imported here: these import the registry, which imports this module; and gRPC's protos only
-    # where a model has a warm-up file.
+    # Imported here: the gRPC front door and its protos only where a model has a warm-up file.
     from tensorflow_serving.apis import prediction_log_pb2
 
     from app import grpc_server, limits, serving
-    from app.registry import ModelRegistry
 
     model = servable.model
     registry = ModelRegistry(model.name)

@@ -111,7 +111,7 @@ def test_readyz_detail_lets_the_path_through(tmp_path, monkeypatch, detail, show
     from app.registry import LiveConfig, ModelRegistry
     from app.settings import ModelConfig, Settings
 
-    def failing_load(config, settings, metrics, version=None, *, on_broken=None):
+    def failing_load(config, settings, metrics, version=None, *, on_broken=None, loading=None):
         raise models.ModelLoadError(f"cannot read the SavedModel in {config.path}/{version}: broken")
 
     monkeypatch.setattr(registry_module, "load_servable", failing_load)

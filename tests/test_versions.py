@@ -209,7 +209,7 @@ def test_poller_loads_a_new_version_before_serving_it_and_keeps_serving_through_
     gate.set()
     seen_while_loading = {}
 
-    def fake_load(config, settings, metrics, version=None, *, on_broken=None):
+    def fake_load(config, settings, metrics, version=None, *, on_broken=None, loading=None):
         seen_while_loading[version] = registry.model_status("m")
         if version == 3:
             raise models.ModelLoadError("broken")

@@ -32,7 +32,7 @@ from typing import Any
 
 from flask import Flask
 
-from app import logs, metrics, registry, runtime
+from app import loading, logs, metrics, registry, runtime
 from app.batching import BatchResult
 from app.errors import ClientGone, NotFound, PredictFailed, ServingError, Unavailable
 from app.model_process import meta, wire
@@ -243,7 +243,7 @@ class ModelProcess:
     def load(self) -> None:
         self.app.extensions["tensorflow"] = runtime.configure(self.settings, workers=self.settings.model_processes)
         serving_metrics = metrics.Metrics()
-        self.models = registry.init_app(self.app, self.settings, serving_metrics)
+        self.models = registry.init_app(self.app, self.settings, serving_metrics, loading=loading.steps(self.settings))
         if self.models.live_config is not None:
             self.models.live_config.on_applied = self.tell_workers
         self._watch_versions()
