@@ -130,6 +130,8 @@ def fake_server():
         server.server_close()
 
 
+# A Locust run of seconds against a fake server: a load run, not the fast tier.
+@pytest.mark.server
 @pytest.mark.parametrize("status, body", [
     (200, {"predictions": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]}),  # two predictions for one row
     (200, {"outputs": [[1.0, 2.0, 3.0]]}),                          # no predictions at all
@@ -234,6 +236,8 @@ class FakePredictionService:
         return response
 
 
+# A Locust run of seconds against a fake server: a load run, not the fast tier.
+@pytest.mark.server
 @pytest.mark.parametrize("answer_rows", [2, None], ids=["wrong-count", "resource-exhausted"])
 def test_locust_grpc_user_counts_a_bad_answer_as_a_failure(tmp_path, answer_rows):
     fake = FakePredictionService(answer_rows)
@@ -285,6 +289,8 @@ class FakeInferenceService:
         return response
 
 
+# A Locust run of seconds against a fake server: a load run, not the fast tier.
+@pytest.mark.server
 @pytest.mark.parametrize("answer_rows", [2, None], ids=["wrong-count", "resource-exhausted"])
 def test_locust_v2_grpc_user_counts_a_bad_answer_as_a_failure(tmp_path, answer_rows):
     fake = FakeInferenceService(answer_rows)
