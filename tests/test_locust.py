@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Server
+from tests.conftest import REPO, Server
 
 LOCUST_TIMEOUT_S = 90
 USERS = 5
@@ -198,8 +198,9 @@ class FakePredictionService:
     """A gRPC server answering GetModelMetadata with the default model's inputs, and Predict with a canned answer."""
 
     def __init__(self, answer_rows: int | None) -> None:
-        import grpc
         from concurrent import futures
+
+        import grpc
         from tensorflow_serving.apis import prediction_service_pb2_grpc
 
         self.answer_rows = answer_rows

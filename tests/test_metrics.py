@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import time
+
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families

@@ -146,7 +146,7 @@ def test_documented_columnar_example_with_named_inputs(server):
 
 
 def test_b64_values_in_and_out(server):
-    raw = [b"\xff\x00\x01binary", "plain text".encode()]
+    raw = [b"\xff\x00\x01binary", b"plain text"]
     body = {"instances": [{"b64": base64.b64encode(raw[0]).decode()}, "plain text"]}
     answer = post(server, "/v1/models/echo:predict", body)
     assert answer.status_code == 200, answer.text
@@ -221,7 +221,7 @@ def test_each_model_is_batched_separately_with_its_own_settings(server, exact_mo
                         for i in range(6)]
         exact_answers = [future.result(TIMEOUT_S) for future in exact_answers]
         half_answers = [future.result(TIMEOUT_S) for future in half_answers]
-    for rows, answer in zip(exact_bodies, exact_answers):
+    for rows, answer in zip(exact_bodies, exact_answers, strict=True):
         assert answer.json()["predictions"] == exact_model(rows).numpy().tolist()
         assert 1 <= int(answer.headers["X-Batch-Requests"]) <= 6
     assert max(int(answer.headers["X-Batch-Requests"]) for answer in exact_answers) > 1
