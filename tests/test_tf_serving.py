@@ -230,6 +230,7 @@ def test_each_model_is_batched_separately_with_its_own_settings(server, exact_mo
 
 
 def export_version(model_path, base, version: int) -> None:
+    """The documented export command, run as a user runs it."""
     subprocess.run([sys.executable, "scripts/export_saved_model.py", "--model", str(model_path), "--base", str(base),
                     "--version", str(version)], cwd=REPO, check=True, capture_output=True, timeout=300)
 
@@ -247,8 +248,12 @@ def test_exported_saved_model_serves_the_keras_models_own_output(start_server, e
 
 
 def test_new_version_is_swapped_in_under_load_without_a_failed_request(start_server, exact_model_path, tmp_path):
+    # The command's own function, in this process: the command is the test above's, the swap
+    # is this one's (two more TensorFlow imports in subprocesses cost about 10 s).
+    from scripts.export_saved_model import export
+
     base = tmp_path / "base"
-    export_version(exact_model_path, base, 1)
+    export(str(exact_model_path), base, 1)
     second = build_exact_model(seed=8)
     second.save(tmp_path / "second.keras")
     expected = {"1": build_exact_model(), "2": second}
@@ -269,7 +274,7 @@ def test_new_version_is_swapped_in_under_load_without_a_failed_request(start_ser
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         clients = [pool.submit(load, seed) for seed in range(4)]
-        export_version(tmp_path / "second.keras", base, 2)
+        export(str(tmp_path / "second.keras"), base, 2)
         deadline = time.monotonic() + 120
         while sum(answer.headers.get("X-Model-Version") == "2" for _, answer in list(answers)) < 50:
             assert time.monotonic() < deadline, "v2 never served"
