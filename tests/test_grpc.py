@@ -663,6 +663,8 @@ print(json.dumps(seen))
 """
 
 
+# It serves gRPC from a process of its own, through a command the mark's code reading cannot see.
+@pytest.mark.server
 def test_health_turns_not_serving_and_predict_unavailable_once_the_batchers_stop(exact_model_path):
     # In a process of its own: TensorFlow's runtime is set up once per process (see
     # test_reliability), and the batchers of a Gunicorn worker only stop as it exits.

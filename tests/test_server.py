@@ -176,6 +176,8 @@ def test_sigterm_answers_every_accepted_request(start_server, exact_model_path, 
         server.predict(integer_rows(1), timeout=5)
 
 
+# The server's own command, refused at start-up (in either mode: the MODEL_PROCESSES pass runs it too).
+@pytest.mark.server
 @pytest.mark.parametrize("variable,value,message", [
     ("MAX_BATCH_SIZE", "lots", "MAX_BATCH_SIZE='lots' is not valid: expected a whole number of 1 or more"),
     ("WORKERS", "0", "WORKERS='0' is not valid: expected a whole number of 1 or more"),
