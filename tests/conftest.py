@@ -194,6 +194,27 @@ class Server(LiveServer):
 
 
 @pytest.fixture
+def in_process_app() -> Iterator:
+    """in_process_app(**settings) -> the app a Gunicorn worker builds (create_app: the real
+    registry, batchers and metrics), in this process, for Flask's test client; its batchers are
+    closed afterwards. For what does not depend on Gunicorn, sockets or processes."""
+    from app import create_app
+    from app.registry import get_registry
+    from app.settings import Settings
+
+    apps = []
+
+    def make(**settings):
+        app = create_app(Settings(**{"access_log": False, "model_poll_seconds": 0, **settings}))
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        get_registry(app).close(drain=False)
+
+
+@pytest.fixture
 def start_server(tmp_path) -> Iterator:
     """start_server(env=..., workers=..., args=...) -> a running Server, stopped afterwards."""
     servers: list[Server] = []
