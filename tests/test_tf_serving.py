@@ -235,16 +235,17 @@ def export_version(model_path, base, version: int) -> None:
                     "--version", str(version)], cwd=REPO, check=True, capture_output=True, timeout=300)
 
 
-def test_exported_saved_model_serves_the_keras_models_own_output(start_server, exact_model_path, exact_model,
+def test_exported_saved_model_serves_the_keras_models_own_output(in_process_app, exact_model_path, exact_model,
                                                                  tmp_path):
     export_version(exact_model_path, tmp_path / "base", 1)
     assert sorted(p.name for p in (tmp_path / "base").iterdir()) == ["1"]
-    server = start_server({"MODEL_PATH": str(tmp_path / "base")})
+    # Served in-process: what is under test is the export and its loading, not Gunicorn.
+    app = in_process_app(model_path=str(tmp_path / "base"))
     rows = integer_rows(7, seed=5)
-    answer = server.predict(rows)
+    answer = app.test_client().post("/predict", json={"instances": rows.tolist()})
     assert answer.status_code == 200, answer.text
     assert answer.headers["X-Model-Version"] == "1"
-    np.testing.assert_array_equal(np.asarray(answer.json()["predictions"], np.float32), exact_model(rows).numpy())
+    np.testing.assert_array_equal(np.asarray(answer.json["predictions"], np.float32), exact_model(rows).numpy())
 
 
 def test_new_version_is_swapped_in_under_load_without_a_failed_request(start_server, exact_model_path, tmp_path):
