@@ -198,10 +198,15 @@ def in_process_app() -> Iterator:
     """in_process_app(**settings) -> the app a Gunicorn worker builds (create_app: the real
     registry, batchers and metrics), in this process, for Flask's test client; its batchers are
     closed afterwards. For what does not depend on Gunicorn, sockets or processes."""
-    from app import create_app
+    import logging
+
+    from app import create_app, logs
     from app.registry import get_registry
     from app.settings import Settings
 
+    # create_app sets the process's loggers as a worker's (the access log on or off, the app's
+    # level): the tests after this one find them as they were.
+    access_off, app_level = logs.access_log.disabled, logging.getLogger("app").level
     apps = []
 
     def make(**settings):
@@ -212,6 +217,8 @@ def in_process_app() -> Iterator:
     yield make
     for app in apps:
         get_registry(app).close(drain=False)
+    logs.access_log.disabled = access_off
+    logging.getLogger("app").setLevel(app_level)
 
 
 @pytest.fixture
