@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import shlex
 import subprocess
+import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +25,71 @@ from scripts.live_server import free_port as free_port
 FEATURES = 4
 # The address TensorFlow Serving's docs send their curl lines to.
 TF_SERVING_DOCS_URL = "http://localhost:8501"
+
+
+def _starts_a_process(target, seen: set[int]) -> bool:
+    """Whether `target` (a function or class of tests/ or scripts/) can reach subprocess.Popen: a
+    Gunicorn master, nginx, a tool's command. Read from the code, following the names it uses."""
+    if id(target) in seen:
+        return False
+    seen.add(id(target))
+    if isinstance(target, type):
+        return any(_starts_a_process(member, seen) for cls in target.__mro__ if _ours(cls)
+                   for member in vars(cls).values() if inspect.isfunction(member) or isinstance(member, property)
+                   for member in ([member.fget] if isinstance(member, property) else [member]))
+    function = inspect.unwrap(target)
+    if not inspect.isfunction(function):
+        return False
+    codes, names = [function.__code__], set()
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+    if "Popen" in names:
+        return True
+    # The globals it names, and what it names of those that are modules of ours (`benchmark.server.Server`).
+    found = [function.__globals__.get(name, sys.modules.get(name)) for name in names]  # a local import too
+    while found:
+        value = found.pop()
+        if isinstance(value, types.ModuleType) and _ours(value) and id(value) not in seen:
+            seen.add(id(value))
+            found.extend(getattr(value, name) for name in names if hasattr(value, name))
+        elif (inspect.isfunction(value) or isinstance(value, type)) and _ours(value) and \
+                _starts_a_process(value, seen):
+            return True
+    return False
+
+
+def _ours(thing) -> bool:
+    """Defined in tests/ or scripts/ (pytest imports a test module by its bare name)."""
+    module = thing if isinstance(thing, types.ModuleType) else sys.modules.get(thing.__module__)
+    where = getattr(module, "__file__", None) or ""
+    return where.startswith((str(REPO / "tests"), str(REPO / "scripts")))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `server` every test that starts a server or another long-lived process (Popen), itself
+    or through a fixture: `pytest -m "not server"` is the fast tier, run in-process."""
+    for item in items:
+        if item.get_closest_marker("server") is not None or not isinstance(item, pytest.Function):
+            continue
+        fixtures = [definitions[-1].func for name, definitions in item._fixtureinfo.name2fixturedefs.items()
+                    if name != "_server_marker_kept"]
+        targets = [item.function, *(func for func in fixtures if _ours(func))]
+        if any(_starts_a_process(target, set()) for target in targets):
+            item.add_marker(pytest.mark.server)
+
+
+@pytest.fixture(autouse=True)
+def _server_marker_kept(request, monkeypatch):
+    """In the fast tier, a test that starts a live server without the `server` mark fails: the
+    tier must start none, so the mark must follow the code (where the code cannot show it, a
+    test names the mark itself)."""
+    if "not server" in request.config.getoption("markexpr") and request.node.get_closest_marker("server") is None:
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"{request.node.nodeid} starts a server: mark it `server`")
+
+        monkeypatch.setattr(LiveServer, "start", refuse)
 
 
 def wait_for(predicate, *, within_s: float = 30, what: str = "a condition"):
@@ -123,6 +191,34 @@ class Server(LiveServer):
         text = requests.get(self.url + "/metrics", timeout=30).text
         return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
                    if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+@pytest.fixture
+def in_process_app() -> Iterator:
+    """in_process_app(**settings) -> the app a Gunicorn worker builds (create_app: the real
+    registry, batchers and metrics), in this process, for Flask's test client; its batchers are
+    closed afterwards. For what does not depend on Gunicorn, sockets or processes."""
+    import logging
+
+    from app import create_app, logs
+    from app.registry import get_registry
+    from app.settings import Settings
+
+    # create_app sets the process's loggers as a worker's (the access log on or off, the app's
+    # level): the tests after this one find them as they were.
+    access_off, app_level = logs.access_log.disabled, logging.getLogger("app").level
+    apps = []
+
+    def make(**settings):
+        app = create_app(Settings(**{"access_log": False, "model_poll_seconds": 0, **settings}))
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        get_registry(app).close(drain=False)
+    logs.access_log.disabled = access_off
+    logging.getLogger("app").setLevel(app_level)
 
 
 @pytest.fixture

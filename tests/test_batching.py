@@ -249,7 +249,7 @@ def test_bisect_fails_only_the_poisoned_request(make_batcher):
     first, release = occupy(batcher, model)
     futures = [batcher.submit(rows(v)) for v in (1.0, 2.0, 666.0, 4.0, 5.0)]
     release.set()
-    for future, value in zip(futures, (1.0, 2.0, None, 4.0, 5.0)):
+    for future, value in zip(futures, (1.0, 2.0, None, 4.0, 5.0), strict=True):
         if value is None:
             with pytest.raises(PredictFailed, match="poisoned"):
                 future.result(WAIT_S)
@@ -737,7 +737,7 @@ def test_two_poisoned_requests_in_a_full_batch_fail_alone_within_the_budget(make
     values = [666.0 if i in (3, 29) else float(i) for i in range(32)]
     futures = [batcher.submit(rows(v)) for v in values]
     release.set()
-    for future, value in zip(futures, values):
+    for future, value in zip(futures, values, strict=True):
         if value == 666.0:
             with pytest.raises(PredictFailed, match="poisoned"):
                 future.result(WAIT_S)

@@ -7,8 +7,8 @@ controller: cpu.cfs_quota_us and cpu.cfs_period_us).
 
 from __future__ import annotations
 
-import runpy
 import os
+import runpy
 import shutil
 import subprocess
 import sys

@@ -267,9 +267,9 @@ BAD_INPUTS = {
     "unknown-output-alias": (lambda r: (r.inputs["features"].CopyFrom(make_tensor_proto(np.zeros((1, 4), np.float32))),
                                         r.output_filter.append("nope")),
                              "output tensor alias not found in signature: nope"),
-    "duplicate-output-alias": (lambda r: (r.inputs["features"].CopyFrom(make_tensor_proto(np.zeros((1, 4), np.float32))),
-                                          r.output_filter.extend(["scores", "scores"])),
-                               "duplicate output tensor alias: scores"),
+    "duplicate-output-alias": (lambda r: (
+        r.inputs["features"].CopyFrom(make_tensor_proto(np.zeros((1, 4), np.float32))),
+        r.output_filter.extend(["scores", "scores"])), "duplicate output tensor alias: scores"),
     "version-label": (lambda r: (r.inputs["features"].CopyFrom(make_tensor_proto(np.zeros((1, 4), np.float32))),
                                  setattr(r.model_spec, "version_label", "stable")),
                       "Unrecognized servable version label: stable"),
@@ -663,6 +663,8 @@ print(json.dumps(seen))
 """
 
 
+# It serves gRPC from a process of its own, through a command the mark's code reading cannot see.
+@pytest.mark.server
 def test_health_turns_not_serving_and_predict_unavailable_once_the_batchers_stop(exact_model_path):
     # In a process of its own: TensorFlow's runtime is set up once per process (see
     # test_reliability), and the batchers of a Gunicorn worker only stop as it exits.
@@ -680,7 +682,8 @@ def test_health_turns_not_serving_and_predict_unavailable_once_the_batchers_stop
 # -- several workers, and SIGTERM ---------------------------------------------------------------
 
 
-def test_every_worker_serves_grpc_on_the_one_port_and_the_master_never_imports_grpc(start_server, exact_model_path, exact_model):
+def test_every_worker_serves_grpc_on_the_one_port_and_the_master_never_imports_grpc(start_server, exact_model_path,
+                                                                                    exact_model):
     server = start_server({"MODEL_PATH": str(exact_model_path), "LOG_FORMAT": "json", "MODEL_POLL_SECONDS": "0"},
                           workers=2)
     workers = set(server.wait_ready(workers=2))

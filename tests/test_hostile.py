@@ -236,7 +236,8 @@ def test_over_limit_body_gets_413_and_the_connection_serves_the_next_request(ser
         status, headers, body = read_response(sock)
         assert status == 413
         assert headers["content-type"] == "application/json"
-        assert json.loads(body) == {"error": f"the request body is larger than {DERIVED_LIMIT} bytes (MAX_REQUEST_BYTES)"}
+        assert json.loads(body) == {
+            "error": f"the request body is larger than {DERIVED_LIMIT} bytes (MAX_REQUEST_BYTES)"}
         # The body was read to its end: the same connection carries the next request.
         sock.sendall(predict_request(rows))
         status, _, body = read_response(sock)

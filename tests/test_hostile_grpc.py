@@ -138,7 +138,7 @@ class RawH2:
                 raise TimeoutError(f"no answer within {within_s} s; events {self.events}")
             try:
                 data = self.sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             if not data:
                 raise ConnectionError(f"closed by the server; events {self.events}")
@@ -308,7 +308,8 @@ def test_headers_only_streams_cannot_lock_out_health_and_are_cancelled(small_ser
             # The streams past the THREADS call slots were refused at once; the held ones are
             # cancelled once GRPC_RECEIVE_TIMEOUT_MS has passed.
             for client, stream in streams:
-                client.read_until(lambda: client.status(stream), within_s=RECEIVE_TIMEOUT_MS / 1000 + 10)
+                client.read_until(lambda client=client, stream=stream: client.status(stream),
+                                  within_s=RECEIVE_TIMEOUT_MS / 1000 + 10)
             statuses = sorted(client.status(stream) for client, stream in streams)
             assert statuses == sorted([str(grpc.StatusCode.CANCELLED.value[0])] * THREADS
                                       + [str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])] * per_connection)
@@ -328,7 +329,7 @@ def test_headers_only_health_calls_hold_a_thread_for_at_most_a_second(small_serv
             stalled = [client.headers_only(HEALTH) for _ in range(THREADS // 4)]
             watch.serving()
             for stream in stalled:
-                client.read_until(lambda: client.status(stream), within_s=5)
+                client.read_until(lambda stream=stream: client.status(stream), within_s=5)
                 assert client.status(stream) == str(grpc.StatusCode.CANCELLED.value[0])
         finally:
             client.close()

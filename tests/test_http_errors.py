@@ -50,7 +50,8 @@ BAD_BODIES = [
     ("unknown signature", b'{"signature_name": "train", "instances": [[1, 2, 3, 4]]}', 400, "unknown signature_name"),
     ("more rows than the queue", b'{"instances": [' + b",".join([b"[1, 2, 3, 4]"] * (MAX_QUEUE_ROWS + 1)) + b"]}",
      413, f"at most {MAX_QUEUE_ROWS} rows"),
-    ("body over the limit", b'{"instances": [[' + b"1, " * MAX_REQUEST_BYTES + b'1]]}', 413, f"larger than {MAX_REQUEST_BYTES} bytes"),
+    ("body over the limit", b'{"instances": [[' + b"1, " * MAX_REQUEST_BYTES + b'1]]}', 413,
+     f"larger than {MAX_REQUEST_BYTES} bytes"),
 ]
 
 

@@ -9,7 +9,7 @@ import subprocess
 import psutil
 import pytest
 
-from conftest import Server, wait_for
+from tests.conftest import Server, wait_for
 
 
 def gone(pid: int) -> bool:

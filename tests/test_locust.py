@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Server
+from tests.conftest import REPO, Server
 
 LOCUST_TIMEOUT_S = 90
 USERS = 5
@@ -41,6 +41,49 @@ def run_headless_locust(url: str, csv_prefix: Path, env: dict[str, str], *,
                "-u", str(USERS), "-r", str(USERS), "-t", f"{seconds}s", "--host", url, "--csv", str(csv_prefix),
                "--only-summary", *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=LOCUST_TIMEOUT_S)
+
+
+# Answers a fake server gives before its Locust run is stopped; no clock decides it (a timed run
+# on a loaded machine could end before Locust had sent anything). A user sends its next request
+# only once it has counted the last one, so of these at least 5 have been counted by then.
+FAKE_ANSWERS = USERS + 5
+
+
+class Answers:
+    """How many answers a fake server gave; `enough` is set at the FAKE_ANSWERS-th."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.enough = threading.Event()
+        self._lock = threading.Lock()
+
+    def one(self) -> None:
+        with self._lock:
+            self.count += 1
+            if self.count >= FAKE_ANSWERS:
+                self.enough.set()
+
+
+def locust_until_answered(url: str, stats_path: Path, env: dict[str, str], answers: Answers) -> tuple[int, dict]:
+    """Run headless Locust against a fake server until it has answered FAKE_ANSWERS requests, then
+    stop it as a user would (SIGTERM: Locust writes its stats and exits with its own code).
+    Returns the exit code and the aggregated stats of every request Locust finished."""
+    command = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py"), "--headless",
+               "-u", str(USERS), "-r", str(USERS), "-t", f"{LOCUST_TIMEOUT_S}s", "--host", url,
+               "--json-file", str(stats_path), "--only-summary"]
+    locust = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        enough = answers.enough.wait(LOCUST_TIMEOUT_S)
+        locust.terminate()
+        output, _ = locust.communicate(timeout=LOCUST_TIMEOUT_S)
+    finally:
+        if locust.poll() is None:
+            locust.kill()
+            locust.wait()
+    assert enough, f"the fake server answered {answers.count} requests:\n{output}"
+    entries = json.loads(stats_path.with_suffix(".json").read_text())
+    total = {key: sum(entry[key] for entry in entries) for key in ("num_requests", "num_failures")}
+    return locust.returncode, total
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +132,7 @@ class FakeServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), FakeHandler)
         self.status, self.body = status, body
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        self.answers = Answers()
 
 
 class FakeHandler(BaseHTTPRequestHandler):
@@ -101,6 +145,7 @@ class FakeHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
         self.answer(self.server.status, self.server.body)
+        self.server.answers.one()
 
     def answer(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -139,13 +184,10 @@ def test_locust_counts_a_bad_answer_as_a_failure(fake_server, tmp_path, status, 
     server = fake_server(status, body)
     env = locust_env(LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1")
 
-    # 5 s, not 2: on a loaded machine Locust's start-up took the whole of a 2 s run, which then
-    # counted no request at all.
-    run = run_headless_locust(server.url, tmp_path / "run", env, seconds=5)
+    returncode, total = locust_until_answered(server.url, tmp_path / "run", env, server.answers)
 
-    assert run.returncode != 0
-    row = aggregated_row(tmp_path / "run")
-    assert int(row["Failure Count"]) == int(row["Request Count"]) > 0
+    assert returncode != 0
+    assert total["num_failures"] == total["num_requests"] > 0, total
 
 
 def test_locust_sends_the_rows_asked_for(server, tmp_path):
@@ -196,11 +238,13 @@ class FakePredictionService:
     """A gRPC server answering GetModelMetadata with the default model's inputs, and Predict with a canned answer."""
 
     def __init__(self, answer_rows: int | None) -> None:
-        import grpc
         from concurrent import futures
+
+        import grpc
         from tensorflow_serving.apis import prediction_service_pb2_grpc
 
         self.answer_rows = answer_rows
+        self.answers = Answers()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         servicer = prediction_service_pb2_grpc.PredictionServiceServicer()
         servicer.GetModelMetadata = self.metadata
@@ -227,6 +271,7 @@ class FakePredictionService:
         import tensorflow as tf
         from tensorflow_serving.apis import predict_pb2
 
+        self.answers.one()  # counted before it is sent: Locust stops once it has had them
         if self.answer_rows is None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
         response = predict_pb2.PredictResponse()
@@ -239,13 +284,12 @@ def test_locust_grpc_user_counts_a_bad_answer_as_a_failure(tmp_path, answer_rows
     fake = FakePredictionService(answer_rows)
     env = locust_env(LOCUST_PROTOCOL="grpc", LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1")
     try:
-        run = run_headless_locust(f"grpc://{fake.target}", tmp_path / "run", env, seconds=5)
+        returncode, total = locust_until_answered(f"grpc://{fake.target}", tmp_path / "run", env, fake.answers)
     finally:
         fake.server.stop(None)
 
-    assert run.returncode != 0
-    row = aggregated_row(tmp_path / "run")
-    assert int(row["Failure Count"]) == int(row["Request Count"]) > 0, row
+    assert returncode != 0
+    assert total["num_failures"] == total["num_requests"] > 0, total
 
 
 class FakeInferenceService:
@@ -258,6 +302,7 @@ class FakeInferenceService:
         from tritonclient.grpc import service_pb2_grpc
 
         self.answer_rows = answer_rows
+        self.answers = Answers()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         servicer = service_pb2_grpc.GRPCInferenceServiceServicer()
         servicer.ModelMetadata = self.metadata
@@ -277,6 +322,7 @@ class FakeInferenceService:
         import grpc
         from tritonclient.grpc import service_pb2
 
+        self.answers.one()  # counted before it is sent: Locust stops once it has had them
         if self.answer_rows is None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
         response = service_pb2.ModelInferResponse(model_name=request.model_name)
@@ -290,13 +336,12 @@ def test_locust_v2_grpc_user_counts_a_bad_answer_as_a_failure(tmp_path, answer_r
     fake = FakeInferenceService(answer_rows)
     env = locust_env(LOCUST_PROTOCOL="v2-grpc", LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1")
     try:
-        run = run_headless_locust(f"grpc://{fake.target}", tmp_path / "run", env, seconds=5)
+        returncode, total = locust_until_answered(f"grpc://{fake.target}", tmp_path / "run", env, fake.answers)
     finally:
         fake.server.stop(None)
 
-    assert run.returncode != 0
-    row = aggregated_row(tmp_path / "run")
-    assert int(row["Failure Count"]) == int(row["Request Count"]) > 0, row
+    assert returncode != 0
+    assert total["num_failures"] == total["num_requests"] > 0, total
 
 
 def test_v2_grpc_request_carries_every_input_raw(tmp_path):

@@ -12,15 +12,15 @@ from __future__ import annotations
 import io
 import json
 import logging
+import logging.config
 import os
 import random
 import re
 import select
-import subprocess
-import threading
-import sys
-import logging.config
 import signal
+import subprocess
+import sys
+import threading
 from datetime import datetime, timedelta
 
 import pytest
@@ -129,7 +129,7 @@ def test_gunicorn_logconfig_gives_every_logger_the_one_json_handler():
         logging.config.dictConfig(logs.gunicorn_logconfig("INFO", "json"))
         [handler] = root.handlers
         assert isinstance(handler.formatter, logs.JsonFormatter)
-        assert getattr(handler, "model_server") is True
+        assert handler.model_server is True
         assert logging.getLogger("gunicorn.error").handlers == []
         assert logging.getLogger("gunicorn.error").propagate
         # The worker's configure_logging finds that handler and adds no second one.
@@ -170,7 +170,7 @@ def test_a_native_records_later_lines_take_its_level(caplog, text, levels):
     with caplog.at_level(logging.DEBUG, logger="app.runtime"):
         runtime.log_native_lines(text)
     assert [(entry.levelno, entry.getMessage()) for entry in caplog.records] == [
-        (level, f"tensorflow: {line}") for level, line in zip(levels, text.splitlines())]
+        (level, f"tensorflow: {line}") for level, line in zip(levels, text.splitlines(), strict=True)]
 
 
 def test_python_records_made_while_native_lines_are_captured_go_out_as_themselves():

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import time
+
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,7 +19,10 @@ DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "model-server.json"
 
 
 def samples(server) -> dict[tuple[str, tuple], float]:
-    text = requests.get(server.url + "/metrics", timeout=30).text
+    return parsed(requests.get(server.url + "/metrics", timeout=30).text)
+
+
+def parsed(text: str) -> dict[tuple[str, tuple], float]:
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
@@ -71,20 +75,27 @@ def test_metrics_count_exactly_the_requests_served_by_two_workers(two_workers):
     assert value(found, "model_server_model_load_seconds", model="default") > 0
 
 
-def test_full_queue_is_counted_as_a_rejection(start_server, exact_model_path):
-    server = start_server({"MODEL_PATH": str(exact_model_path), "MAX_QUEUE_ROWS": "2",
-                           "BATCH_TIMEOUT_MS": "2000", "MAX_BATCH_SIZE": "64"})
+def test_full_queue_is_counted_as_a_rejection(in_process_app, exact_model_path):
+    # In-process: the queue's limit, its 503 and the counters are the app's, not Gunicorn's.
+    app = in_process_app(model_path=str(exact_model_path), max_queue_rows=2, batch_timeout_ms=2000, max_batch_size=64)
+
+    def found() -> dict[tuple[str, tuple], float]:
+        return parsed(app.test_client().get("/metrics").text)
+
+    def predict(rows):
+        return app.test_client().post("/predict", json={"instances": rows.tolist()})
+
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(server.predict, integer_rows(2))
+        waiting = pool.submit(predict, integer_rows(2))
         deadline = time.monotonic() + 60
-        while value(samples(server), "model_server_queue_rows", model="default") != 2:
+        while value(found(), "model_server_queue_rows", model="default") != 2:
             assert time.monotonic() < deadline
-        assert server.predict(integer_rows(1)).status_code == 503
+        assert predict(integer_rows(1)).status_code == 503
         assert waiting.result(60).status_code == 200
-    found = samples(server)
-    assert value(found, "model_server_rejections_total", model="default", reason="queue_full") == 1
-    assert value(found, "model_server_requests_total", route="/predict", method="POST", status="503") == 1
-    assert value(found, "model_server_padding_rows_total", model="default") == 0
+    after = found()
+    assert value(after, "model_server_rejections_total", model="default", reason="queue_full") == 1
+    assert value(after, "model_server_requests_total", route="/predict", method="POST", status="503") == 1
+    assert value(after, "model_server_padding_rows_total", model="default") == 0
 
 
 @pytest.fixture(scope="module")

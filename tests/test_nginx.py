@@ -142,7 +142,8 @@ def test_slow_clients_leave_normal_clients_served(nginx, exact_model):
     assert stats.opened >= SLOW_CONNECTIONS and held_at_end >= SLOW_CONNECTIONS * 0.95, stats
     statuses = [outcome.status for outcome in outcomes]
     assert len(outcomes) >= NORMAL_CLIENTS and set(statuses) == {200}, sorted(set(statuses))
-    expected = dict(zip(map(tuple, rows), exact_model(np.asarray(rows, dtype="float32")).numpy().tolist(), strict=True))
+    scores = exact_model(np.asarray(rows, dtype="float32")).numpy().tolist()
+    expected = dict(zip(map(tuple, rows), scores, strict=True))
     for outcome in outcomes:
         assert outcome.predictions == [expected[tuple(outcome.row)]]
 

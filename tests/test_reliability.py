@@ -300,7 +300,8 @@ def test_poisoned_request_fails_alone_and_its_batch_mates_get_exact_answers(guar
     assert "InvalidArgumentError" in error and "poison" in error
     assert "Traceback" not in poisoned.text and 'File "' not in poisoned.text
 
-    good = [(rows, answer) for index, (rows, answer) in enumerate(zip(bodies, answers)) if index != poisoned_index]
+    good = [(rows, answer) for index, (rows, answer) in enumerate(zip(bodies, answers, strict=True))
+            if index != poisoned_index]
     for rows, answer in good:
         assert answer.status_code == 200, answer.text
         assert answer.json()["predictions"] == expected_scores(rows).tolist()
@@ -414,7 +415,8 @@ def test_sigterm_to_one_worker_under_load_loses_no_request(start_server, guarded
 
 
 def test_sigterm_to_the_master_under_load_answers_every_accepted_request(start_server, guarded_model_path):
-    server = start_server({"MODEL_PATH": str(guarded_model_path)}, workers=2)  # access log on: it names what was handled
+    # The access log is on: it names what was handled.
+    server = start_server({"MODEL_PATH": str(guarded_model_path)}, workers=2)
     with Load(server.url, clients=8, timeout_s=(5, 60), max_requests_per_client=5000, max_seconds=120,
               stop_on_refused=True) as load:
         load.wait_for(lambda outcomes: len(outcomes) >= 300, within_s=60)

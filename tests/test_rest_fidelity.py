@@ -179,7 +179,8 @@ def test_outputs_of_different_batch_sizes_answer_400(server):
     ("POST", "/v1/models/half_plus_two/versions/abc:predict",
      "Malformed request: POST /v1/models/half_plus_two/versions/abc:predict"),
     ("POST", "/v1/models/:predict", "Malformed request: POST /v1/models/:predict"),
-    ("GET", "/v1/models/half_plus_two/versions/1/status", "Malformed request: GET /v1/models/half_plus_two/versions/1/status"),
+    ("GET", "/v1/models/half_plus_two/versions/1/status",
+     "Malformed request: GET /v1/models/half_plus_two/versions/1/status"),
     ("GET", "/v1/models", "Missing model name in request."),
     ("DELETE", "/v1/models/a:b", "Malformed request: DELETE /v1/models/a:b"),
 ])

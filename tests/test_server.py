@@ -60,7 +60,7 @@ def test_concurrent_requests_get_the_models_own_output_in_fewer_calls(start_serv
     server = start_server({"MODEL_PATH": str(exact_model_path), "BATCH_TIMEOUT_MS": "1000"})
     bodies = [integer_rows(1 + i % 3, seed=i) for i in range(32)]
     answers = _post_all(server, bodies)
-    for rows, answer in zip(bodies, answers):
+    for rows, answer in zip(bodies, answers, strict=True):
         assert answer.status_code == 200, answer.text
         expected = exact_model(rows).numpy()
         np.testing.assert_array_equal(np.asarray(answer.json()["predictions"], dtype=np.float32), expected)
@@ -138,7 +138,7 @@ def test_full_queue_answers_503_at_once_and_queued_requests_still_succeed(start_
         assert rejected.status_code == 503
         assert rejected.headers["Retry-After"] == "1"
         assert "overloaded" in rejected.json()["error"]
-        for rows, future in zip(bodies, pending):
+        for rows, future in zip(bodies, pending, strict=True):
             answer = future.result(CLIENT_TIMEOUT_S)
             assert answer.status_code == 200
             np.testing.assert_array_equal(np.asarray(answer.json()["predictions"], np.float32),
@@ -168,7 +168,7 @@ def test_sigterm_answers_every_accepted_request(start_server, exact_model_path, 
         _wait_queued(server, len(bodies))
         server.send(signal.SIGTERM)
         answers = [future.result(CLIENT_TIMEOUT_S) for future in pending]
-    for rows, answer in zip(bodies, answers):
+    for rows, answer in zip(bodies, answers, strict=True):
         assert answer.status_code == 200, answer.text
         np.testing.assert_array_equal(np.asarray(answer.json()["predictions"], np.float32), exact_model(rows).numpy())
     assert server.proc.wait(CLIENT_TIMEOUT_S) == 0
@@ -176,6 +176,8 @@ def test_sigterm_answers_every_accepted_request(start_server, exact_model_path, 
         server.predict(integer_rows(1), timeout=5)
 
 
+# The server's own command, refused at start-up (in either mode: the MODEL_PROCESSES pass runs it too).
+@pytest.mark.server
 @pytest.mark.parametrize("variable,value,message", [
     ("MAX_BATCH_SIZE", "lots", "MAX_BATCH_SIZE='lots' is not valid: expected a whole number of 1 or more"),
     ("WORKERS", "0", "WORKERS='0' is not valid: expected a whole number of 1 or more"),

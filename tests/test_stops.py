@@ -147,10 +147,10 @@ def test_group_stop_is_clean(servers, pattern):
 def test_master_stops_are_clean(servers):
     """One server per pattern, started side by side; 2 workers each."""
     batch = servers(len(MASTER_STOPS), workers=2)
-    for server, send in zip(batch, MASTER_STOPS.values()):
+    for server, send in zip(batch, MASTER_STOPS.values(), strict=True):
         predict_once(server)
         send(server)
-    for server, pattern in zip(batch, MASTER_STOPS):
+    for server, pattern in zip(batch, MASTER_STOPS, strict=True):
         print(pattern)
         assert_clean(server, server.wait_stopped(), server.worker_pids)
 

@@ -146,7 +146,7 @@ def test_documented_columnar_example_with_named_inputs(server):
 
 
 def test_b64_values_in_and_out(server):
-    raw = [b"\xff\x00\x01binary", "plain text".encode()]
+    raw = [b"\xff\x00\x01binary", b"plain text"]
     body = {"instances": [{"b64": base64.b64encode(raw[0]).decode()}, "plain text"]}
     answer = post(server, "/v1/models/echo:predict", body)
     assert answer.status_code == 200, answer.text
@@ -221,7 +221,7 @@ def test_each_model_is_batched_separately_with_its_own_settings(server, exact_mo
                         for i in range(6)]
         exact_answers = [future.result(TIMEOUT_S) for future in exact_answers]
         half_answers = [future.result(TIMEOUT_S) for future in half_answers]
-    for rows, answer in zip(exact_bodies, exact_answers):
+    for rows, answer in zip(exact_bodies, exact_answers, strict=True):
         assert answer.json()["predictions"] == exact_model(rows).numpy().tolist()
         assert 1 <= int(answer.headers["X-Batch-Requests"]) <= 6
     assert max(int(answer.headers["X-Batch-Requests"]) for answer in exact_answers) > 1
@@ -230,25 +230,31 @@ def test_each_model_is_batched_separately_with_its_own_settings(server, exact_mo
 
 
 def export_version(model_path, base, version: int) -> None:
+    """The documented export command, run as a user runs it."""
     subprocess.run([sys.executable, "scripts/export_saved_model.py", "--model", str(model_path), "--base", str(base),
                     "--version", str(version)], cwd=REPO, check=True, capture_output=True, timeout=300)
 
 
-def test_exported_saved_model_serves_the_keras_models_own_output(start_server, exact_model_path, exact_model,
+def test_exported_saved_model_serves_the_keras_models_own_output(in_process_app, exact_model_path, exact_model,
                                                                  tmp_path):
     export_version(exact_model_path, tmp_path / "base", 1)
     assert sorted(p.name for p in (tmp_path / "base").iterdir()) == ["1"]
-    server = start_server({"MODEL_PATH": str(tmp_path / "base")})
+    # Served in-process: what is under test is the export and its loading, not Gunicorn.
+    app = in_process_app(model_path=str(tmp_path / "base"))
     rows = integer_rows(7, seed=5)
-    answer = server.predict(rows)
+    answer = app.test_client().post("/predict", json={"instances": rows.tolist()})
     assert answer.status_code == 200, answer.text
     assert answer.headers["X-Model-Version"] == "1"
-    np.testing.assert_array_equal(np.asarray(answer.json()["predictions"], np.float32), exact_model(rows).numpy())
+    np.testing.assert_array_equal(np.asarray(answer.json["predictions"], np.float32), exact_model(rows).numpy())
 
 
 def test_new_version_is_swapped_in_under_load_without_a_failed_request(start_server, exact_model_path, tmp_path):
+    # The command's own function, in this process: the command is the test above's, the swap
+    # is this one's (two more TensorFlow imports in subprocesses cost about 10 s).
+    from scripts.export_saved_model import export
+
     base = tmp_path / "base"
-    export_version(exact_model_path, base, 1)
+    export(str(exact_model_path), base, 1)
     second = build_exact_model(seed=8)
     second.save(tmp_path / "second.keras")
     expected = {"1": build_exact_model(), "2": second}
@@ -269,7 +275,7 @@ def test_new_version_is_swapped_in_under_load_without_a_failed_request(start_ser
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         clients = [pool.submit(load, seed) for seed in range(4)]
-        export_version(tmp_path / "second.keras", base, 2)
+        export(str(tmp_path / "second.keras"), base, 2)
         deadline = time.monotonic() + 120
         while sum(answer.headers.get("X-Model-Version") == "2" for _, answer in list(answers)) < 50:
             assert time.monotonic() < deadline, "v2 never served"

@@ -206,7 +206,8 @@ def test_version_policies_and_labels_carry_over():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("improperly formatted file", "Error parsing text-format tensorflow.serving.ModelServerConfig"),  # testBadModelConfig
+    # testBadModelConfig
+    ("improperly formatted file", "Error parsing text-format tensorflow.serving.ModelServerConfig"),
     ('model_config_list { config { name: "m" base_path: "/m" model_platform: "tflite" } }',
      "model_platform 'tflite' is not supported"),
     ("model_config_list { }", "holds no config"),

@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from app import models
-from app.batching import BatchObserver, Batcher
+from app.batching import Batcher, BatchObserver
 from app.errors import NotFound
 from app.models import LoadedModel, TensorInfo
 from app.registry import LiveConfig, ModelRegistry, Servable, wanted_versions
