@@ -276,7 +276,7 @@ def test_a_model_jax_cannot_hold_stops_start_up_naming_the_model_and_why(tmp_pat
                         MODEL_PATH=str(tmp_path / "strings.keras"), MODEL_NAME="words")
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1] == (
-        "app.models.ModelLoadError: model 'words': tensor 'text' is string, which the JAX backend cannot hold "
+        "app.model_types.ModelLoadError: model 'words': tensor 'text' is string, which the JAX backend cannot hold "
         "(JAX has no string tensors); serve this model without KERAS_BACKEND=jax")
 
 
