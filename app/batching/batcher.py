@@ -207,10 +207,11 @@ class Batcher:
 
     def _fill(self, batch: Batch, backlog: Iterable[Pending]) -> None:
         """Take rows from the backlog, oldest first, of the batch's shape, until it is full."""
+        now = self._clock()  # once per pass, not per request: the pass takes microseconds
         for pending in backlog:
             if batch.full or (batch.slices and not self.batching):
                 return
-            if not pending.remaining or drop_if_abandoned(pending, self._clock(), self._hooks):
+            if not pending.remaining or drop_if_abandoned(pending, now, self._hooks):
                 continue
             if batch.key is None:
                 batch.key = pending.key
@@ -218,7 +219,8 @@ class Batcher:
                 batch.take(pending)
 
     def _run_batch(self, batch: Batch) -> None:
-        slices = [piece for piece in batch.slices if start(piece.pending, self._clock, self._hooks)]
+        now = self._clock()
+        slices = [piece for piece in batch.slices if start(piece.pending, now, self._hooks)]
         if not slices:
             return
         # Rows count as queued until their predict call starts (a forming batch waits too);

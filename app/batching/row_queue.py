@@ -118,10 +118,14 @@ class RowQueue(queue.Queue):
 
     def forget_done(self) -> None:
         """Drop answered requests from the backlog; only they leave it."""
+        # One look at each future: one cancelled between two looks would leave unnotified.
+        kept: collections.deque[Pending] = collections.deque()
         for pending in self._backlog:
-            if pending.future.done():
+            if not pending.future.done():
+                kept.append(pending)
+            elif not pending.started:
                 pending.notify_if_cancelled()
-        self._backlog = collections.deque(p for p in self._backlog if not p.future.done())
+        self._backlog = kept
 
     def unfinished(self) -> list[Pending]:
         with self.mutex:

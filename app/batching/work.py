@@ -53,12 +53,14 @@ class Pending:
         return self.rows - self.next_row
 
     def deliver(self, outputs: dict[str, np.ndarray], batch_rows: int, batch_requests: int, done: bool) -> None:
-        if self.future.done():
-            return
         if not done:
-            self.parts.append(outputs)
+            if not self.future.done():
+                self.parts.append(outputs)
             return
         if self.parts:
+            if self.future.done():
+                self.parts = []
+                return
             self.parts.append(outputs)
             try:
                 outputs = {name: np.concatenate([part[name] for part in self.parts]) for name in outputs}
@@ -141,10 +143,10 @@ def drop_if_abandoned(pending: Pending, now: float, observer: BatchObserver) -> 
     return False
 
 
-def start(pending: Pending, clock: Callable[[], float], hooks: GuardedObserver) -> bool:
-    """The last check before a predict call: False leaves out a request cancelled or expired
-    meanwhile, or one whose client has gone (asked before its first rows run only)."""
-    if drop_if_abandoned(pending, clock(), hooks):
+def start(pending: Pending, now: float, hooks: GuardedObserver) -> bool:
+    """The last check before a predict call, the clock reading `now`: False leaves out a request
+    cancelled or expired meanwhile, or one whose client has gone (asked before its first rows run only)."""
+    if drop_if_abandoned(pending, now, hooks):
         return False
     if not pending.started:
         if pending.client_gone is not None and hooks.guarded("client_gone", pending.client_gone):
@@ -155,5 +157,5 @@ def start(pending: Pending, clock: Callable[[], float], hooks: GuardedObserver) 
         pending.started = True
         if not pending.future.set_running_or_notify_cancel():
             return False
-        hooks.queue_wait(clock() - pending.enqueued_at)
+        hooks.queue_wait(now - pending.enqueued_at)
     return True
