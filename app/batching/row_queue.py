@@ -42,6 +42,28 @@ class RowQueue(queue.Queue):
         # each request a thread switch and a GIL hand-off on the path between two predict calls.
         self.enough_arrived = threading.Condition(self.mutex)
 
+    # -- put() and get(), without what this queue does not use -----------------------------
+    # Queue's own take the not_full condition, count unfinished_tasks for join(), and notify
+    # not_empty on every put, which walks its waiters; here a put wakes the batch thread
+    # only where it waits in get(), once: under load it is busy, and nobody waits there.
+
+    def put(self, item: Pending, block: bool = True, timeout: float | None = None) -> None:
+        with self.mutex:
+            self._put(item)
+            if self._getting:
+                self._getting = False
+                self.not_empty.notify()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> collections.deque[Pending]:
+        if not block or timeout is not None:
+            return super().get(block, timeout)
+        with self.mutex:
+            while not self._qsize():
+                self._getting = True
+                self.not_empty.wait()
+            self._getting = False
+            return self._get()
+
     # -- queue.Queue's extension points (called with the mutex held) ---------------------
 
     def _init(self, maxsize: int) -> None:
@@ -53,6 +75,8 @@ class RowQueue(queue.Queue):
         self.broken: BaseException | None = None
         # While a batch fills: the arrivals (requests, rows) that wake the batch thread.
         self._wake: tuple[int, int] | None = None
+        # True while the batch thread waits in get() for a first arrival.
+        self._getting = False
         # The clock's reading at the last flush(): a batch whose oldest request came before it waits no more.
         self.flushed_at = float("-inf")
 
