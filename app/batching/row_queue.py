@@ -32,6 +32,8 @@ class RowQueue(queue.Queue):
     A request leaves when its future is done, not by task_done(): join() is not for this queue.
     """
 
+    _getting: bool  # set by _init
+
     def __init__(self, *, name: str, max_rows: int, observer: BatchObserver) -> None:
         self.name = name
         self.max_rows = max_rows
