@@ -81,21 +81,21 @@ class Pending:
             self.future.set_running_or_notify_cancel()
 
 
-@dataclasses.dataclass
 class Slice:
-    """Rows start:stop of one request, as one batch holds them."""
+    """Rows start:stop of one request, as one batch holds them (`last`: the request's last rows)."""
 
-    pending: Pending
-    start: int
-    stop: int
+    __slots__ = ("pending", "start", "stop", "rows", "last")
 
-    @property
-    def rows(self) -> int:
-        return self.stop - self.start
+    def __init__(self, pending: Pending, start: int, stop: int) -> None:
+        self.pending = pending
+        self.start = start
+        self.stop = stop
+        # Fields, not properties: read several times a request on the batch thread.
+        self.rows = stop - start
+        self.last = stop == pending.rows
 
-    @property
-    def last(self) -> bool:
-        return self.stop == self.pending.rows
+    def __repr__(self) -> str:
+        return f"Slice(rows {self.start}:{self.stop} of {self.pending.rows})"
 
 
 class Batch:
@@ -134,8 +134,12 @@ def settle(future: concurrent.futures.Future, *, result: Any = None, exception: 
 def drop_if_abandoned(pending: Pending, now: float, observer: BatchObserver) -> bool:
     """True for a request nobody waits for any more: cancelled, failed, or past its deadline
     (its future then fails with DeadlineExceeded, counted once as a rejection)."""
-    if pending.future.done():
-        return True
+    return pending.future.done() or expired(pending, now, observer)
+
+
+def expired(pending: Pending, now: float, observer: BatchObserver) -> bool:
+    """True for a request past its deadline: its future fails with DeadlineExceeded, counted
+    once as a rejection (not if something finished it first)."""
     if pending.deadline is not None and now >= pending.deadline:
         if settle(pending.future, exception=DeadlineExceeded("the request's deadline passed before it ran")):
             observer.rejected("deadline")
@@ -146,16 +150,22 @@ def drop_if_abandoned(pending: Pending, now: float, observer: BatchObserver) -> 
 def start(pending: Pending, now: float, hooks: GuardedObserver) -> bool:
     """The last check before a predict call, the clock reading `now`: False leaves out a request
     cancelled or expired meanwhile, or one whose client has gone (asked before its first rows run only)."""
-    if drop_if_abandoned(pending, now, hooks):
+    if pending.started:
+        return not drop_if_abandoned(pending, now, hooks)
+    # Not started, so nothing but a cancel can have finished it since the fill looked, and
+    # set_running_or_notify_cancel() answers that: no look at the future (its lock) first.
+    if expired(pending, now, hooks):
         return False
-    if not pending.started:
-        if pending.client_gone is not None and hooks.guarded("client_gone", pending.client_gone):
-            if pending.future.cancel():
-                hooks.rejected("client_gone")
-            pending.notify_if_cancelled()
-            return False
-        pending.started = True
+    if pending.client_gone is not None and hooks.guarded("client_gone", pending.client_gone):
+        if pending.future.cancel():
+            hooks.rejected("client_gone")
+        pending.notify_if_cancelled()
+        return False
+    pending.started = True
+    try:
         if not pending.future.set_running_or_notify_cancel():
             return False
-        hooks.queue_wait(now - pending.enqueued_at)
+    except RuntimeError:  # finished meanwhile after all: nothing left to run
+        return False
+    hooks.queue_wait(now - pending.enqueued_at)
     return True
