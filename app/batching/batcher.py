@@ -99,9 +99,10 @@ class Batcher:
                           self.padding, trace)
         # A request abandoned (cancelled, failed, answered) stops counting against the queue at once,
         # not when the batch thread reaches it.
-        pending.future.add_done_callback(lambda _future: self.queue.uncount(pending))
+        # Called with the future, which is the request itself (typed as the Future it extends).
+        pending.add_done_callback(self.queue.uncount)  # type: ignore[arg-type]
         self.queue.put(pending)
-        return pending.future
+        return pending
 
     def predict(self, inputs: Tensors, *, timeout_s: float, client_gone: Callable[[], bool] | None = None,
                 trace: Any = None) -> BatchResult:
@@ -234,7 +235,7 @@ class Batcher:
             log.exception("batch of model '%s' failed outside its predict call", self.name)
             error = PredictFailed.from_exception(exc)
             for piece in slices:
-                settle(piece.pending.future, exception=error)
+                settle(piece.pending, exception=error)
         else:
             if stats is not None:
                 self.fill_policy.record(stats)
@@ -243,7 +244,7 @@ class Batcher:
     def _fail_remaining(self, error: Exception) -> None:
         # Settled outside the queue's mutex: each future's done-callback takes it to release its rows.
         for pending in self.queue.unfinished():
-            settle(pending.future, exception=error)
+            settle(pending, exception=error)
             pending.notify_if_cancelled()
 
     def _break(self, exc: BaseException) -> None:

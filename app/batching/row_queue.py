@@ -147,7 +147,7 @@ class RowQueue(queue.Queue):
         # One look at each future: one cancelled between two looks would leave unnotified.
         kept: collections.deque[Pending] = collections.deque()
         for pending in self._backlog:
-            if not pending.future.done():
+            if not pending.done():
                 kept.append(pending)
             elif not pending.started:
                 pending.notify_if_cancelled()

@@ -23,17 +23,18 @@ class BatchResult:
     batch_requests: int
 
 
-class Pending:
-    """One submitted request: its rows, its future, and how far the batch thread got."""
+class Pending(concurrent.futures.Future[BatchResult]):
+    """One submitted request: its rows, and how far the batch thread got; it is its own future
+    (one object a request, not two), and `submit` hands it out as a plain Future."""
 
-    __slots__ = ("inputs", "future", "rows", "key", "enqueued_at", "deadline", "client_gone", "next_row", "parts",
+    __slots__ = ("inputs", "rows", "key", "enqueued_at", "deadline", "client_gone", "next_row", "parts",
                  "started", "counted", "trace")
 
     def __init__(self, inputs: Tensors, rows: int, enqueued_at: float, deadline: float | None,
                  client_gone: Callable[[], bool] | None = None, padding: Padding | None = None,
                  trace: Any = None) -> None:
+        super().__init__()
         self.inputs = inputs
-        self.future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
         self.rows = rows
         self.key: Hashable = batch_key(inputs, padding)
         self.enqueued_at = enqueued_at
@@ -54,11 +55,11 @@ class Pending:
 
     def deliver(self, outputs: dict[str, np.ndarray], batch_rows: int, batch_requests: int, done: bool) -> None:
         if not done:
-            if not self.future.done():
+            if not self.done():
                 self.parts.append(outputs)
             return
         if self.parts:
-            if self.future.done():
+            if self.done():
                 self.parts = []
                 return
             self.parts.append(outputs)
@@ -66,19 +67,19 @@ class Pending:
                 outputs = {name: np.concatenate([part[name] for part in self.parts]) for name in outputs}
             except (ValueError, KeyError) as exc:
                 # E.g. a model whose output width follows the batch: this request alone cannot be answered.
-                settle(self.future, exception=PredictFailed(
+                settle(self, exception=PredictFailed(
                     f"the outputs of the batches that held this request's rows do not join: {exc}"))
                 return
             finally:
                 self.parts = []
-        settle(self.future, result=BatchResult(outputs, batch_rows, batch_requests))
+        settle(self, result=BatchResult(outputs, batch_rows, batch_requests))
 
     def notify_if_cancelled(self) -> None:
         # As concurrent.futures' executors do: until this call, concurrent.futures.wait() and
         # as_completed() do not count a cancelled future as done, and would wait for it forever.
-        if self.future.cancelled() and not self.started:
+        if self.cancelled() and not self.started:
             self.started = True
-            self.future.set_running_or_notify_cancel()
+            self.set_running_or_notify_cancel()
 
 
 class Slice:
@@ -134,14 +135,14 @@ def settle(future: concurrent.futures.Future, *, result: Any = None, exception: 
 def drop_if_abandoned(pending: Pending, now: float, observer: BatchObserver) -> bool:
     """True for a request nobody waits for any more: cancelled, failed, or past its deadline
     (its future then fails with DeadlineExceeded, counted once as a rejection)."""
-    return pending.future.done() or expired(pending, now, observer)
+    return pending.done() or expired(pending, now, observer)
 
 
 def expired(pending: Pending, now: float, observer: BatchObserver) -> bool:
     """True for a request past its deadline: its future fails with DeadlineExceeded, counted
     once as a rejection (not if something finished it first)."""
     if pending.deadline is not None and now >= pending.deadline:
-        if settle(pending.future, exception=DeadlineExceeded("the request's deadline passed before it ran")):
+        if settle(pending, exception=DeadlineExceeded("the request's deadline passed before it ran")):
             observer.rejected("deadline")
         return True
     return False
@@ -157,13 +158,13 @@ def start(pending: Pending, now: float, hooks: GuardedObserver) -> bool:
     if expired(pending, now, hooks):
         return False
     if pending.client_gone is not None and hooks.guarded("client_gone", pending.client_gone):
-        if pending.future.cancel():
+        if pending.cancel():
             hooks.rejected("client_gone")
         pending.notify_if_cancelled()
         return False
     pending.started = True
     try:
-        if not pending.future.set_running_or_notify_cancel():
+        if not pending.set_running_or_notify_cancel():
             return False
     except RuntimeError:  # finished meanwhile after all: nothing left to run
         return False
