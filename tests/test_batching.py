@@ -963,3 +963,30 @@ def test_a_failing_client_gone_check_is_logged_once_and_the_request_served(make_
     assert [result.outputs["y"][0, 0] for result in results] == [10.0, 20.0]
     assert [r.getMessage() for r in caplog.records] == ["client_gone of model 'default' failed (logged once)"]
     assert batcher.alive
+
+
+def test_a_request_that_expires_while_its_batch_fills_is_dropped_unrun(make_batcher, fake):
+    now = [1000.0]
+    # A window of a minute on the fake clock: the batch waits in it until the flush below.
+    batcher = make_batcher(max_batch_size=8, batch_timeout_ms=60_000, clock=lambda: now[0])
+    expiring = batcher.submit(rows(1.0), timeout_s=0.01)
+    wait_for(lambda: batcher.queue.wake_requests is not None, within_s=WAIT_S, what="the batch filling")
+    now[0] += 1.0  # past the request's deadline
+    batcher.flush()
+    with pytest.raises(DeadlineExceeded, match="^the request's deadline passed before it ran$"):
+        expiring.result(WAIT_S)
+    assert fake.calls == []
+
+
+def test_an_expired_request_takes_no_room_in_the_next_batch(make_batcher, fake):
+    now = [1000.0]
+    batcher = make_batcher(max_batch_size=2, clock=lambda: now[0])
+    first, release = occupy(batcher, fake)
+    expiring = batcher.submit(rows(1.0), timeout_s=0.01)
+    kept = [batcher.submit(rows(value)) for value in (2.0, 3.0)]
+    now[0] += 1.0  # past the first queued request's deadline, while the model is held
+    release.set()
+    with pytest.raises(DeadlineExceeded, match="^the request's deadline passed before it ran$"):
+        expiring.result(WAIT_S)
+    assert [future.result(WAIT_S).outputs["y"][0, 0] for future in kept] == [20.0, 30.0]
+    assert fake.batch_rows == [1, 2]

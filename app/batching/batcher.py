@@ -101,9 +101,10 @@ class Batcher:
                           self.padding, trace)
         # A request abandoned (cancelled, failed, answered) stops counting against the queue at once,
         # not when the batch thread reaches it.
-        pending.future.add_done_callback(lambda _future: self.queue.uncount(pending))
+        # Called with the future, which is the request itself (typed as the Future it extends).
+        pending.add_done_callback(self.queue.uncount)  # type: ignore[arg-type]
         self.queue.put(pending)
-        return pending.future
+        return pending
 
     def predict(self, inputs: Tensors, *, timeout_s: float, client_gone: Callable[[], bool] | None = None,
                 trace: Any = None) -> BatchResult:
@@ -209,10 +210,11 @@ class Batcher:
 
     def _fill(self, batch: Batch, backlog: Iterable[Pending]) -> None:
         """Take rows from the backlog, oldest first, of the batch's shape, until it is full."""
+        now = self._clock()  # once per pass, not per request: the pass takes microseconds
         for pending in backlog:
             if batch.full or (batch.slices and not self.batching):
                 return
-            if not pending.remaining or drop_if_abandoned(pending, self._clock(), self._hooks):
+            if not pending.remaining or drop_if_abandoned(pending, now, self._hooks):
                 continue
             if batch.key is None:
                 batch.key = pending.key
@@ -220,7 +222,8 @@ class Batcher:
                 batch.take(pending)
 
     def _run_batch(self, batch: Batch) -> None:
-        slices = [piece for piece in batch.slices if start(piece.pending, self._clock, self._hooks)]
+        now = self._clock()
+        slices = [piece for piece in batch.slices if start(piece.pending, now, self._hooks)]
         if not slices:
             return
         # Rows count as queued until their predict call starts (a forming batch waits too);
@@ -234,7 +237,7 @@ class Batcher:
             log.exception("batch of model '%s' failed outside its predict call", self.name)
             error = PredictFailed.from_exception(exc)
             for piece in slices:
-                settle(piece.pending.future, exception=error)
+                settle(piece.pending, exception=error)
         else:
             if stats is not None:
                 self.fill_policy.record(stats)
@@ -243,7 +246,7 @@ class Batcher:
     def _fail_remaining(self, error: Exception) -> None:
         # Settled outside the queue's mutex: each future's done-callback takes it to release its rows.
         for pending in self.queue.unfinished():
-            settle(pending.future, exception=error)
+            settle(pending, exception=error)
             pending.notify_if_cancelled()
 
     def _break(self, exc: BaseException) -> None:

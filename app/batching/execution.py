@@ -90,7 +90,7 @@ class Executor:
     def fail(self, part: list[Slice], error: ServingError) -> None:
         log.warning("predict of model '%s' failed for %d request(s): %s", self.name, len(part), error)
         for piece in part:
-            settle(piece.pending.future, exception=error)
+            settle(piece.pending, exception=error)
 
     def _predict(self, part: list[Slice]) -> tuple[dict[str, np.ndarray], int, int, float, LengthCut | None]:
         cut = None

@@ -32,6 +32,8 @@ class RowQueue(queue.Queue):
     A request leaves when its future is done, not by task_done(): join() is not for this queue.
     """
 
+    _getting: bool  # set by _init
+
     def __init__(self, *, name: str, max_rows: int, observer: BatchObserver) -> None:
         self.name = name
         self.max_rows = max_rows
@@ -41,6 +43,28 @@ class RowQueue(queue.Queue):
         # requests or rows it waits for have arrived. Waking it for every arrival would cost
         # each request a thread switch and a GIL hand-off on the path between two predict calls.
         self.enough_arrived = threading.Condition(self.mutex)
+
+    # -- put() and get(), without what this queue does not use -----------------------------
+    # Queue's own take the not_full condition, count unfinished_tasks for join(), and notify
+    # not_empty on every put, which walks its waiters; here a put wakes the batch thread
+    # only where it waits in get(), once: under load it is busy, and nobody waits there.
+
+    def put(self, item: Pending, block: bool = True, timeout: float | None = None) -> None:
+        with self.mutex:
+            self._put(item)
+            if self._getting:
+                self._getting = False
+                self.not_empty.notify()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> collections.deque[Pending]:
+        if not block or timeout is not None:
+            return super().get(block, timeout)
+        with self.mutex:
+            while not self._qsize():
+                self._getting = True
+                self.not_empty.wait()
+            self._getting = False
+            return self._get()
 
     # -- queue.Queue's extension points (called with the mutex held) ---------------------
 
@@ -53,6 +77,8 @@ class RowQueue(queue.Queue):
         self.broken: BaseException | None = None
         # While a batch fills: the arrivals (requests, rows) that wake the batch thread.
         self._wake: tuple[int, int] | None = None
+        # True while the batch thread waits in get() for a first arrival.
+        self._getting = False
         # The clock's reading at the last flush(): a batch whose oldest request came before it waits no more.
         self.flushed_at = float("-inf")
 
@@ -118,10 +144,14 @@ class RowQueue(queue.Queue):
 
     def forget_done(self) -> None:
         """Drop answered requests from the backlog; only they leave it."""
+        # One look at each future: one cancelled between two looks would leave unnotified.
+        kept: collections.deque[Pending] = collections.deque()
         for pending in self._backlog:
-            if pending.future.done():
+            if not pending.done():
+                kept.append(pending)
+            elif not pending.started:
                 pending.notify_if_cancelled()
-        self._backlog = collections.deque(p for p in self._backlog if not p.future.done())
+        self._backlog = kept
 
     def unfinished(self) -> list[Pending]:
         with self.mutex:

@@ -33,6 +33,10 @@ def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
 
 
 def row_count(inputs: Tensors) -> int:
+    if len(inputs) == 1:  # the common case, without a set
+        for arr in inputs.values():
+            if arr.ndim:
+                return arr.shape[0]
     counts = {arr.shape[0] if arr.ndim else -1 for arr in inputs.values()}
     if len(counts) != 1 or -1 in counts:
         raise InvalidInput(f"all inputs must have the same number of rows; got {sorted(counts)}")
@@ -94,6 +98,8 @@ def batch_key(inputs: Tensors, padding: Padding | None = None) -> Hashable:
     """Requests share a batch only if their keys are equal: every input has the same per-row
     shape and dtype, up to the variable dimensions that `padding` pads."""
     if padding is None:
+        if len(inputs) == 1:  # the common case, without a sort
+            return tuple((name, arr.shape[1:], arr.dtype.str) for name, arr in inputs.items())
         return tuple(sorted((name, arr.shape[1:], arr.dtype.str) for name, arr in inputs.items()))
     key = []
     for name, arr in sorted(inputs.items()):

@@ -23,17 +23,18 @@ class BatchResult:
     batch_requests: int
 
 
-class Pending:
-    """One submitted request: its rows, its future, and how far the batch thread got."""
+class Pending(concurrent.futures.Future[BatchResult]):
+    """One submitted request: its rows, and how far the batch thread got; it is its own future
+    (one object a request, not two), and `submit` hands it out as a plain Future."""
 
-    __slots__ = ("inputs", "future", "rows", "key", "enqueued_at", "deadline", "client_gone", "next_row", "parts",
+    __slots__ = ("inputs", "rows", "key", "enqueued_at", "deadline", "client_gone", "next_row", "parts",
                  "started", "counted", "trace")
 
     def __init__(self, inputs: Tensors, rows: int, enqueued_at: float, deadline: float | None,
                  client_gone: Callable[[], bool] | None = None, padding: Padding | None = None,
                  trace: Any = None) -> None:
+        super().__init__()
         self.inputs = inputs
-        self.future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
         self.rows = rows
         self.key: Hashable = batch_key(inputs, padding)
         self.enqueued_at = enqueued_at
@@ -53,47 +54,49 @@ class Pending:
         return self.rows - self.next_row
 
     def deliver(self, outputs: dict[str, np.ndarray], batch_rows: int, batch_requests: int, done: bool) -> None:
-        if self.future.done():
-            return
         if not done:
-            self.parts.append(outputs)
+            if not self.done():
+                self.parts.append(outputs)
             return
         if self.parts:
+            if self.done():
+                self.parts = []
+                return
             self.parts.append(outputs)
             try:
                 outputs = {name: np.concatenate([part[name] for part in self.parts]) for name in outputs}
             except (ValueError, KeyError) as exc:
                 # E.g. a model whose output width follows the batch: this request alone cannot be answered.
-                settle(self.future, exception=PredictFailed(
+                settle(self, exception=PredictFailed(
                     f"the outputs of the batches that held this request's rows do not join: {exc}"))
                 return
             finally:
                 self.parts = []
-        settle(self.future, result=BatchResult(outputs, batch_rows, batch_requests))
+        settle(self, result=BatchResult(outputs, batch_rows, batch_requests))
 
     def notify_if_cancelled(self) -> None:
         # As concurrent.futures' executors do: until this call, concurrent.futures.wait() and
         # as_completed() do not count a cancelled future as done, and would wait for it forever.
-        if self.future.cancelled() and not self.started:
+        if self.cancelled() and not self.started:
             self.started = True
-            self.future.set_running_or_notify_cancel()
+            self.set_running_or_notify_cancel()
 
 
-@dataclasses.dataclass
 class Slice:
-    """Rows start:stop of one request, as one batch holds them."""
+    """Rows start:stop of one request, as one batch holds them (`last`: the request's last rows)."""
 
-    pending: Pending
-    start: int
-    stop: int
+    __slots__ = ("pending", "start", "stop", "rows", "last")
 
-    @property
-    def rows(self) -> int:
-        return self.stop - self.start
+    def __init__(self, pending: Pending, start: int, stop: int) -> None:
+        self.pending = pending
+        self.start = start
+        self.stop = stop
+        # Fields, not properties: read several times a request on the batch thread.
+        self.rows = stop - start
+        self.last = stop == pending.rows
 
-    @property
-    def last(self) -> bool:
-        return self.stop == self.pending.rows
+    def __repr__(self) -> str:
+        return f"Slice(rows {self.start}:{self.stop} of {self.pending.rows})"
 
 
 class Batch:
@@ -132,28 +135,38 @@ def settle(future: concurrent.futures.Future, *, result: Any = None, exception: 
 def drop_if_abandoned(pending: Pending, now: float, observer: BatchObserver) -> bool:
     """True for a request nobody waits for any more: cancelled, failed, or past its deadline
     (its future then fails with DeadlineExceeded, counted once as a rejection)."""
-    if pending.future.done():
-        return True
+    return pending.done() or expired(pending, now, observer)
+
+
+def expired(pending: Pending, now: float, observer: BatchObserver) -> bool:
+    """True for a request past its deadline: its future fails with DeadlineExceeded, counted
+    once as a rejection (not if something finished it first)."""
     if pending.deadline is not None and now >= pending.deadline:
-        if settle(pending.future, exception=DeadlineExceeded("the request's deadline passed before it ran")):
+        if settle(pending, exception=DeadlineExceeded("the request's deadline passed before it ran")):
             observer.rejected("deadline")
         return True
     return False
 
 
-def start(pending: Pending, clock: Callable[[], float], hooks: GuardedObserver) -> bool:
-    """The last check before a predict call: False leaves out a request cancelled or expired
-    meanwhile, or one whose client has gone (asked before its first rows run only)."""
-    if drop_if_abandoned(pending, clock(), hooks):
+def start(pending: Pending, now: float, hooks: GuardedObserver) -> bool:
+    """The last check before a predict call, the clock reading `now`: False leaves out a request
+    cancelled or expired meanwhile, or one whose client has gone (asked before its first rows run only)."""
+    if pending.started:
+        return not drop_if_abandoned(pending, now, hooks)
+    # Not started, so nothing but a cancel can have finished it since the fill looked, and
+    # set_running_or_notify_cancel() answers that: no look at the future (its lock) first.
+    if expired(pending, now, hooks):
         return False
-    if not pending.started:
-        if pending.client_gone is not None and hooks.guarded("client_gone", pending.client_gone):
-            if pending.future.cancel():
-                hooks.rejected("client_gone")
-            pending.notify_if_cancelled()
+    if pending.client_gone is not None and hooks.guarded("client_gone", pending.client_gone):
+        if pending.cancel():
+            hooks.rejected("client_gone")
+        pending.notify_if_cancelled()
+        return False
+    pending.started = True
+    try:
+        if not pending.set_running_or_notify_cancel():
             return False
-        pending.started = True
-        if not pending.future.set_running_or_notify_cancel():
-            return False
-        hooks.queue_wait(clock() - pending.enqueued_at)
+    except RuntimeError:  # finished meanwhile after all: nothing left to run
+        return False
+    hooks.queue_wait(now - pending.enqueued_at)
     return True
