@@ -347,21 +347,7 @@ def environment(values: Mapping[str, Any], *, read: Callable[[str], str], config
             env[setting] = "true" if values[flag] else "false"
     env["MODEL_POLL_SECONDS"] = str(value("file_system_poll_wait_seconds"))
     env["BATCHING"] = "true" if value("enable_batching") else "false"
-    if value("model_config_file") and value("model_config_file_poll_wait_seconds") > 0:
-        # Read again at each poll, so the file itself, checked now.
-        model_config_json(_read(read, value("model_config_file"), "model_config_file"))
-        env["MODEL_CONFIG"] = os.path.abspath(value("model_config_file"))
-        env["MODEL_CONFIG_POLL_SECONDS"] = str(value("model_config_file_poll_wait_seconds"))
-    elif value("model_config_file"):
-        config = model_config_json(_read(read, value("model_config_file"), "model_config_file"))
-        path = os.path.join(config_dir, "model_config.json")
-        with open(path, "w", encoding="utf-8") as config_file:
-            json.dump(config, config_file)
-        env["MODEL_CONFIG"] = path
-    elif value("model_base_path"):
-        env["MODEL_PATH"], env["MODEL_NAME"] = value("model_base_path"), value("model_name")
-    else:
-        raise FlagError("--model_base_path or --model_config_file is required")
+    env.update(_models(value, read=read, config_dir=config_dir))
     if value("batching_parameters_file"):
         if not value("enable_batching"):
             raise FlagError("--batching_parameters_file needs --enable_batching")
@@ -372,6 +358,24 @@ def environment(values: Mapping[str, Any], *, read: Callable[[str], str], config
         if value(flag) or session_threads:
             env[setting] = str(value(flag) or session_threads)
     return env
+
+
+def _models(value: Callable[[str], Any], *, read: Callable[[str], str], config_dir: str) -> dict[str, str]:
+    """The settings that name the models: a config file (polled, or read once into `config_dir`), or one base path."""
+    if value("model_config_file") and value("model_config_file_poll_wait_seconds") > 0:
+        # Read again at each poll, so the file itself, checked now.
+        model_config_json(_read(read, value("model_config_file"), "model_config_file"))
+        return {"MODEL_CONFIG": os.path.abspath(value("model_config_file")),
+                "MODEL_CONFIG_POLL_SECONDS": str(value("model_config_file_poll_wait_seconds"))}
+    if value("model_config_file"):
+        config = model_config_json(_read(read, value("model_config_file"), "model_config_file"))
+        path = os.path.join(config_dir, "model_config.json")
+        with open(path, "w", encoding="utf-8") as config_file:
+            json.dump(config, config_file)
+        return {"MODEL_CONFIG": path}
+    if value("model_base_path"):
+        return {"MODEL_PATH": value("model_base_path"), "MODEL_NAME": value("model_name")}
+    raise FlagError("--model_base_path or --model_config_file is required")
 
 
 def _read(read: Callable[[str], str], path: str, flag: str) -> str:
