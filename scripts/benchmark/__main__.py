@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from scripts.benchmark import experiment, layouts, profile, variable_length
+from scripts.benchmark import experiment, gpu, layouts, profile, variable_length
 from scripts.benchmark.common import COMMAND, DOCS
 
 # name: (one line of help, add the scenario's arguments, run it)
@@ -28,6 +28,8 @@ SCENARIOS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Calla
               lambda args: experiment.run(experiment.resolve(args, configs=experiment.FLOOR_CONFIGS),
                                           title="The floor beside this tree")),
     "profile": ("where one worker's time goes: py-spy per stage and per thread", profile.add_arguments, profile.run),
+    "gpu": ("the wide model on Keras's JAX backend on one GPU, alone and served (needs no TensorFlow)",
+            gpu.add_arguments, gpu.run),
 }
 
 

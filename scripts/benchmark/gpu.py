@@ -1,6 +1,6 @@
 """The wide model on Keras's JAX backend on one GPU: the model alone, then served under load.
 
-    python -m scripts.gpu_jax --out results/          # on a host with JAX's CUDA build
+    python -m scripts.benchmark gpu --out results/    # on a host with JAX's CUDA build
 
 1. The model alone: app.models' jitted predict (host copies included) at B = 1 .. 256.
 2. Served: MODEL_PROCESSES=1 (one model process holds the GPU), WORKERS workers, REST and v2
@@ -8,7 +8,6 @@
    (processes x threads, one keep-alive connection each, one row per request) runs closed loops
    at each client count: req/s, p50, p99; rows per predict call from /metrics; the GPU memory
    nvidia-smi reports against the cap. Answers are checked against the model alone first.
-
 Writes gpu_jax.json under --out and prints a summary. `--small` sizes it for a CPU check.
 """
 
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WIDE = {"features": 1024, "depth": 3, "outputs": 1000}  # 1,024 -> 4 x 4,096 -> 1,000
 SMALL = {"features": 1024, "width": 256, "depth": 3, "outputs": 1000}
 
@@ -128,8 +127,7 @@ def gpu_memory() -> dict:
     return {"gpu": name.strip(), "used_mib": int(used), "total_mib": int(total), "processes_mib": per_process}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-jax-results")))
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--clients", default="32,128,256")
@@ -138,23 +136,24 @@ def main() -> None:
     parser.add_argument("--max-batch", default="128")
     parser.add_argument("--small", action="store_true", help="a narrow model and short runs: a CPU check")
     parser.add_argument("--alone", help=argparse.SUPPRESS)  # the model-alone child: its model's path
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     os.environ["KERAS_BACKEND"] = "jax"
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     if args.alone:
         print(json.dumps(model_alone(args.alone, sizes, 0.3 if args.small else 1.0, small=args.small)))
-        return
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     path = str(Path(tempfile.mkdtemp(prefix="gpu-jax-")) / "wide.keras")
     results: dict = {"model": "small" if args.small else "wide", "idle": gpu_memory()}
-    child = subprocess.run([sys.executable, "-m", "scripts.gpu_jax", "--alone", path, *(["--small"] * args.small)],
-                           cwd=REPO, capture_output=True, text=True)
+    child = subprocess.run([sys.executable, "-m", "scripts.benchmark", "gpu", "--alone", path,
+                            *(["--small"] * args.small)], cwd=REPO, capture_output=True, text=True)
     if child.returncode:
         sys.exit(f"the model alone failed:\n{child.stderr[-4000:]}")
     alone = json.loads(child.stdout.strip().splitlines()[-1])
     results["alone"], expected = alone["timings"], np.array(alone["check"], dtype=np.float32)
 
-    sys.path.insert(0, str(REPO))
     from scripts.live_server import LiveServer
 
     env = {"MODEL_PATH": path, "MODEL_NAME": "wide", "MODEL_PROCESSES": "1", "GRPC_BIND": "",
@@ -199,7 +198,4 @@ def main() -> None:
         print(f"{level['clients']:>4} clients: {level['req_per_s']} req/s, p50 {level['p50_ms']} ms, "
               f"p99 {level['p99_ms']} ms, {level['rows_per_call']} rows/call, errors {level['errors']}, "
               f"gpu {level['gpu'].get('used_mib')}/{level['gpu'].get('total_mib')} MiB (cap {args.cap_mb})")
-
-
-if __name__ == "__main__":
-    main()
+    return 0
