@@ -27,10 +27,13 @@ SERVER_COMMAND = ("gunicorn", "-c", "gunicorn.conf.py", "wsgi:app")
 DROPPED_BY_DEFAULT = frozenset({"PROMETHEUS_MULTIPROC_DIR"})
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports, each held bound until all are: the kernel may hand a released one out again."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 class LiveServer:
@@ -42,12 +45,12 @@ class LiveServer:
     def __init__(self, log_dir: Path, env: Mapping[str, str] | None = None, *, args: Sequence[str] = (),
                  app: Sequence[str] = SERVER_COMMAND[-1:], cwd: Path = REPO,
                  drop_env: Collection[str] = DROPPED_BY_DEFAULT, log_name: str | None = None) -> None:
-        self.port = free_port()
+        self.port, grpc_port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / (log_name or f"gunicorn-{self.port}.log")
         inherited = {key: value for key, value in os.environ.items() if key not in drop_env}
         # READYZ_DETAIL: wait_ready tells the workers apart by the pid /readyz then shows.
-        self.env = {**inherited, "BIND": f"127.0.0.1:{self.port}", "GRPC_BIND": f"127.0.0.1:{free_port()}",
+        self.env = {**inherited, "BIND": f"127.0.0.1:{self.port}", "GRPC_BIND": f"127.0.0.1:{grpc_port}",
                     "TF_CPP_MIN_LOG_LEVEL": "2", "READYZ_DETAIL": "true", **(env or {})}
         self.grpc_target = self.env["GRPC_BIND"]
         self.args = tuple(args)

@@ -16,15 +16,19 @@ import psutil
 import pytest
 import requests
 
-# Test files import REPO, SERVER_COMMAND and free_port from here, beside the fixtures.
+# Test files import REPO, SERVER_COMMAND, free_port and free_ports from here, beside the fixtures.
 from scripts.live_server import REPO as REPO
 from scripts.live_server import SERVER_COMMAND as SERVER_COMMAND
 from scripts.live_server import LiveServer
-from scripts.live_server import free_port as free_port
+from scripts.live_server import free_ports as free_ports
 
 FEATURES = 4
 # The address TensorFlow Serving's docs send their curl lines to.
 TF_SERVING_DOCS_URL = "http://localhost:8501"
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
 
 
 def _starts_a_process(target, seen: set[int]) -> bool:

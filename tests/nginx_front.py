@@ -15,7 +15,7 @@ from pathlib import Path
 
 import requests
 
-from scripts.live_server import REPO, free_port
+from scripts.live_server import REPO, free_ports
 
 NGINX_CONF = REPO / "deploy" / "nginx" / "nginx.conf"
 # The workers' gRPC port behind nginx's gRPC front (GRPC_BIND in compose and Kubernetes).
@@ -37,7 +37,7 @@ def render_nginx_conf(*, listen_port: int, upstream_port: int, temp_dir: Path, t
     replacements = {
         r"listen 8080;": f"listen 127.0.0.1:{listen_port};",
         r"server 127\.0\.0\.1:8000;": f"server 127.0.0.1:{upstream_port};",
-        r"listen 8500 http2;": f"listen 127.0.0.1:{grpc_listen_port or free_port()} http2;",
+        r"listen 8500 http2;": f"listen 127.0.0.1:{grpc_listen_port or free_ports(1)[0]} http2;",
         rf"server 127\.0\.0\.1:{GRPC_UPSTREAM_PORT};": f"server 127.0.0.1:{grpc_upstream_port};",
         r"/tmp/": f"{temp_dir}/",
         r"access_log /dev/stdout model_server;": f"access_log {temp_dir}/access.log model_server;",
@@ -58,10 +58,9 @@ class Nginx:
                  grpc_upstream_port: int = GRPC_UPSTREAM_PORT) -> None:
         self.temp_dir = temp_dir
         temp_dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        # The gRPC front's port too: "127.0.0.1:port", as grpc.insecure_channel takes it.
+        self.port, self.grpc_port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
-        # The gRPC front's port: "127.0.0.1:port", as grpc.insecure_channel takes it.
-        self.grpc_port = free_port()
         self.grpc_target = f"127.0.0.1:{self.grpc_port}"
         self.conf = temp_dir / "nginx.conf"
         self.conf.write_text(render_nginx_conf(listen_port=self.port, upstream_port=upstream_port,

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import REPO, SERVER_COMMAND, free_port, integer_rows, wait_for
+from tests.conftest import REPO, SERVER_COMMAND, free_port, free_ports, integer_rows, wait_for
 
 BUILDAH = shutil.which("buildah")
 pytestmark = [
@@ -121,7 +121,7 @@ class ImageServer(Container):
     """The CPU image's own CMD, one worker, on free loopback ports."""
 
     def __init__(self, image: Image, log_dir: Path, env: dict[str, str] | None = None, **kwargs) -> None:
-        self.port, grpc_port = free_port(), free_port()
+        self.port, grpc_port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
         self.grpc_target = f"127.0.0.1:{grpc_port}"
         # READYZ_DETAIL: /readyz then names the worker's pid, which leads to the master.

@@ -35,7 +35,7 @@ from tensorflow_serving.apis import (
     regression_pb2,
 )
 
-from scripts.live_server import REPO, LiveServer, free_port
+from scripts.live_server import REPO, LiveServer, free_ports
 from tests.conftest import wait_for
 from tests.tfs_models import (
     HALF_PLUS_TWO_SIGNATURES,
@@ -55,7 +55,7 @@ class ModelServer(LiveServer):
 
     def __init__(self, log_dir: Path, flags: tuple[str, ...]) -> None:
         super().__init__(log_dir, {"TFS_LISTEN_HOST": "127.0.0.1"})
-        self.grpc_port = free_port()
+        self.grpc_port = next(port for port in free_ports(2) if port != self.port)
         self.grpc_target = f"127.0.0.1:{self.grpc_port}"
         self.flags = flags
         self.socket_path = log_dir / f"grpc-{self.grpc_port}.sock"

@@ -1,6 +1,5 @@
 """The wide model on Keras's JAX backend on one GPU: the model alone, then served under load.
-
-    python -m scripts.benchmark gpu --out results/    # on a host with JAX's CUDA build
+`python -m scripts.benchmark gpu --out results/`, on a host with JAX's CUDA build.
 
 1. The model alone: app.models' jitted predict (host copies included) at B = 1 .. 256.
 2. Served: MODEL_PROCESSES=1 (one model process holds the GPU), WORKERS workers, REST and v2
