@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import REPO, Server, integer_rows
-from tests.nginx_front import Nginx, SlowClients, free_port, normal_clients, raise_fd_limit, render_nginx_conf
+from tests.conftest import REPO, Server, free_port, integer_rows
+from tests.nginx_front import Nginx, SlowClients, normal_clients, raise_fd_limit, render_nginx_conf
 
 SLOW_CONNECTIONS = 1000
 NORMAL_CLIENTS = 4
