@@ -18,13 +18,14 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from app.batching import bucket_sizes
 from app.metrics import Metrics
 from app.settings import Settings
-from scripts.benchmark import common, experiment, load
+from scripts.benchmark import common, experiment, layouts, load
 from scripts.benchmark.__main__ import parse_args
 from tests.conftest import REPO
 
@@ -278,17 +279,54 @@ def test_rounds_alternate_the_order_and_keep_each_rounds_results_in_configuratio
 
 def test_the_floor_scenario_runs_the_floor_app_beside_this_tree():
     """The floor is a comparison, not a server configuration: the experiment leaves it out, the
-    floor scenario runs scripts/floor_app.py under the same gunicorn.conf.py beside the default."""
+    floor scenario runs scripts/floor_app.py (with and without the server's Batcher) under the same
+    gunicorn.conf.py beside this tree over every protocol, and PyTriton, each divided by the floors."""
     assert "floor" not in experiment_args().configs and "floor-batcher" not in experiment_args().configs
     assert experiment_args("--configs", "default,floor").configs == ["default", "floor"]
-    assert experiment.resolve(parse_args(["floor"]), configs=experiment.FLOOR_CONFIGS).configs == [
-        "default", "floor", "floor-batcher"]
-    floor, floor_batcher = experiment.CONFIGS_BY_NAME["floor"], experiment.CONFIGS_BY_NAME["floor-batcher"]
-    assert floor.app == floor_batcher.app == ("--pythonpath", "scripts", "floor_app:app")
-    assert floor.tree == floor_batcher.tree == REPO
-    assert "FLOOR_BATCHER" not in floor.env and floor_batcher.env["FLOOR_BATCHER"] == "true"
+    args = parse_args(["floor"])
+    assert args.layouts == ["predict-1w", "default-1w", "binary-1w", "grpc-1w", "flask-batcher", "floor-batcher",
+                            "pytriton", "pytriton-binary"] and args.models == ["tiny", "wide"]
+    assert {name: layouts.LAYOUTS_BY_NAME[name].protocol for name in args.layouts} == {
+        "predict-1w": "predict", "default-1w": "v2", "binary-1w": "v2-binary", "grpc-1w": "grpc",
+        "flask-batcher": "predict", "floor-batcher": "predict", "pytriton": "v2", "pytriton-binary": "v2-binary"}
+    servers = {name: layouts.layout_server(layouts.LAYOUTS_BY_NAME[name], args, "m.keras", REPO / f"{name}.log")
+               for name in ("flask-batcher", "floor-batcher", "predict-1w")}
+    assert servers["flask-batcher"].config.app == servers["floor-batcher"].config.app == (
+        "--pythonpath", "scripts", "floor_app:app")
+    assert "FLOOR_BATCHER" not in servers["flask-batcher"].env
+    assert servers["floor-batcher"].env["FLOOR_BATCHER"] == "true"
+    assert servers["predict-1w"].config.app == experiment.CONFIGS_BY_NAME["default"].app
+    assert layouts.SCENARIOS["floor"][4] == ["flask-batcher", "floor-batcher", "pytriton"]
     with pytest.raises(SystemExit):
         experiment_args("--configs", "default,nonesuch")
+
+
+def test_the_load_bodies_carry_the_same_row_over_every_protocol():
+    """v2 binary: the JSON header, then the row's float32 bytes, the header's length in its header;
+    gRPC: one length-prefixed PredictRequest of the same row."""
+    from tensorflow_serving.apis import predict_pb2
+
+    row = np.arange(4, dtype=np.float32)[None, :] / 8
+    body, headers = layouts.binary_body(row)
+    length = int(headers["Inference-Header-Content-Length"])
+    header = json.loads(body[:length])
+    assert header["inputs"][0]["parameters"] == {"binary_data_size": 16} and header["inputs"][0]["shape"] == [1, 4]
+    assert np.frombuffer(body[length:], "<f4").tolist() == row[0].tolist()
+    message = layouts.grpc_body(row)
+    assert message[0] == 0 and int.from_bytes(message[1:5], "big") == len(message) - 5
+    request = predict_pb2.PredictRequest.FromString(message[5:])
+    tensor = request.inputs["features"]
+    assert request.model_spec.name == "default" and [d.size for d in tensor.tensor_shape.dim] == [1, 4]
+    assert np.frombuffer(tensor.tensor_content, "<f4").tolist() == row[0].tolist()
+
+
+def test_h2load_output_is_read_and_unfinished_calls_count_as_errors():
+    output = ("finished in 3.00s, 1126.67 req/s, 202.18KB/s\nrequests: 3380 total, 3412 started, 3380 done, "
+              "3379 succeeded, 1 failed, 0 errored, 0 timeout\n                     min         max         mean\n"
+              "time for request:     7.68ms     55.54ms     28.22ms      7.20ms    69.44%\n")
+    parsed = load.parse_h2load(output)
+    assert (parsed.requests, parsed.duration_s, parsed.mean_ms, parsed.p50_ms) == (3379, 3.0, 28.22, None)
+    assert parsed.errors == "1 non-2xx/3xx answers, 1 socket connect errors"
 
 
 def test_a_configuration_runs_with_its_own_settings_only(monkeypatch, tmp_path):

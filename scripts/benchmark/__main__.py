@@ -23,10 +23,9 @@ SCENARIOS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Calla
                         lambda parser: layouts.add_arguments(parser, scenario="model-processes"), layouts.run),
     "variable-length": ("padding off, to the longest, and length buckets", variable_length.add_arguments,
                         variable_length.run),
-    "floor": ("the floor and floor-batcher (scripts/floor_app.py) beside this tree",
-              lambda parser: experiment.add_arguments(parser, page=DOCS / "floor-benchmark.md"),
-              lambda args: experiment.run(experiment.resolve(args, configs=experiment.FLOOR_CONFIGS),
-                                          title="The floor beside this tree")),
+    "floor": ("this tree over /predict, v2 JSON and binary, TF gRPC beside the floors (scripts/floor_app.py) and "
+              "PyTriton, under wrk and h2load", lambda parser: layouts.add_arguments(parser, scenario="floor"),
+              layouts.run),
     "profile": ("where one worker's time goes: py-spy per stage and per thread", profile.add_arguments, profile.run),
     "gpu": ("the wide model on Keras's JAX backend on one GPU, alone and served (needs no TensorFlow)",
             gpu.add_arguments, gpu.run),

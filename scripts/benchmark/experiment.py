@@ -3,8 +3,7 @@
 The model alone (a child process) is timed per batch size with Keras' model.predict and the server's
 compiled predict path; each configuration's real Gunicorn is loaded by headless Locust with 1-3 s think
 time, then in a closed loop, whose req/s is set against the model's own ceiling at the batches each
-server ran. --baseline-ref REF adds the server of commit REF. The floor scenario is this one with the
-floor and floor-batcher (scripts/floor_app.py) beside this tree.
+server ran. --baseline-ref REF adds the server of commit REF.
 """
 
 from __future__ import annotations
@@ -54,7 +53,6 @@ CONFIGS = [
            "engine as its model thread", True, app=FLOOR_APP, in_full_run=False),
 ]
 CONFIGS_BY_NAME = {config.name: config for config in CONFIGS}
-FLOOR_CONFIGS = ["default", "floor", "floor-batcher"]
 
 
 def _numbers(kind: type, *, one: bool = False) -> Any:

@@ -21,6 +21,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import requests
@@ -29,7 +30,7 @@ from app.settings import Settings
 
 from . import common
 from .common import DOCS, FLOOR_APP, REPO, WIDE_MODEL, Config, Server, fmt, log, markdown_table, mean, ratio
-from .load import run_wrk
+from .load import run_h2load, run_wrk
 
 PYTRITON_PYTHON = REPO / ".venv-pytriton" / "bin" / "python"
 PYTRITON_SCRIPT = REPO / "scripts" / "pytriton_server.py"
@@ -38,7 +39,7 @@ FEATURES = WIDE_MODEL["features"]
 MODELS = {"tiny": f"{FEATURES:,} floats in, one Dense(3) layer: almost no compute, what lies around the model "
                   "is measured", "wide": common.WIDE_MODEL_NAME}
 REFERENCE = "default-1w"
-PYTRITON, FLASK = "pytriton", "flask-batcher"
+PYTRITON, FLASK, FLOOR_BATCHER = "pytriton", "flask-batcher", "floor-batcher"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,21 +48,30 @@ class Layout:
     workers: int
     model_processes: int  # 0: the default, a model copy per worker
     what: str
+    protocol: str = "v2"  # v2 (JSON), v2-binary, predict (TF Serving REST) or grpc (TF Serving's Predict)
 
 
 LAYOUTS = [
     *(Layout(f"default-{n}w", n, 0, f"default, {n} worker{'s' if n > 1 else ''}") for n in (1, 2, 4)),
     *(Layout(f"procs-{n}w", n, 1, f"MODEL_PROCESSES=1, {n} worker{'s' if n > 1 else ''}") for n in (1, 2, 4)),
     Layout(PYTRITON, 1, 0, "PyTriton"),
-    Layout(FLASK, 1, 0, "the small Flask batcher"),
+    Layout(FLASK, 1, 0, "the small Flask batcher: the floor", "predict"),
+    Layout(FLOOR_BATCHER, 1, 0, "the floor with the server's Batcher as its model thread", "predict"),
+    Layout("predict-1w", 1, 0, "default, 1 worker, TF Serving REST /predict", "predict"),
+    Layout("binary-1w", 1, 0, "default, 1 worker, v2 binary tensors", "v2-binary"),
+    Layout("grpc-1w", 1, 0, "default, 1 worker, TF Serving gRPC Predict (h2load)", "grpc"),
+    Layout("pytriton-binary", 1, 0, "PyTriton, v2 binary tensors", "v2-binary"),
 ]
 LAYOUTS_BY_NAME = {layout.name: layout for layout in LAYOUTS}
-# scenario: (title, page, layouts, models)
+# scenario: (title, page, layouts, models, the layouts each other is divided by)
 SCENARIOS = {
     "model-processes": ("Model processes beside the default and PyTriton", DOCS / "model-processes-benchmark.md",
-                        [layout.name for layout in LAYOUTS[:7]], list(MODELS)),
+                        [layout.name for layout in LAYOUTS[:7]], list(MODELS), [REFERENCE]),
     "peers": ("This server beside PyTriton and the small Flask batcher", DOCS / "peers-benchmark.md",
-              [REFERENCE, PYTRITON, FLASK], ["wide"]),
+              [REFERENCE, PYTRITON, FLASK], ["wide"], [REFERENCE]),
+    "floor": ("The request path beside its floors and PyTriton", DOCS / "floor-benchmark.md",
+              ["predict-1w", REFERENCE, "binary-1w", "grpc-1w", FLASK, FLOOR_BATCHER, PYTRITON, "pytriton-binary"],
+              list(MODELS), [FLASK, FLOOR_BATCHER, PYTRITON]),
 }
 
 
@@ -97,10 +107,11 @@ class PyTritonServer(Server):
 
 
 def layout_server(layout: Layout, args: argparse.Namespace, model_path: str, log_path: Path) -> Server:
-    if layout.name == PYTRITON:
+    if layout.name.startswith(PYTRITON):
         return PyTritonServer(python=args.pytriton_python, model_path=model_path, log_path=log_path)
-    if layout.name == FLASK:
-        return Server(Config(FLASK, 1, {"GRPC_BIND": ""}, layout.what, app=FLOOR_APP), model_path=model_path,
+    if layout.name in (FLASK, FLOOR_BATCHER):
+        env = {"GRPC_BIND": ""} | ({"FLOOR_BATCHER": "true"} if layout.name == FLOOR_BATCHER else {})
+        return Server(Config(layout.name, 1, env, layout.what, app=FLOOR_APP), model_path=model_path,
                       log_path=log_path)
     env = {"MODEL_PROCESSES": str(layout.model_processes)} if layout.model_processes else {}
     return Server(Config(layout.name, layout.workers, env, layout.what), model_path=model_path, log_path=log_path)
@@ -134,13 +145,52 @@ def predict_body(rows: np.ndarray) -> bytes:
     return json.dumps({"instances": [[float(value) for value in row] for row in rows]}).encode()
 
 
-def check_answer(url: str, body: bytes, expected: np.ndarray) -> float:
-    """POST `body` once; the largest difference of the answer from the Keras model's output (0 when exact)."""
-    answer = requests.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=60)
+def binary_body(rows: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    """The same rows as a v2 binary request (the answer stays JSON), and its headers."""
+    header = json.dumps({"inputs": [{"name": "features", "shape": list(rows.shape), "datatype": "FP32",
+                                     "parameters": {"binary_data_size": rows.nbytes}}]}).encode()
+    return header + rows.astype("<f4").tobytes(), {"Content-Type": "application/octet-stream",
+                                                    "Inference-Header-Content-Length": str(len(header))}
+
+
+def grpc_body(rows: np.ndarray) -> bytes:
+    """The same rows as a gRPC message (length-prefixed) of TF Serving's PredictRequest."""
+    from tensorflow_serving.apis import predict_pb2
+
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = MODEL
+    tensor = request.inputs["features"]
+    tensor.dtype, tensor.tensor_content = 1, rows.astype("<f4").tobytes()  # 1: DT_FLOAT
+    tensor.tensor_shape.dim.add().size, tensor.tensor_shape.dim.add().size = rows.shape
+    message = request.SerializeToString()
+    return b"\0" + len(message).to_bytes(4, "big") + message
+
+
+def answer_rows(layout: Layout, url: str, body: bytes, headers: dict[str, str]) -> np.ndarray:
+    """The server's answer to `body`, sent once as the load will send it."""
+    if layout.protocol == "grpc":
+        import grpc
+        from tensorflow_serving.apis import predict_pb2
+
+        with grpc.insecure_channel(url.split("/")[2]) as channel:
+            call = channel.unary_unary("/" + url.split("/", 3)[3],
+                                       response_deserializer=predict_pb2.PredictResponse.FromString)
+            tensor = next(iter(call(body[5:], timeout=60).outputs.values()))
+        shape = [dim.size for dim in tensor.tensor_shape.dim]
+        return (np.frombuffer(tensor.tensor_content, "<f4") if tensor.tensor_content else np.asarray(tensor.float_val,
+                np.float32)).reshape(shape)
+    answer = requests.post(url, data=body, headers=headers, timeout=60)
     if answer.status_code != 200:
         raise RuntimeError(f"check request: {answer.status_code} {answer.text[:500]}")
+    if layout.protocol == "predict":
+        return np.asarray(answer.json()["predictions"], dtype=np.float32)
     output = answer.json()["outputs"][0]
-    got = np.asarray(output["data"], dtype=np.float32).reshape(output["shape"])
+    return np.asarray(output["data"], dtype=np.float32).reshape(output["shape"])
+
+
+def check_answer(layout: Layout, url: str, body: bytes, headers: dict[str, str], expected: np.ndarray) -> float:
+    """Send `body` once; the largest difference of the answer from the Keras model's output (0 when exact)."""
+    got = answer_rows(layout, url, body, headers)
     if got.shape != expected.shape:
         raise RuntimeError(f"check request: shape {got.shape}, the model's {expected.shape}")
     difference = float(np.max(np.abs(got - expected)))
@@ -175,23 +225,35 @@ def build_models(folder: str, names: list[str]) -> None:
 def measure(server: Server, result: Measured, *, work_dir: Path, expected: np.ndarray, args: argparse.Namespace,
             tag: str) -> Measured:
     """Start, check, warm, load and stop one server."""
-    flask = result.layout == FLASK
-    url = server.url + ("/predict" if flask else f"/v2/models/{MODEL}/infer")
-    body = work_dir / ("predict.json" if flask else "infer.json")
-    wrk = dict(threads=args.wrk_threads, connections=args.connections)
+    layout = LAYOUTS_BY_NAME[result.layout]
+    body, headers = work_dir / f"{layout.protocol}.body", {"Content-Type": "application/json"}
+    if layout.protocol == "v2-binary":
+        headers = json.loads((work_dir / "v2-binary.headers").read_text())
+    url = server.url + ("/predict" if layout.protocol == "predict" else f"/v2/models/{MODEL}/infer")
+    if layout.protocol == "grpc":
+        url = f"http://{server.grpc_target}/tensorflow.serving.PredictionService/Predict"
+
+    def load_it(duration_s: float, log_path: Path | None = None) -> tuple[Any, float]:
+        if layout.protocol == "grpc":
+            return run_h2load(url, body, duration_s=duration_s, connections=args.connections, log_path=log_path)
+        return run_wrk(url, body, duration_s=duration_s, threads=args.wrk_threads, connections=args.connections,
+                       log_path=log_path, headers=headers if layout.protocol == "v2-binary" else None)
     try:
         server.start(workers=server.config.workers, ready_within_s=args.server_start_timeout)
-        if not flask:  # the Flask batcher answers a fixed row
-            result.check_difference = check_answer(url, body.read_bytes(), expected)
+        if result.layout not in (FLASK, FLOOR_BATCHER):  # the floors answer a fixed row
+            result.check_difference = check_answer(layout, url, body.read_bytes(), headers, expected)
         if args.warmup > 0:
-            run_wrk(url, body, duration_s=args.warmup, **wrk)
+            load_it(args.warmup)
         server.wait_quiet(within_s=60)
         metrics_before = server.metrics()  # outside the CPU window: the scrape is not part of the load
         cpu_before = server.cpu_seconds()
-        load, wrk_cpu_s = run_wrk(url, body, duration_s=args.duration, log_path=work_dir / f"{tag}-wrk.txt", **wrk)
+        load, wrk_cpu_s = load_it(args.duration, work_dir / f"{tag}-load.txt")
         cpu_s = server.cpu_seconds() - cpu_before
         result.rss_mib = server.rss_bytes() / 2**20
         metrics_after = server.metrics()
+        if layout.protocol == "grpc" and (metrics_after.rows - metrics_before.rows) < load.requests:
+            raise RuntimeError(f"refused: {metrics_after.rows - metrics_before.rows:.0f} rows served for "
+                               f"{load.requests} gRPC calls h2load saw end (a status trailer it cannot read)")
         if load.errors:
             raise RuntimeError(f"refused: {load.errors} in {load.requests} requests")
         result.requests, result.rps, result.p50_ms, result.p99_ms = load.requests, load.rps, load.p50_ms, load.p99_ms
@@ -200,7 +262,7 @@ def measure(server: Server, result: Measured, *, work_dir: Path, expected: np.nd
         if metrics_before and metrics_after and metrics_after.calls > metrics_before.calls:
             before, after = metrics_before, metrics_after
             result.batch_rows = (after.rows - before.rows) / (after.calls - before.calls)
-        log(f"{tag}: {load.requests} requests, {load.rps:.0f} req/s, p50 {load.p50_ms:.1f} ms, "
+        log(f"{tag}: {load.requests} requests, {load.rps:.0f} req/s, p50 {fmt(load.p50_ms)} ms, "
             f"{fmt(result.cpu_ms_per_request, 2)} ms CPU/request, {result.rss_mib:.0f} MiB")
     except Exception as exc:  # one layout failing should not lose the others' numbers
         result.error = common.failure(exc, server)
@@ -210,23 +272,27 @@ def measure(server: Server, result: Measured, *, work_dir: Path, expected: np.nd
     return result
 
 
-def model_tables(results: Sequence[Measured], model: str, layouts: Sequence[Layout], rounds: int) -> list[str]:
-    """Per model: the mean over rounds per layout, then every round's own row."""
+def model_tables(results: Sequence[Measured], model: str, layouts: Sequence[Layout], rounds: int,
+                 references: Sequence[str] = (REFERENCE,)) -> list[str]:
+    """Per model: the mean over rounds per layout, with its ratios to `references`, then every round's req/s."""
     mine = [result for result in results if result.model == model]
 
     def average(layout: str, field: str) -> float | None:
         return mean(getattr(r, field) for r in mine if r.layout == layout and r.error is None)
 
-    ref_rps, ref_cpu = average(REFERENCE, "rps"), average(REFERENCE, "cpu_ms_per_request")
-    summary = [(layout.what, fmt(rps := average(layout.name, "rps")), ratio(rps, ref_rps, 2),
-                fmt(average(layout.name, "p50_ms")), fmt(average(layout.name, "p99_ms")),
-                fmt(cpu := average(layout.name, "cpu_ms_per_request"), 2), ratio(cpu, ref_cpu, 2),
-                fmt(average(layout.name, "rss_mib"), 0), fmt(average(layout.name, "batch_rows")),
+    refs = [(name, average(name, "rps"), average(name, "cpu_ms_per_request")) for name in references]
+    summary = [(f"`{layout.name}`: {layout.what}", fmt(rps := average(layout.name, "rps")),
+                *(ratio(rps, ref_rps, 2) for _, ref_rps, _ in refs), fmt(average(layout.name, "p50_ms")),
+                fmt(average(layout.name, "p99_ms")), fmt(cpu := average(layout.name, "cpu_ms_per_request"), 2),
+                *(ratio(cpu, ref_cpu, 2) for _, _, ref_cpu in refs), fmt(average(layout.name, "rss_mib"), 0),
+                fmt(average(layout.name, "batch_rows")),
                 f"{sum(1 for r in mine if r.layout == layout.name and r.error is None)} of {rounds}")
                for layout in layouts]
-    lines = [f"Mean of the rounds; ratios to `{REFERENCE}` (the default, 1 worker).", "",
-             *markdown_table(("layout", "req/s", "÷ default 1w", "p50 ms", "p99 ms", "server CPU ms/request",
-                              "÷ default 1w", "RSS all processes MiB", "mean batch rows", "rounds"), summary), "",
+    over = [f"÷ {name}" for name, _, _ in refs]
+    lines = ["Mean of the rounds; req/s and server CPU per request divided by those of "
+             + ", ".join(f"`{name}`" for name in references) + ".", "",
+             *markdown_table(("layout", "req/s", *over, "p50 ms", "p99 ms", "server CPU ms/request", *over,
+                              "RSS all processes MiB", "mean batch rows", "rounds"), summary), "",
              "Every round's req/s: " + "; ".join(
                  f"`{layout.name}` " + ", ".join(fmt(r.rps) if r.error is None else "failed"
                                                  for r in mine if r.layout == layout.name) for layout in layouts) + "."]
@@ -240,7 +306,7 @@ def model_tables(results: Sequence[Measured], model: str, layouts: Sequence[Layo
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, scenario: str) -> None:
-    _, page, layouts, models = SCENARIOS[scenario]
+    _, page, layouts, models, _ = SCENARIOS[scenario]
     add = parser.add_argument
     add("--duration", type=float, default=30, help="seconds of load per layout (default 30)")
     add("--warmup", type=float, default=3, help="seconds of unmeasured load first (default 3)")
@@ -258,14 +324,14 @@ def add_arguments(parser: argparse.ArgumentParser, *, scenario: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if PYTRITON in args.layouts and not args.pytriton_python.exists():
+    if any(name.startswith(PYTRITON) for name in args.layouts) and not args.pytriton_python.exists():
         raise SystemExit(f"{args.pytriton_python} is missing: make it, or leave {PYTRITON} out of --layouts")
     return common.run_scenario(args, SCENARIOS[args.scenario][0], lambda work_dir, machine: measure_all(
         args, work_dir, machine))
 
 
 def measure_all(args: argparse.Namespace, work_dir: Path, machine: dict[str, str]) -> tuple[list[str], bool]:
-    if PYTRITON in args.layouts:
+    if any(name.startswith(PYTRITON) for name in args.layouts):
         done = subprocess.run([str(args.pytriton_python), "-c", "import importlib.metadata as m; "
                                "print(m.version('nvidia-pytriton'))"], capture_output=True, text=True, timeout=60)
         machine["nvidia-pytriton"] = done.stdout.strip() or "not found"
@@ -276,8 +342,12 @@ def measure_all(args: argparse.Namespace, work_dir: Path, machine: dict[str, str
     common.run_child("scripts.benchmark.layouts:build_models", work_dir / "build.log", folder=str(work_dir),
                      names=args.models)
     row = np.load(work_dir / "row.npy")
-    (work_dir / "infer.json").write_bytes(infer_body(row))
-    (work_dir / "predict.json").write_bytes(predict_body(row))
+    binary, headers = binary_body(row)
+    for protocol, body in (("v2", infer_body(row)), ("predict", predict_body(row)), ("v2-binary", binary),
+                           ("grpc", grpc_body(row) if any(LAYOUTS_BY_NAME[name].protocol == "grpc"
+                                                            for name in args.layouts) else b"")):
+        (work_dir / f"{protocol}.body").write_bytes(body)
+    (work_dir / "v2-binary.headers").write_text(json.dumps(headers))
     for model in args.models:
         model_path, expected = str(work_dir / f"{model}.keras"), np.load(work_dir / f"{model}-expected.npy")
         for number in range(1, args.rounds + 1):
@@ -291,6 +361,6 @@ def measure_all(args: argparse.Namespace, work_dir: Path, machine: dict[str, str
              f"wrk: {args.connections} connections, {args.wrk_threads} thread(s), {args.duration:g} s after "
              f"{args.warmup:g} s of warm-up; each request one row of {FEATURES:,} float32.", ""]
     for model in args.models:
-        lines += [f"## The {model} model", "", f"{MODELS[model]}.", "", *model_tables(results, model, layouts,
-                                                                                    args.rounds), ""]
+        tables = model_tables(results, model, layouts, args.rounds, SCENARIOS[args.scenario][4])
+        lines += [f"## The {model} model", "", f"{MODELS[model]}.", "", *tables, ""]
     return lines, any(r.error for r in results)

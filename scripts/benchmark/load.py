@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -152,14 +153,20 @@ def measure_load(server: Server, load: Load, *, duration_s: float, prefix: Path,
     return stats
 
 
-# wrk's Lua hooks: POST the body file's lines (one JSON body each) in turn; at the end one JSON line
+# wrk's Lua hooks: POST the body file's lines (one JSON body each) in turn, or with headers the whole file as
+# one body (v2 binary); at the end one JSON line
 # with the counts and percentiles (microseconds) from wrk's own histogram.
 WRK_SUMMARY = "WRK_SUMMARY "
 WRK_SCRIPT = """\
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
+%(headers)s
 local bodies, sent = {}, 0
-for line in io.lines("%(body)s") do bodies[#bodies + 1] = line end
+if %(whole)s then
+  local file = io.open("%(body)s", "rb"); bodies[1] = file:read("*a"); file:close()
+else
+  for line in io.lines("%(body)s") do bodies[#bodies + 1] = line end
+end
 
 function request()
   sent = sent %% #bodies + 1
@@ -182,8 +189,8 @@ class WrkResult:
     duration_s: float
     non_2xx_3xx: int
     socket_errors: dict[str, int]
-    p50_ms: float
-    p99_ms: float
+    p50_ms: float | None  # None: h2load gives no percentiles
+    p99_ms: float | None
     mean_ms: float
 
     @property
@@ -214,10 +221,12 @@ def parse_wrk(output: str) -> WrkResult:
 
 
 def run_wrk(url: str, body: Path, *, duration_s: float, threads: int, connections: int,
-            log_path: Path | None = None) -> tuple[WrkResult, float]:
+            log_path: Path | None = None, headers: dict[str, str] | None = None) -> tuple[WrkResult, float]:
     """One closed-loop wrk run POSTing the lines of `body` in turn to `url`; its result and wrk's own CPU seconds."""
     script = body.with_suffix(".lua")
-    script.write_text(WRK_SCRIPT % {"body": body.resolve(), "marker": WRK_SUMMARY})
+    lines = "\n".join(f'wrk.headers["{name}"] = "{value}"' for name, value in (headers or {}).items())
+    script.write_text(WRK_SCRIPT % {"body": body.resolve(), "marker": WRK_SUMMARY, "whole": str(bool(headers)).lower(),
+                                    "headers": lines})
     command = ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration_s:g}s", "--latency",
                "--timeout", "30s", "-s", str(script), url]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -228,3 +237,31 @@ def run_wrk(url: str, body: Path, *, duration_s: float, threads: int, connection
     if done.returncode != 0:
         raise RuntimeError(f"wrk exited with {done.returncode}:\n{done.stdout}{done.stderr}")
     return parse_wrk(done.stdout), after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def parse_h2load(output: str) -> WrkResult:
+    """h2load's summary: calls that ended but did not succeed count as failed answers."""
+    found = re.search(r"finished in ([\d.]+)s.*?requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded, "
+                      r"(\d+) failed, (\d+) errored.*?time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)", output, re.S)
+    if not found:
+        raise ValueError(f"no summary in h2load's output:\n{output}")
+    seconds, finished, succeeded, failed, errored, mean, unit = found.groups()
+    return WrkResult(int(succeeded), float(seconds), int(finished) - int(succeeded),
+                     {"connect": int(failed), "read": int(errored), "write": 0, "timeout": 0}, None, None,
+                     float(mean) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit])
+
+
+def run_h2load(url: str, body: Path, *, duration_s: float, connections: int,
+               log_path: Path | None = None) -> tuple[WrkResult, float]:
+    """A closed-loop h2load run of gRPC calls (`body`: one length-prefixed message) to `url` (http://host:port/
+    Service/Method), as run_wrk. h2load cannot read gRPC's status trailers: the caller counts the rows served."""
+    command = ["h2load", "-c", str(connections), "-m", "1", "-t", "1", "-D", f"{duration_s:g}", "-d", str(body),
+               "-H", "content-type: application/grpc", "-H", "te: trailers", url]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=duration_s + 120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if log_path is not None:
+        log_path.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"h2load exited with {done.returncode}:\n{done.stdout}{done.stderr}")
+    return parse_h2load(done.stdout), after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
