@@ -16,8 +16,10 @@ DOCS = REPO / "docs"
 MAX_DOCS_BYTES = 150_000
 PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
 # A path into the repository as the pages write it: app/..., tests/..., scripts/..., deploy/...,
-# .ci/...; not a URL's path or a container's (/models/m), which a slash or a letter precedes.
-REPO_PATH = re.compile(r"(?<![\w/.-])((?:app|tests|scripts|deploy|\.ci)/[\w./-]*[\w/])")
+# .ci/..., or a requirements file; not a URL's path or a container's (/models/m), which a slash or
+# a letter precedes.
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:app|tests|scripts|deploy|\.ci)/[\w./-]*[\w/]"
+                       r"|requirements[\w-]*\.(?:txt|lock))")
 # `test_x.py::name` names a test; `::name` alone is in the test file named last before it.
 TEST_REFERENCE = re.compile(r"`(?:tests/)?(test_\w+\.py)?::(\w+)`|`(?:tests/)?(test_\w+\.py)`")
 
@@ -76,7 +78,8 @@ def test_every_test_reliability_names_exists():
 
 
 def test_the_checks_see_a_missing_path_and_a_missing_test():
-    assert named_paths("see app/limits.py, /models/app/x and app/gone.py") == {"app/limits.py", "app/gone.py"}
+    assert named_paths("see app/limits.py, /models/app/x, app/gone.py and requirements-gone.lock") == {
+        "app/limits.py", "app/gone.py", "requirements-gone.lock"}
     text = "`test_hostile.py::test_a`, `::test_b`; `test_batching.py` unless named: `::test_c`"
     assert named_tests(text) == [("test_hostile.py", "test_a"), ("test_hostile.py", "test_b"),
                                  ("test_batching.py", "test_c")]
