@@ -14,8 +14,8 @@ What each figure covers here (the engine's clock, per signature's batcher):
 - compute_output: slicing each request's rows back out of the outputs and handing them over.
   The three compute stages count once per request in the call (a request split over calls,
   once per call), each adding the call's whole duration, as Triton does.
-- success: requests answered, from queued to answered; fail: requests the model's failure
-  failed (refusals and drops before a call are `model_server_rejections`, not failures).
+- success: requests answered, from queued to answered; fail: requests failed because the model
+  raised (refusals and drops before a call are `model_server_rejections`, not failures).
 - batch_stats: predict calls that answered, by their real rows (padding rows left out).
 """
 

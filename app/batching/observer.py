@@ -39,7 +39,7 @@ class BatchObserver:
         and to slice its outputs back; `finished_s`, for each request it finished, seconds since queued."""
 
     def requests_failed(self, waited_s: list[float]) -> None:
-        """Requests the model's failure failed (each once), with the seconds since each was queued."""
+        """Requests failed because the predict call raised (each once), with the seconds since each was queued."""
 
     def length_padding(self, *, real_elements: int, padded_elements: int) -> None:
         """Once per call with variable-length padding: input elements sent, and those added to pad them."""
