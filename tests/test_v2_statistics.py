@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
@@ -176,18 +177,42 @@ def served(request, tmp_path_factory, exact_model_path):
     server.stop()
 
 
+def infer_once(served, size: int) -> None:
+    # A client (a connection) each, so that the kernel may hand each to either worker.
+    with httpclient.InferenceServerClient(url=f"127.0.0.1:{served.port}", network_timeout=60) as client:
+        tensor = httpclient.InferInput("features", [size, FEATURES], "FP32")
+        tensor.set_data_from_numpy(integer_rows(size, FEATURES).astype(np.float32))
+        client.infer("guarded", [tensor])
+
+
+def batches_by_worker(served) -> dict[int, int]:
+    """Each worker's batches of `guarded`, by pid, as its /readyz tells them (fresh connections)."""
+    seen: dict[int, int] = {}
+    for _ in range(200):
+        body = requests.get(served.url + "/readyz", headers={"Connection": "close"}, timeout=60).json()
+        seen[body["pid"]] = body["models"]["guarded"]["batches_run"]
+        if len(seen) == 2:
+            return seen
+    raise AssertionError(f"only worker(s) {sorted(seen)} answered /readyz")
+
+
 def test_tritonclient_reads_every_workers_counts_and_they_equal_metrics(served):
-    sizes = (1, 2, 3, 1, 2, 3, 1, 2)
+    sizes = [1, 2, 3, 1, 2, 3, 1, 2]
     for size in sizes:
-        # A client (a connection) each: the requests spread over both workers.
-        with httpclient.InferenceServerClient(url=f"127.0.0.1:{served.port}", network_timeout=60) as client:
-            tensor = httpclient.InferInput("features", [size, FEATURES], "FP32")
-            tensor.set_data_from_numpy(integer_rows(size, FEATURES).astype(np.float32))
-            client.infer("guarded", [tensor])
+        infer_once(served, size)
+    if not served.model_processes:
+        # Both workers must have served some, or one worker's counts would pass for all.
+        for _ in range(20):
+            if min(batches_by_worker(served).values()) > 0:
+                break
+            sizes.append(1)
+            infer_once(served, 1)
+        assert sum(batches_by_worker(served).values()) == len(sizes)
     with httpclient.InferenceServerClient(url=f"127.0.0.1:{served.port}", network_timeout=60) as client:
         answers = [client.get_inference_statistics("guarded") for _ in range(4)]
     assert all(answer == answers[0] for answer in answers)
     [stats] = answers[0]["model_stats"]
+    assert stats["execution_count"] == len(sizes)
     assert (stats["inference_count"], stats["inference_stats"]["success"]["count"]) == (sum(sizes), len(sizes))
     assert stats["execution_count"] == served.metric("model_server_batch_size_rows_count", model="guarded")
     assert stats["inference_count"] == served.metric("model_server_batch_size_rows_sum", model="guarded")
