@@ -42,9 +42,13 @@ def model_config(folder, exact_model_path) -> str:
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory, exact_model_path):
-    served = create_app(Settings(model_config=model_config(tmp_path_factory.mktemp("stats"), exact_model_path),
-                                 access_log=False, model_poll_seconds=0))
+def config_path(tmp_path_factory, exact_model_path) -> str:
+    return model_config(tmp_path_factory.mktemp("stats"), exact_model_path)
+
+
+@pytest.fixture(scope="module")
+def app(config_path):
+    served = create_app(Settings(model_config=config_path, access_log=False, model_poll_seconds=0))
     yield served
     shutdown_app(served, timeout_s=30)
 
@@ -168,10 +172,9 @@ def test_server_metadata_lists_the_extension(client):
 
 # Both modes: with a model process, its batch threads count, and the workers read its files.
 @pytest.fixture(scope="module", params=["0", "1"], ids=["workers", "model_process"])
-def served(request, tmp_path_factory, exact_model_path):
-    folder = tmp_path_factory.mktemp("stats_live")
-    server = Server(folder, {"MODEL_CONFIG": model_config(folder, exact_model_path), "MODEL_POLL_SECONDS": "0",
-                             "MODEL_PROCESSES": request.param})
+def served(request, tmp_path_factory, config_path):
+    server = Server(tmp_path_factory.mktemp("stats_live"), {"MODEL_CONFIG": config_path, "MODEL_POLL_SECONDS": "0",
+                                                            "MODEL_PROCESSES": request.param})
     server.start(workers=2)
     yield server
     server.stop()
