@@ -1,8 +1,8 @@
 """The Open Inference Protocol (KServe v2) over gRPC: `inference.GRPCInferenceService`, on the
 gRPC port TF Serving's services use (kserve/open-inference-protocol, inference_grpc.md).
 
-ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer; the other
-methods of Triton's service (statistics, repository, shared memory, streaming) stay the base
+ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer, ModelStatistics;
+the other methods of Triton's service (repository, shared memory, streaming) stay the base
 class's UNIMPLEMENTED. The messages are tritonclient's generated ones (tritonclient.grpc's
 service_pb2, package `inference`), the ones its client sends. KServe's own copy of the same
 protos declares the same `inference` package under another file name, so one process can load

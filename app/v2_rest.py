@@ -7,6 +7,7 @@ Routes (kserve/open-inference-protocol, specification/protocol/inference_rest.md
     GET  /v2/models/{m}[/versions/{v}]           model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready
     POST /v2/models/{m}[/versions/{v}]/infer
+    GET  /v2/models[/{m}[/versions/{v}]]/stats  Triton's statistics (app/v2_statistics.py)
 
 A version of digits names a version, any other a version label ("stable"). The signature is
 the request parameter `signature_name` (serving_default without it); the request parameter
