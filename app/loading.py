@@ -9,7 +9,7 @@ that start a registry, a worker in the default mode (app/__init__.py) and a mode
 
 from __future__ import annotations
 
-from app import registry, warmup
+from app import model_stats, registry, warmup
 from app.settings import Settings
 
 
@@ -19,4 +19,4 @@ def steps(settings: Settings) -> registry.Loading:
         from app import tracing  # only when on: a server without tracing never imports it
 
         observer = tracing.batch_observer
-    return registry.Loading(warm_up=warmup.replay, observer=observer)
+    return registry.Loading(warm_up=warmup.replay, observer=model_stats.observed(observer))

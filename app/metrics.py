@@ -86,6 +86,20 @@ class Metrics:
         # what to see, not the sum. Sampled by the worker's loop (app/worker.py).
         self.connections = Gauge("model_server_connections", "Open client connections of each worker, by protocol.",
                                  ["protocol"], registry=reg, multiprocess_mode="liveall")
+        # The v2 statistics extension (app/model_stats.py) is read back from these, per version,
+        # so a worker answering it sees every worker's and model process's counts, as /metrics does.
+        self.stats_requests = Counter("model_server_stats_requests", "Requests per version, by statistics stage.",
+                                      ["model", "version", "stage"], registry=reg)
+        self.stats_seconds = Counter("model_server_stats_seconds", "Time of requests per version, by statistics stage.",
+                                     ["model", "version", "stage"], registry=reg)
+        self.stats_batches = Counter("model_server_stats_batches", "Predict calls that answered, by real rows.",
+                                     ["model", "version", "batch_size"], registry=reg)
+        self.stats_batch_seconds = Counter("model_server_stats_batch_seconds",
+                                           "Time of predict calls that answered, by real rows and stage.",
+                                           ["model", "version", "batch_size", "stage"], registry=reg)
+        self.stats_last_inference = Gauge("model_server_stats_last_inference_timestamp_seconds",
+                                          "When a predict call of the version last answered (Unix time).",
+                                          ["model", "version"], registry=reg, multiprocess_mode="max")
 
     def observer(self, model: str) -> BatchObserver:
         return _ModelObserver(self, model)

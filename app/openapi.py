@@ -171,8 +171,13 @@ def _v2_paths() -> dict[str, Any]:
         "/v2/health/ready": {"get": _operation("Readiness of every model.", _json_ok("Ready.", {"type": "object"}),
                                                (405, 503))},
     }
+    stats_ok = _json_ok("Triton's statistics extension: counts and cumulative durations per model version.",
+                        {"type": "object", "required": ["model_stats"]})
+    paths["/v2/models/stats"] = {"get": _operation("Statistics of every model version.", stats_ok, (405,))}
     for prefix, parameters in (("/v2/models/{name}", (_NAME,)),
                                ("/v2/models/{name}/versions/{version}", (_NAME, _V2_VERSION))):
+        paths[f"{prefix}/stats"] = {"get": _operation("Statistics of a model's versions (of one version).",
+                                                      stats_ok, _GET_ERRORS, parameters=parameters)}
         paths[prefix] = {"get": _operation("A model's metadata.", metadata_ok, _GET_ERRORS,
                                            parameters=(*parameters, signature))}
         paths[f"{prefix}/ready"] = {"get": _operation("Whether a model can serve.", ready_ok, (*_GET_ERRORS, 503),

@@ -1,8 +1,8 @@
 """The Open Inference Protocol (KServe v2) over gRPC: `inference.GRPCInferenceService`, on the
 gRPC port TF Serving's services use (kserve/open-inference-protocol, inference_grpc.md).
 
-ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer; the other
-methods of Triton's service (statistics, repository, shared memory, streaming) stay the base
+ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer, ModelStatistics;
+the other methods of Triton's service (repository, shared memory, streaming) stay the base
 class's UNIMPLEMENTED. The messages are tritonclient's generated ones (tritonclient.grpc's
 service_pb2, package `inference`), the ones its client sends. KServe's own copy of the same
 protos declares the same `inference` package under another file name, so one process can load
@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from app import grpc_record, v2_tensors
+from app import grpc_record, v2_statistics, v2_tensors
 from app.errors import BadRequest, NotFound
 from app.logs import RequestRecord
 from app.serving import RequestLayer
@@ -49,6 +49,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.ServerMetadata = observed(f"{SERVICE}/ServerMetadata", self._server_metadata)
         self.ModelMetadata = observed(f"{SERVICE}/ModelMetadata", self._model_metadata)
         self.ModelInfer = observed(f"{SERVICE}/ModelInfer", self._infer)
+        self.ModelStatistics = observed(f"{SERVICE}/ModelStatistics", v2_statistics.grpc_handler(layer))
 
     def ServerLive(self, request: Any, context: grpc.ServicerContext) -> Any:
         return service_pb2.ServerLiveResponse(live=True)

@@ -7,6 +7,7 @@ Routes (kserve/open-inference-protocol, specification/protocol/inference_rest.md
     GET  /v2/models/{m}[/versions/{v}]           model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready
     POST /v2/models/{m}[/versions/{v}]/infer
+    GET  /v2/models[/{m}[/versions/{v}]]/stats  Triton's statistics (app/v2_statistics.py)
 
 A version of digits names a version, any other a version label ("stable"). The signature is
 the request parameter `signature_name` (serving_default without it); the request parameter
@@ -30,7 +31,7 @@ from typing import Any
 import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 
-from app import codec, limits, logs, v2_tensors
+from app import codec, limits, logs, v2_statistics, v2_tensors
 from app.errors import BadRequest, Unavailable
 from app.serving import Answer, get_layer, socket_client_gone
 
@@ -78,6 +79,13 @@ def model_ready(name: str, version: str | None = None) -> Response:
     if not layer.servable_ready(servable):
         raise Unavailable(f"model '{servable.model.name}' v{servable.model.version} cannot serve")
     return _json({"name": servable.model.name, "ready": True})
+
+
+# Triton's statistics extension (app/v2_statistics.py); a static rule wins over a model name "stats".
+bp.add_url_rule("/models/stats", "all_model_stats", v2_statistics.all_models_view, methods=["GET"])
+bp.add_url_rule("/models/<model_name:name>/stats", "model_stats", v2_statistics.model_view, methods=["GET"])
+bp.add_url_rule("/models/<model_name:name>/versions/<version>/stats", "model_stats", v2_statistics.model_view,
+                methods=["GET"])
 
 
 @bp.post("/models/<model_name:name>/infer")

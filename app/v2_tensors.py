@@ -31,7 +31,7 @@ from app.serving import ModelSpec, braced, check_rows
 SERVER_NAME = "tensorflow-model-server"
 # The project ships no release numbers; this names the API generation a client may expect.
 SERVER_VERSION = "1"
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "statistics"]
 BYTES = "BYTES"
 DATATYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),

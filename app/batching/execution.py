@@ -68,9 +68,11 @@ class Executor:
                     self.fail(part, earlier_error)
                     continue
             calls_left -= 1
+            began = self._clock()
             try:
                 outputs, rows, padded, predict_s, cut = self._predict(part)
-                stats = CallStats(requests=len(part), predict_s=predict_s, ended_at=self._clock(),
+                returned = self._clock()
+                stats = CallStats(requests=len(part), predict_s=predict_s, ended_at=returned,
                                   waiting=self._waiting())
             except Exception as exc:
                 error = exc if isinstance(exc, ServingError) else PredictFailed.from_exception(exc)
@@ -81,16 +83,23 @@ class Executor:
                     self.fail(part, error)
                 continue
             self._observer.batch_done(rows=rows, requests=len(part), padded_rows=padded - rows, predict_s=predict_s)
+            sliced = self._clock()
             if self.whole:
                 part[0].pending.deliver(outputs, rows, 1, done=True)
             else:
                 _slice_back(part, outputs, rows, cut)
+            now = self._clock()
+            # The v2 statistics: what joining and padding, the call, and slicing back took.
+            self._observer.call_answered(rows=rows, requests=len(part), input_s=returned - began - predict_s,
+                                         infer_s=predict_s, output_s=now - sliced,
+                                         finished_s=[now - piece.pending.enqueued_at for piece in part if piece.last])
         return stats
 
     def fail(self, part: list[Slice], error: ServingError) -> None:
         log.warning("predict of model '%s' failed for %d request(s): %s", self.name, len(part), error)
-        for piece in part:
-            settle(piece.pending, exception=error)
+        now = self._clock()
+        self._observer.requests_failed([now - piece.pending.enqueued_at for piece in part
+                                        if settle(piece.pending, exception=error)])
 
     def _predict(self, part: list[Slice]) -> tuple[dict[str, np.ndarray], int, int, float, LengthCut | None]:
         cut = None

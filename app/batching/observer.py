@@ -33,6 +33,14 @@ class BatchObserver:
     def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
         pass
 
+    def call_answered(self, *, rows: int, requests: int, input_s: float, infer_s: float, output_s: float,
+                      finished_s: list[float]) -> None:
+        """After each predict call that answered: seconds to join and pad its inputs, of the call,
+        and to slice its outputs back; `finished_s`, for each request it finished, seconds since queued."""
+
+    def requests_failed(self, waited_s: list[float]) -> None:
+        """Requests failed because the predict call raised (each once), with the seconds since each was queued."""
+
     def length_padding(self, *, real_elements: int, padded_elements: int) -> None:
         """Once per call with variable-length padding: input elements sent, and those added to pad them."""
 
@@ -75,6 +83,20 @@ class GuardedObserver(BatchObserver):
             self._observer.batch_done(rows=rows, requests=requests, padded_rows=padded_rows, predict_s=predict_s)
         except Exception:
             self._log_once("observer hook batch_done")
+
+    def call_answered(self, *, rows: int, requests: int, input_s: float, infer_s: float, output_s: float,
+                      finished_s: list[float]) -> None:
+        try:
+            self._observer.call_answered(rows=rows, requests=requests, input_s=input_s, infer_s=infer_s,
+                                         output_s=output_s, finished_s=finished_s)
+        except Exception:
+            self._log_once("observer hook call_answered")
+
+    def requests_failed(self, waited_s: list[float]) -> None:
+        try:
+            self._observer.requests_failed(waited_s)
+        except Exception:
+            self._log_once("observer hook requests_failed")
 
     def length_padding(self, *, real_elements: int, padded_elements: int) -> None:
         try:
