@@ -137,20 +137,23 @@ def v2_answer(data: list[float]) -> bytes:
                                     "data": data}]}).encode()
 
 
+V2, JSON = layouts.LAYOUTS_BY_NAME["default-1w"], {"Content-Type": "application/json"}
+
+
 def test_check_answer_accepts_the_model_output_and_refuses_another(body: Path):
     expected = np.array([[1.5, -0.25]], dtype=np.float32)
     with local_server(reply(200, v2_answer([1.5, -0.25]))) as (url, received):
-        assert layouts.check_answer(url, body.read_bytes(), expected) == 0.0
+        assert layouts.check_answer(V2, url, body.read_bytes(), JSON, expected) == 0.0
         assert received == [body.read_bytes()]
     with local_server(reply(200, v2_answer([1.5, -0.5]))) as (url, _):
         with pytest.raises(RuntimeError, match="differs from the model's by up to 0.25"):
-            layouts.check_answer(url, body.read_bytes(), expected)
+            layouts.check_answer(V2, url, body.read_bytes(), JSON, expected)
     with local_server(reply(200, v2_answer([1.5]))) as (url, _):
         with pytest.raises(RuntimeError, match="shape"):
-            layouts.check_answer(url, body.read_bytes(), expected)
+            layouts.check_answer(V2, url, body.read_bytes(), JSON, expected)
     with local_server(reply(503)) as (url, _):
         with pytest.raises(RuntimeError, match="503"):
-            layouts.check_answer(url, body.read_bytes(), expected)
+            layouts.check_answer(V2, url, body.read_bytes(), JSON, expected)
 
 
 def measured(model: str, layout: str, round_number: int, rps: float | None, error: str | None = None):
@@ -167,8 +170,8 @@ def test_model_tables_average_the_rounds_and_divide_by_the_default_with_one_work
     lines = layouts.model_tables(results, "tiny", chosen, 2)
     # default-1w: mean 1,100 req/s and 1000/1000, 1000/1200 ms CPU a request; procs-2w: its one good round.
     assert lines[4:6] == [
-        "| default, 1 worker | 1,100 | 1.00× | 5.0 | 9.0 | 0.92 | 1.00× | 10 | – | 2 of 2 |",
-        "| MODEL_PROCESSES=1, 2 workers | 1,150 | 1.05× | 5.0 | 9.0 | 0.87 | 0.95× | 10 | – | 1 of 2 |"]
+        "| `default-1w`: default, 1 worker | 1,100 | 1.00× | 5.0 | 9.0 | 0.92 | 1.00× | 10 | – | 2 of 2 |",
+        "| `procs-2w`: MODEL_PROCESSES=1, 2 workers | 1,150 | 1.05× | 5.0 | 9.0 | 0.87 | 0.95× | 10 | – | 1 of 2 |"]
     assert lines[7] == "Every round's req/s: `default-1w` 1,000, 1,200; `procs-2w` 1,150, failed."
     assert lines[8] == "- `procs-2w`, round 2: refused: 3 ..."
 
