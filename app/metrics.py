@@ -86,6 +86,10 @@ class Metrics:
         # what to see, not the sum. Sampled by the worker's loop (app/worker.py).
         self.connections = Gauge("model_server_connections", "Open client connections of each worker, by protocol.",
                                  ["protocol"], registry=reg, multiprocess_mode="liveall")
+        # Payload logging (app/payload_log.py) drops rather than slow a request: each drop, by why.
+        self.payload_log_dropped = Counter("model_server_payload_log_dropped_records",
+                                           "Sampled payload records not logged: buffer_full, write_failed "
+                                           "or send_failed.", ["reason"], registry=reg)
 
     def observer(self, model: str) -> BatchObserver:
         return _ModelObserver(self, model)
