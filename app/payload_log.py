@@ -42,7 +42,7 @@ import numpy as np
 from flask import Flask
 
 from app.metrics import get_metrics
-from app.models import STRING
+from app.model_types import STRING
 from app.settings import Settings, SettingsError, model_configs
 from app.tensor_proto import from_ndarray
 
