@@ -225,10 +225,24 @@ def served(tmp_path_factory, exact_model_path):
     config = folder / "models.config"
     config.write_text(f'model_config_list {{ config {{ name: "{NAME}" base_path: "{exact_model_path}" '
                       'model_platform: "tensorflow" logging_config { sampling_config { sampling_rate: 1.0 } } } }')
-    server = Server(folder / "logs", {"MODEL_CONFIG": str(config), "PAYLOAD_LOG_DIR": str(folder / "payload")})
+    server = Server(tmp_path_factory.mktemp("payload-server"),
+                    {"MODEL_CONFIG": str(config), "PAYLOAD_LOG_DIR": str(folder / "payload")})
     server.start(workers=2)
     yield server, folder / "payload"
     server.stop()
+
+
+def grpc_predict(server: Server, rows: np.ndarray) -> np.ndarray:
+    import grpc
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = NAME
+    request.inputs["features"].CopyFrom(tf.make_tensor_proto(rows))
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(request, timeout=60)
+    return rows
 
 
 @pytest.mark.server
@@ -248,7 +262,8 @@ def test_each_worker_writes_its_own_files(served, exact_model):
         return len(pids_seen()) == 2
 
     wait_for(send_until_two_workers_wrote, within_s=120, what="records from both workers")
-    workers = {process.pid for process in server.processes()}
+    sent.append(grpc_predict(server, integer_rows(2, seed=1000)))  # TF Serving's own client, gRPC
+    workers = {process.pid for process in server.processes()} - set(server.model_process_pids())
     assert pids_seen() <= workers
 
     def all_written() -> dict[str, list] | None:
@@ -262,7 +277,7 @@ def test_each_worker_writes_its_own_files(served, exact_model):
     assert len(records) == 2  # one file per worker
     logged = sorted(tensor(record.predict_log.request.inputs["features"]).tolist()
                     for file_records in records.values() for record in file_records)
-    assert logged == sorted(rows.tolist() for rows in sent)
+    assert logged == sorted(rows.tolist() for rows in sent)  # HTTP's and gRPC's, each once
     for file_records in records.values():
         for record in file_records:
             inputs = tensor(record.predict_log.request.inputs["features"])
