@@ -16,7 +16,7 @@ CloudEvents (binary mode, as KServe's logger sends them): the request, then the 
 Logging never slows or fails a request: the request thread only draws the sample and puts
 the arrays on a bounded queue; a full queue drops the record and counts it. One daemon
 thread per process serializes, writes and sends. Each process writes its own files
-(host, pid and start time in the name), rotated at PAYLOAD_LOG_MAX_FILE_MB.
+(host, pid and start time in the name), rotated at PAYLOAD_LOG_MAX_FILE_BYTES.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def init_app(app: Flask, settings: Settings) -> PayloadLog | None:
     dropped = get_metrics(app).payload_log_dropped
     payload_log = PayloadLog(rates=rates, default_rate=settings.payload_log_sampling_rate,
                              directory=settings.payload_log_dir, url=settings.payload_log_url,
-                             max_file_bytes=settings.payload_log_max_file_mb * 1024 * 1024,
+                             max_file_bytes=settings.payload_log_max_file_bytes,
                              buffer_records=settings.payload_log_buffer_records,
                              count_drop=lambda reason: dropped.labels(reason).inc())
     app.extensions["payload_log"] = payload_log

@@ -407,8 +407,8 @@ class Settings:
     payload_log_dir: str | None = _env(
         "PAYLOAD_LOG_DIR", validate_optional_path, None,
         "Folder of the sampled records: TFRecord files, one set per process.", section="Payload logging")
-    payload_log_max_file_mb: int = _env(
-        "PAYLOAD_LOG_MAX_FILE_MB", validate_pos_int, 64,
+    payload_log_max_file_bytes: int = _env(
+        "PAYLOAD_LOG_MAX_FILE_BYTES", validate_pos_int, 64 * 1024 * 1024,
         "A payload log file is closed and the next one begun before it grows past this.",
         section="Payload logging")
     payload_log_buffer_records: int = _env(
