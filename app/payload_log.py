@@ -16,7 +16,8 @@ CloudEvents (binary mode, as KServe's logger sends them): the request, then the 
 Logging never slows or fails a request: the request thread only draws the sample and puts
 the arrays on a bounded queue; a full queue drops the record and counts it. One daemon
 thread per process serializes, writes and sends. Each process writes its own files
-(host, pid and start time in the name), rotated at PAYLOAD_LOG_MAX_FILE_BYTES.
+(host, pid and start time in the name), rotated at PAYLOAD_LOG_MAX_FILE_BYTES; TensorFlow's
+TFRecordWriter writes them where the process has TensorFlow, records framed here where not.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ import queue
 import random
 import socket
 import struct
+import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from flask import Flask
@@ -79,7 +81,7 @@ class PayloadLog:
         self._sample = sample
         self._count_drop = count_drop
         self._queue: queue.Queue[Entry | None] = queue.Queue(maxsize=buffer_records)
-        self._files = RecordFiles(directory, max_file_bytes) if directory else None
+        self._files = RecordFiles(directory, max_file_bytes, open_file=record_writer()) if directory else None
         self._url = url
         self._thread = threading.Thread(target=self._run, name="payload-log", daemon=True)
         self._thread.start()
@@ -168,13 +170,43 @@ def _tf_dtype(array: np.ndarray) -> str:
     return name if name in types_pb2.DataType.keys() else "DT_STRING"
 
 
+RECORD_OVERHEAD = 16  # a TFRecord's length, its CRC and the data's CRC
+
+
+class FramedFile:
+    """A TFRecord file framed here, CRCs in Python: for a process without TensorFlow's runtime
+    (a worker of MODEL_PROCESSES). Slower than TensorFlow's writer, which also lets go of the GIL."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "xb")
+
+    def write(self, data: bytes) -> None:
+        self._file.write(tfrecord(data))
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def record_writer() -> Callable[[str], Any]:
+    """TensorFlow's TFRecordWriter where this process has TensorFlow's runtime, else FramedFile."""
+    tensorflow = sys.modules.get("tensorflow")
+    # A worker of MODEL_PROCESSES has only a bare package for the protos (app/model_process/protos.py).
+    if tensorflow is not None and hasattr(tensorflow, "io"):
+        return cast(Callable[[str], Any], tensorflow.io.TFRecordWriter)
+    return FramedFile
+
+
 class RecordFiles:
     """TFRecord files of one process, a new one when the current one would pass `max_bytes`."""
 
-    def __init__(self, directory: str, max_bytes: int) -> None:
+    def __init__(self, directory: str, max_bytes: int, *, open_file: Callable[[str], Any] = FramedFile) -> None:
         os.makedirs(directory, exist_ok=True)
         self._directory = directory
         self._max_bytes = max_bytes
+        self._open = open_file
         # Host, pid and start time: no two processes, nor a restarted one, ever share a file.
         started = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S%fZ")
         self._stem = f"prediction_log.{socket.gethostname()}.{os.getpid()}.{started}"
@@ -187,16 +219,15 @@ class RecordFiles:
         return os.path.join(self._directory, f"{self._stem}.{self._index:05d}.tfrecord")
 
     def write(self, data: bytes) -> None:
-        framed = tfrecord(data)
-        if self._file is not None and self._size and self._size + len(framed) > self._max_bytes:
-            self._file.close()
-            self._file = None
+        size = len(data) + RECORD_OVERHEAD
+        if self._file is not None and self._size and self._size + size > self._max_bytes:
+            self.close()
             self._index += 1
         if self._file is None:
-            self._file = open(self.path, "xb")
+            self._file = self._open(self.path)
             self._size = 0
-        self._file.write(framed)
-        self._size += len(framed)
+        self._file.write(data)
+        self._size += size
 
     def flush(self) -> None:
         if self._file is not None:

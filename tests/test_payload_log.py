@@ -144,13 +144,16 @@ def fake_answer(model: str, value: float) -> SimpleNamespace:
                            signature=signature, outputs={"y": np.array([[value]], np.float32)})
 
 
-def test_files_rotate_before_passing_the_size(tmp_path):
-    files = payload_log.RecordFiles(str(tmp_path), max_bytes=100)
+@pytest.mark.parametrize("writer", ["tensorflow", "python"])
+def test_files_rotate_before_passing_the_size(tmp_path, writer):
+    import tensorflow as tf
+
+    # TensorFlow's writer where its runtime is loaded; records framed here in a worker without it.
+    open_file = tf.io.TFRecordWriter if writer == "tensorflow" else payload_log.FramedFile
+    files = payload_log.RecordFiles(str(tmp_path), max_bytes=100, open_file=open_file)
     for index in range(5):
         files.write(bytes([index]) * 30)  # 46 bytes framed: two per file
     files.close()
-    import tensorflow as tf
-
     contents = {path.name: [raw.numpy() for raw in tf.data.TFRecordDataset(str(path))]
                 for path in sorted(tmp_path.iterdir())}
     assert [name.rsplit(".", 2)[1] for name in contents] == ["00000", "00001", "00002"]
