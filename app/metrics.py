@@ -100,6 +100,10 @@ class Metrics:
         self.stats_last_inference = Gauge("model_server_stats_last_inference_timestamp_seconds",
                                           "When a predict call of the version last answered (Unix time).",
                                           ["model", "version"], registry=reg, multiprocess_mode="max")
+        # Payload logging (app/payload_log.py) drops rather than slow a request: each drop, by why.
+        self.payload_log_dropped = Counter("model_server_payload_log_dropped_records",
+                                           "Sampled payload records not logged: buffer_full, write_failed "
+                                           "or send_failed.", ["reason"], registry=reg)
 
     def observer(self, model: str) -> BatchObserver:
         return _ModelObserver(self, model)

@@ -54,6 +54,8 @@ from app.models import (
     Signature,
     TensorInfo,
 )
+from app.payload_log import PayloadLog
+from app.payload_log import init_app as init_payload_log
 from app.registry import ModelRegistry, Servable
 from app.settings import Settings
 
@@ -261,6 +263,9 @@ class RequestLayer:
 
     # -- the prediction -------------------------------------------------------------------
 
+    # Sampled predictions go here (app/payload_log.py); None: not logged (warm-up's layer, or sampling off).
+    payload_log: PayloadLog | None = None
+
     def predict(self, servable: Servable, signature: Signature, inputs: dict[str, np.ndarray], *,
                 record: RequestRecord, pinned: bool, client_timeout_s: float | None = None,
                 client_gone: ClientGonePredicate | None = None) -> Answer:
@@ -278,7 +283,10 @@ class RequestLayer:
             # The engine cancels a request's future only when client_gone said so (and counted it).
             raise ClientGone("the client left before its request ran") from None
         record.batch_rows, record.batch_requests = result.batch_rows, result.batch_requests
-        return _answer(servable, signature, result)
+        answer = _answer(servable, signature, result)
+        if self.payload_log is not None:
+            self.payload_log.offer(inputs, answer, record.request_id)
+        return answer
 
     def classify(self, servable: Servable, signature_name: str, examples: np.ndarray, *, record: RequestRecord,
                  pinned: bool, client_timeout_s: float | None = None,
@@ -444,6 +452,7 @@ def init_app(app: Flask, settings: Settings, registry: ModelRegistry, *,
                        max_request_bytes=max_request_bytes(settings, registry), metrics=app.extensions["metrics"],
                        check_method_name=settings.enable_signature_method_name_check)
     app.extensions["serving"] = layer
+    layer.payload_log = init_payload_log(app, settings)
     return layer
 
 

@@ -399,6 +399,27 @@ class Settings:
         "Shared memory per worker and model process, each way, for the rows handed over; an array that does "
         "not fit travels over the socket instead.", section="Model processes")
 
+    payload_log_sampling_rate: float = _env(
+        "PAYLOAD_LOG_SAMPLING_RATE", validate_fraction, 0.0,
+        "Share of predictions written as TF Serving `PredictionLog` records, drawn at random per request; a "
+        "model's `payload_log_sampling_rate` in `MODEL_CONFIG` (a ModelServerConfig's `logging_config`) "
+        "overrides it ([payload logging](operations.md#payload-logging)). 0: none.", section="Payload logging")
+    payload_log_dir: str | None = _env(
+        "PAYLOAD_LOG_DIR", validate_optional_path, None,
+        "Folder of the sampled records: TFRecord files, one set per process.", section="Payload logging")
+    payload_log_max_file_bytes: int = _env(
+        "PAYLOAD_LOG_MAX_FILE_BYTES", validate_pos_int, 64 * 1024 * 1024,
+        "A payload log file is closed and the next one begun before it grows past this.",
+        section="Payload logging")
+    payload_log_buffer_records: int = _env(
+        "PAYLOAD_LOG_BUFFER_RECORDS", validate_pos_int, 1000,
+        "Sampled records waiting per process to be written; beyond, they are dropped and counted in "
+        "`model_server_payload_log_dropped_records`.", section="Payload logging")
+    payload_log_url: str = _env(
+        "PAYLOAD_LOG_URL", validate_optional_text, "",
+        "Also post each sampled request and response as CloudEvents here, as KServe's logger does; empty: "
+        "none.", section="Payload logging")
+
     def __post_init__(self) -> None:
         if self.gpu_memory_limit_mb and self.gpu_memory_fraction:
             raise SettingsError(
@@ -436,6 +457,7 @@ class ModelConfig:
     pad_variable_length: bool = False
     pad_value: float = 0.0
     length_buckets: tuple[int, ...] = ()
+    payload_log_sampling_rate: float = 0.0
 
     def __post_init__(self) -> None:
         # 0 derives the limit: a request may span a few batches, never more than the queue holds.
@@ -452,6 +474,7 @@ _MODEL_KEYS: dict[str, Callable[[str], Any]] = {
     "pad_variable_length": validate_bool,
     "pad_value": validate_finite_float,
     "length_buckets": validate_length_buckets,
+    "payload_log_sampling_rate": validate_fraction,
 }
 
 

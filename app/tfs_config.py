@@ -48,6 +48,9 @@ def model_config_document(config: Any) -> dict[str, Any]:
             model["model_version_policy"] = {"specific": {"versions": list(policy.specific.versions)}}
         if entry.version_labels:
             model["version_labels"] = dict(entry.version_labels)
+        if entry.HasField("logging_config"):
+            # Only the rate: where records go is PAYLOAD_LOG_DIR / PAYLOAD_LOG_URL, not log_collector_config.
+            model["payload_log_sampling_rate"] = entry.logging_config.sampling_config.sampling_rate
         models.append(model)
     if not models:
         raise FlagError("--model_config_file: model_config_list holds no config")
