@@ -9,6 +9,7 @@ whichever worker answers, and the same sums as /metrics.
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import numpy as np
@@ -18,7 +19,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 
-from app import create_app, shutdown_app
+from app import create_app, logs, shutdown_app
 from app.settings import Settings
 from tests.conftest import Server, build_exact_model, integer_rows
 from tests.test_reliability import FEATURES, POISON, save_guarded_model
@@ -48,9 +49,13 @@ def config_path(tmp_path_factory, exact_model_path) -> str:
 
 @pytest.fixture(scope="module")
 def app(config_path):
+    # create_app sets the process's loggers as a worker's: the tests after this module find them as they were.
+    access_off, app_level = logs.access_log.disabled, logging.getLogger("app").level
     served = create_app(Settings(model_config=config_path, access_log=False, model_poll_seconds=0))
     yield served
     shutdown_app(served, timeout_s=30)
+    logs.access_log.disabled = access_off
+    logging.getLogger("app").setLevel(app_level)
 
 
 @pytest.fixture(scope="module")
