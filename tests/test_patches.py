@@ -6,11 +6,12 @@ import importlib.metadata
 import sys
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from app.patches import MEASURED_ON
+from app.patches import MEASURED_ON, HistogramCounts, value_of
 
 
-@pytest.mark.parametrize("package", ["flask", "gunicorn"])
+@pytest.mark.parametrize("package", ["flask", "gunicorn", "prometheus-client"])
 def test_patched_package_is_the_version_the_patches_were_measured_on(package):
     installed = importlib.metadata.version(package)
     assert installed == MEASURED_ON[package], (
@@ -28,3 +29,29 @@ def test_pins_agree_with_the_requirements():
     pinned = dict(line.split("==", 1) for line in (REPO / "requirements.txt").read_text().splitlines()
                   if "==" in line and not line.startswith("#") and ";" not in line)
     assert pinned["flask"] == MEASURED_ON["flask"] and pinned["gunicorn"] == MEASURED_ON["gunicorn"]
+
+
+@pytest.mark.parametrize("amount", [0.0, 0.001, 0.0011, 0.0025, 29.9, 30.0, 30.5, float("inf"), -1.0, float("nan")])
+def test_histogram_counts_write_what_observe_writes(amount):
+    """The bucket a bound itself falls in, past the last bound, and NaN (no bucket) included."""
+    registry = CollectorRegistry()
+    buckets = (0.001, 0.0025, 0.005, 1.0, 30.0)
+    plain = Histogram("plain_seconds", "", ["model"], buckets=buckets, registry=registry)
+    direct = Histogram("direct_seconds", "", ["model"], buckets=buckets, registry=registry)
+    plain.labels("m").observe(amount)
+    HistogramCounts(direct.labels("m")).observe(amount)
+    samples = {name: [(sample.name.split("_seconds")[1], sample.labels, repr(sample.value))
+                      for sample in metric.samples if not sample.name.endswith("_created")]
+               for name, metric in (("plain", plain), ("direct", direct)) for metric in metric.collect()}
+    assert samples["direct"] == samples["plain"]
+
+
+def test_values_written_directly_are_the_metrics_values():
+    registry = CollectorRegistry()
+    counter = Counter("answers", "", ["status"], registry=registry)
+    gauge = Gauge("in_flight", "", registry=registry)
+    value_of(counter.labels("200")).inc(3)
+    value_of(gauge).inc(2)
+    value_of(gauge).inc(-1)
+    assert registry.get_sample_value("answers_total", {"status": "200"}) == 3
+    assert registry.get_sample_value("in_flight") == 1
