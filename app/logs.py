@@ -29,8 +29,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from flask import Flask, has_request_context, request
-from werkzeug.wsgi import get_path_info
+from flask import Flask
 
 from app import patches
 
@@ -190,7 +189,7 @@ os.register_at_fork(after_in_child=_ids.seed)
 
 def accept_request_id(given: str) -> str:
     """The client's X-Request-ID (or gRPC's x-request-id metadata) if it is a sane token, else a new id."""
-    return given if _SANE_ID.fullmatch(given) else f"{_ids.getrandbits(128):032x}"
+    return given if given and _SANE_ID.fullmatch(given) else f"{_ids.getrandbits(128):032x}"
 
 
 @dataclasses.dataclass
@@ -221,7 +220,7 @@ class RequestRecord:
             "method": self.method,
             "path": self.path,
             "status": self.status,
-            "latency_ms": round(self.seconds() * 1000, 3),
+            "latency_ms": round((time.perf_counter() - self.started) * 1000, 3),
             "rows": self.rows,
             "batch_rows": self.batch_rows,
             "batch_requests": self.batch_requests,
@@ -232,7 +231,8 @@ class RequestRecord:
 
 def record() -> RequestRecord:
     """The current request's record (a detached one outside the access-log layer)."""
-    found = request.environ.get(RECORD_KEY) if has_request_context() else None
+    environ = patches.request_environ()
+    found = environ.get(RECORD_KEY) if environ is not None else None
     return found if found is not None else RequestRecord("")
 
 
@@ -380,10 +380,11 @@ class _AccessLayer:
     def _log(self, environ: dict[str, Any], entry: RequestRecord) -> None:
         if not access_log.isEnabledFor(logging.INFO):
             return
-        entry.path = "/" + get_path_info(environ).lstrip("/")  # as Werkzeug's request.path reads it
+        # As Werkzeug's request.path reads it (werkzeug.wsgi.get_path_info, and a leading "/").
+        entry.path = "/" + environ.get("PATH_INFO", "").encode("latin1").decode(errors="replace").lstrip("/")
         if entry.path in PROBE_PATHS and not self.probes:
             return
-        write_access(entry, writer=self.writer)
+        log_access(entry.access_fields(), writer=self.writer)
 
 
 def init_app(app: Flask, *, access: bool = True, probes: bool = False, writer: AccessWriter | None = None) -> None:

@@ -15,6 +15,8 @@ tests/test_patches.py fails when the installed or pinned version differs: then r
   else (a chunked body, a body left unread, a failed read) takes Gunicorn's own path.
 - `batched_writes` (logging): access lines reach each plain StreamHandler's stream in a
   few large writes instead of one write and flush per line (app/logs.py's access writer).
+- `request_environ` (Flask): the current request's WSGI environ from Flask's own context
+  variable, not through `has_request_context()` and the `request` proxy (four calls).
 - `value_of`, `HistogramCounts` (prometheus_client): the metrics a request or a batch updates
   write their values directly, as the metric's own `inc`/`observe` would after checks that a
   child made once has passed; a histogram finds its bucket by bisection, not a walk.
@@ -33,6 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from flask import Flask
+from flask.globals import _cv_request
 from gunicorn.http.body import LengthReader
 
 MEASURED_ON = {"flask": "3.1.3", "gunicorn": "27.0.1", "prometheus-client": "0.26.0", "python": "3.11"}
@@ -48,6 +51,12 @@ class CachedEnsureSync(Flask):
         if sync is None:
             sync = self._sync[func] = super().ensure_sync(func)
         return sync
+
+
+def request_environ() -> dict[str, Any] | None:
+    """The WSGI environ of the request this thread is handling; None outside a request."""
+    context = _cv_request.get(None)
+    return context.request.environ if context is not None else None
 
 
 class KeepAliveWithoutDrain:

@@ -210,6 +210,28 @@ def test_probes_are_access_logged_only_when_asked(caplog, probes, logged):
     assert sorted(entry.fields["path"] for entry in caplog.records if entry.name == "app.access") == logged
 
 
+def test_access_fields_of_the_real_app_in_process(in_process_app, exact_model_path, caplog):
+    client = in_process_app(model_path=str(exact_model_path), access_log=True).test_client()
+    rows = {"instances": integer_rows(2).tolist()}
+    with caplog.at_level(logging.INFO, logger="app.access"):
+        given = client.post("/predict", json=rows, headers={"X-Request-ID": "trace-7"})
+        made = client.post("/v1/models/default:predict", json=rows)
+        lost = client.get("/caf%C3%A9/%FF")  # a path that is not UTF-8 is logged as Werkzeug reads it
+        logs.flush_access_log()
+    assert (given.status_code, made.status_code, lost.status_code) == (200, 200, 404)
+    assert given.headers["X-Request-ID"] == "trace-7"
+    assert re.fullmatch(r"[0-9a-f]{32}", made.headers["X-Request-ID"])
+    lines = [dict(entry.fields) for entry in caplog.records if entry.name == "app.access"]
+    assert all(line.pop("latency_ms") > 0 for line in lines)
+    served = {"status": 200, "rows": 2, "batch_rows": 2, "batch_requests": 1, "model": "default"}
+    assert lines == [
+        {"method": "POST", "path": "/predict", **served, "request_id": "trace-7"},
+        {"method": "POST", "path": "/v1/models/default:predict", **served, "request_id": made.headers["X-Request-ID"]},
+        {"method": "GET", "path": "/caf\u00e9/\ufffd", "status": 404, "rows": None, "batch_rows": None,
+         "batch_requests": None, "model": None, "request_id": lost.headers["X-Request-ID"]},
+    ]
+
+
 class _Collecting(logging.Handler):
     """Keeps the records it is handed; `gate` (when set) holds each emit until it opens."""
 
