@@ -7,6 +7,8 @@ tests/test_patches.py fails when the installed or pinned version differs: then r
 
 - `CachedEnsureSync` (Flask): Flask asks `inspect.iscoroutinefunction` of every view and
   hook on every request; the answer never changes for a function, so it is asked once.
+- `NoSessions` (Flask): the server keeps no sessions; instead of asking for a secret key and
+  making a new empty null session on every request, each request gets the same one.
 - `KeepAliveWithoutDrain` (Gunicorn's gthread worker): after each response gthread drains
   what the application left unread of the body, bounded by a socket timeout: `settimeout`
   before and after, each an `ioctl` that releases the GIL and, under load, hands the
@@ -36,6 +38,7 @@ from typing import Any
 
 from flask import Flask
 from flask.globals import _cv_request
+from flask.sessions import NullSession, SessionInterface
 from gunicorn.http.body import LengthReader
 
 MEASURED_ON = {"flask": "3.1.3", "gunicorn": "27.0.1", "prometheus-client": "0.26.0", "python": "3.11"}
@@ -51,6 +54,16 @@ class CachedEnsureSync(Flask):
         if sync is None:
             sync = self._sync[func] = super().ensure_sync(func)
         return sync
+
+
+class NoSessions(SessionInterface):
+    """One shared empty session, read-only as Flask's null session is (a write raises), never saved."""
+
+    def __init__(self) -> None:
+        self._session = NullSession()
+
+    def open_session(self, app: Flask, request: Any) -> NullSession:
+        return self._session
 
 
 def request_environ() -> dict[str, Any] | None:

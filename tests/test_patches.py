@@ -5,10 +5,11 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 
+import flask
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from app.patches import MEASURED_ON, HistogramCounts, value_of
+from app.patches import MEASURED_ON, CachedEnsureSync, HistogramCounts, NoSessions, value_of
 
 
 @pytest.mark.parametrize("package", ["flask", "gunicorn", "prometheus-client"])
@@ -55,3 +56,21 @@ def test_values_written_directly_are_the_metrics_values():
     value_of(gauge).inc(-1)
     assert registry.get_sample_value("answers_total", {"status": "200"}) == 3
     assert registry.get_sample_value("in_flight") == 1
+
+
+def test_no_sessions_gives_every_request_the_same_empty_read_only_session():
+    app = CachedEnsureSync("no-sessions")
+    app.session_interface = NoSessions()
+    seen = []
+
+    @app.get("/")
+    def view() -> str:
+        seen.append(flask.session._get_current_object())  # type: ignore[attr-defined]
+        with pytest.raises(RuntimeError, match="no secret key"):
+            flask.session["user"] = "x"
+        return "ok"
+
+    client = app.test_client()
+    answers = [client.get("/"), client.get("/")]
+    assert [(answer.status_code, answer.headers.get("Set-Cookie")) for answer in answers] == [(200, None)] * 2
+    assert seen[0] is seen[1] and dict(seen[0]) == {}
