@@ -7,6 +7,11 @@ tests/test_patches.py fails when the installed or pinned version differs: then r
 
 - `CachedEnsureSync` (Flask): Flask asks `inspect.iscoroutinefunction` of every view and
   hook on every request; the answer never changes for a function, so it is asked once.
+  And a request thread (Gunicorn's, never the main thread, where tests and tools push and pop
+  their own) keeps one application context pushed for its life, which Flask reuses, instead of
+  making, pushing and popping one per request (about 15 calls and 3 signals). So `flask.g` is
+  per thread, not per request, and teardown_appcontext functions would never run: the app
+  uses neither, and must not start to.
 - `NoSessions` (Flask): the server keeps no sessions; instead of asking for a secret key and
   making a new empty null session on every request, each request gets the same one.
 - `KeepAliveWithoutDrain` (Gunicorn's gthread worker): after each response gthread drains
@@ -33,11 +38,12 @@ import contextlib
 import io
 import logging
 import select
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from flask import Flask
-from flask.globals import _cv_request
+from flask.globals import _cv_app, _cv_request
 from flask.sessions import NullSession, SessionInterface
 from gunicorn.http.body import LengthReader
 
@@ -54,6 +60,12 @@ class CachedEnsureSync(Flask):
         if sync is None:
             sync = self._sync[func] = super().ensure_sync(func)
         return sync
+
+    def wsgi_app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if _cv_app.get(None) is None and threading.current_thread() is not threading.main_thread():
+            # Left pushed for the thread's life: Flask reuses an active context of its app.
+            self.app_context().push()
+        return super().wsgi_app(environ, start_response)
 
 
 class NoSessions(SessionInterface):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+import threading
 
 import flask
 import pytest
@@ -74,3 +75,30 @@ def test_no_sessions_gives_every_request_the_same_empty_read_only_session():
     answers = [client.get("/"), client.get("/")]
     assert [(answer.status_code, answer.headers.get("Set-Cookie")) for answer in answers] == [(200, None)] * 2
     assert seen[0] is seen[1] and dict(seen[0]) == {}
+
+
+def test_a_request_thread_keeps_one_app_context_and_the_main_thread_gets_one_per_request():
+    app, other = CachedEnsureSync("kept-context"), CachedEnsureSync("other")
+    seen = []  # (thread, current app, g): each g kept alive, so that two are never one by a reused id
+
+    @app.get("/")
+    def view() -> str:
+        current = flask.current_app._get_current_object()  # type: ignore[attr-defined]
+        seen.append((threading.current_thread().name, current, flask.g._get_current_object()))  # type: ignore[attr-defined]
+        return "ok"
+
+    def serve() -> None:
+        with other.app_context():  # another app's context on the thread: this app's request gets its own
+            assert app.test_client().get("/").status_code == 200
+        for _ in range(2):
+            assert app.test_client().get("/").status_code == 200
+
+    thread = threading.Thread(target=serve, name="request-thread")
+    thread.start()
+    thread.join()
+    for _ in range(2):
+        assert app.test_client().get("/").status_code == 200
+    assert [(name, current) for name, current, _ in seen] == [("request-thread", app)] * 3 + [("MainThread", app)] * 2
+    threads_g, main_g = [g for _, _, g in seen[1:3]], [g for _, _, g in seen[3:]]
+    assert threads_g[0] is threads_g[1]  # the request thread's two requests shared one context
+    assert main_g[0] is not main_g[1] and not flask.has_app_context()  # the main thread's: one per request, popped
