@@ -18,6 +18,7 @@ import atexit
 import collections
 import dataclasses
 import logging
+import math
 import os
 import random
 import re
@@ -47,9 +48,28 @@ _REQUEST_ID_ENVIRON = "HTTP_" + REQUEST_ID_HEADER.upper().replace("-", "_")
 _HANDLER_MARK = "model_server"
 
 
+# The text of the last second a line was stamped in: the lines of one second share it.
+_second_text: tuple[int, str] = (-1, "")
+
+
 def utc_timestamp(created: float) -> str:
-    """ISO 8601 in UTC with its zone, to the millisecond: 2026-11-23T12:00:00.123+00:00."""
-    return datetime.fromtimestamp(created, tz=UTC).isoformat(timespec="milliseconds")
+    """ISO 8601 in UTC with its zone, to the millisecond: 2026-11-23T12:00:00.123+00:00.
+
+    What datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds") writes (the
+    microseconds rounded half to even, then cut to milliseconds), with the date and time of
+    day made once per second: every log line pays for this, the access lines most of all.
+    """
+    global _second_text
+    fraction, whole = math.modf(created)
+    second, micro = int(whole), round(fraction * 1e6)
+    if micro >= 1_000_000:
+        second, micro = second + 1, micro - 1_000_000
+    elif micro < 0:
+        second, micro = second - 1, micro + 1_000_000
+    cached = _second_text
+    if cached[0] != second:
+        cached = _second_text = (second, datetime.fromtimestamp(second, tz=UTC).isoformat()[:19])
+    return f"{cached[1]}.{micro // 1000:03d}+00:00"
 
 
 # What JSON lets through raw, but a reader may take for a line break (NEL, U+2028, U+2029) or

@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import requests
@@ -208,6 +208,16 @@ def test_probes_are_access_logged_only_when_asked(caplog, probes, logged):
         for path in ("/healthz", "/readyz", "/metrics", "/predict"):
             assert client.get(path).status_code == 200
     assert sorted(entry.fields["path"] for entry in caplog.records if entry.name == "app.access") == logged
+
+
+@pytest.mark.parametrize("created", [
+    1_000_000.9999995, 1_000_000.0004999, 1_000_000.9995, 1_000_000.0005, 59.9999995, 0.0, -0.5, -1.0000004,
+    1_795_810_714.123456, 1_795_810_714.9999996, 1_795_810_715.0004,
+])
+def test_timestamps_are_what_datetime_writes_to_the_millisecond(created):
+    # Microseconds round half to even before the cut to milliseconds: .9999995 is the next second.
+    for when in (created, created + 1):  # the next second's text is made anew
+        assert logs.utc_timestamp(when) == datetime.fromtimestamp(when, tz=UTC).isoformat(timespec="milliseconds")
 
 
 def test_access_fields_of_the_real_app_in_process(in_process_app, exact_model_path, caplog):
