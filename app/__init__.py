@@ -23,6 +23,7 @@ def create_app(settings: Settings | None = None, *, replace_worker: Callable[[],
     settings = settings or Settings.from_env()
     logs.configure_logging(settings.log_level, settings.log_format)
     app = patches.CachedEnsureSync(__name__)
+    app.session_interface = patches.NoSessions()
     # Flask would take FLASK_DEBUG from the environment: a production server never debugs.
     app.debug = False
     app.extensions["settings"] = settings

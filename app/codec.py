@@ -425,19 +425,28 @@ def encode_response(outputs: dict[str, np.ndarray], spec: TensorSpecs, fmt: str 
     fmt = fmt.format if isinstance(fmt, ParsedRequest) else fmt
     names = [info.name for info in spec.outputs if info.name in outputs] or list(outputs)
     arrays = {name: _squeezed(np.asarray(outputs[name])) if squeeze else np.asarray(outputs[name]) for name in names}
+    text = orjson.dumps(_answer_body(arrays, names, fmt, finite=False), option=orjson.OPT_SERIALIZE_NUMPY)
+    # orjson writes NaN and the infinities as null, and a number array has no other way to
+    # write one: a body without "null" needs no look for them (a pass over every float), and
+    # only one with a null is written again, those values as TF Serving writes them. (A
+    # string output may hold the text "null"; written again, it comes out the same.)
+    if b"null" in text:
+        text = orjson.dumps(_answer_body(arrays, names, fmt, finite=True), option=orjson.OPT_SERIALIZE_NUMPY)
+    return text
+
+
+def _answer_body(arrays: dict[str, np.ndarray], names: list[str], fmt: str, *, finite: bool) -> Any:
+    """The answer for orjson; `finite`: NaN and the infinities written out (non_finite_fragment)."""
     if fmt == ROW:
         batch = _batch_size(arrays)
         if len(names) == 1:
-            body: Any = {"predictions": _jsonable(arrays[names[0]], names[0])}
-        else:
-            # [i, ...] keeps a 0-d array (a plain [i] would give bytes or a numpy scalar).
-            body = {"predictions": [{name: _jsonable(arrays[name][i, ...], name) for name in names}
-                                    for i in range(batch)]}
-    elif len(names) == 1:
-        body = {"outputs": _jsonable(arrays[names[0]], names[0])}
-    else:
-        body = {"outputs": {name: _jsonable(arrays[name], name) for name in names}}
-    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+            return {"predictions": _jsonable(arrays[names[0]], names[0], finite)}
+        # [i, ...] keeps a 0-d array (a plain [i] would give bytes or a numpy scalar).
+        return {"predictions": [{name: _jsonable(arrays[name][i, ...], name, finite) for name in names}
+                                for i in range(batch)]}
+    if len(names) == 1:
+        return {"outputs": _jsonable(arrays[names[0]], names[0], finite)}
+    return {"outputs": {name: _jsonable(arrays[name], name, finite) for name in names}}
 
 
 def _squeezed(array: np.ndarray) -> np.ndarray:
@@ -456,12 +465,12 @@ def _batch_size(arrays: dict[str, np.ndarray]) -> int:
     return batch
 
 
-def _jsonable(array: np.ndarray, name: str) -> Any:
+def _jsonable(array: np.ndarray, name: str, finite: bool) -> Any:
     if array.dtype == object:
         return _encode_strings(array.tolist(), as_bytes=name.endswith(BYTES_SUFFIX))
     if array.dtype.kind == "f" and array.dtype.itemsize < 4:
         array = array.astype(np.float32)
-    if array.dtype.kind == "f":
+    if finite and array.dtype.kind == "f":
         fragment = non_finite_fragment(array)
         if fragment is not None:
             return fragment

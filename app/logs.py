@@ -18,6 +18,7 @@ import atexit
 import collections
 import dataclasses
 import logging
+import math
 import os
 import random
 import re
@@ -29,8 +30,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from flask import Flask, has_request_context, request
-from werkzeug.wsgi import get_path_info
+from flask import Flask
 
 from app import patches
 
@@ -48,9 +48,28 @@ _REQUEST_ID_ENVIRON = "HTTP_" + REQUEST_ID_HEADER.upper().replace("-", "_")
 _HANDLER_MARK = "model_server"
 
 
+# The text of the last second a line was stamped in: the lines of one second share it.
+_second_text: tuple[int, str] = (-1, "")
+
+
 def utc_timestamp(created: float) -> str:
-    """ISO 8601 in UTC with its zone, to the millisecond: 2026-11-23T12:00:00.123+00:00."""
-    return datetime.fromtimestamp(created, tz=UTC).isoformat(timespec="milliseconds")
+    """ISO 8601 in UTC with its zone, to the millisecond: 2026-11-23T12:00:00.123+00:00.
+
+    What datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds") writes (the
+    microseconds rounded half to even, then cut to milliseconds), with the date and time of
+    day made once per second: every log line pays for this, the access lines most of all.
+    """
+    global _second_text
+    fraction, whole = math.modf(created)
+    second, micro = int(whole), round(fraction * 1e6)
+    if micro >= 1_000_000:
+        second, micro = second + 1, micro - 1_000_000
+    elif micro < 0:
+        second, micro = second - 1, micro + 1_000_000
+    cached = _second_text
+    if cached[0] != second:
+        cached = _second_text = (second, datetime.fromtimestamp(second, tz=UTC).isoformat()[:19])
+    return f"{cached[1]}.{micro // 1000:03d}+00:00"
 
 
 # What JSON lets through raw, but a reader may take for a line break (NEL, U+2028, U+2029) or
@@ -190,7 +209,7 @@ os.register_at_fork(after_in_child=_ids.seed)
 
 def accept_request_id(given: str) -> str:
     """The client's X-Request-ID (or gRPC's x-request-id metadata) if it is a sane token, else a new id."""
-    return given if _SANE_ID.fullmatch(given) else f"{_ids.getrandbits(128):032x}"
+    return given if given and _SANE_ID.fullmatch(given) else f"{_ids.getrandbits(128):032x}"
 
 
 @dataclasses.dataclass
@@ -221,7 +240,7 @@ class RequestRecord:
             "method": self.method,
             "path": self.path,
             "status": self.status,
-            "latency_ms": round(self.seconds() * 1000, 3),
+            "latency_ms": round((time.perf_counter() - self.started) * 1000, 3),
             "rows": self.rows,
             "batch_rows": self.batch_rows,
             "batch_requests": self.batch_requests,
@@ -232,7 +251,8 @@ class RequestRecord:
 
 def record() -> RequestRecord:
     """The current request's record (a detached one outside the access-log layer)."""
-    found = request.environ.get(RECORD_KEY) if has_request_context() else None
+    environ = patches.request_environ()
+    found = environ.get(RECORD_KEY) if environ is not None else None
     return found if found is not None else RequestRecord("")
 
 
@@ -380,10 +400,11 @@ class _AccessLayer:
     def _log(self, environ: dict[str, Any], entry: RequestRecord) -> None:
         if not access_log.isEnabledFor(logging.INFO):
             return
-        entry.path = "/" + get_path_info(environ).lstrip("/")  # as Werkzeug's request.path reads it
+        # As Werkzeug's request.path reads it (werkzeug.wsgi.get_path_info, and a leading "/").
+        entry.path = "/" + environ.get("PATH_INFO", "").encode("latin1").decode(errors="replace").lstrip("/")
         if entry.path in PROBE_PATHS and not self.probes:
             return
-        write_access(entry, writer=self.writer)
+        log_access(entry.access_fields(), writer=self.writer)
 
 
 def init_app(app: Flask, *, access: bool = True, probes: bool = False, writer: AccessWriter | None = None) -> None:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from flask import Flask, Request, Response, current_app
+from flask import Flask, Response, current_app
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -24,8 +24,8 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from werkzeug.routing import Rule
 
+from app import patches
 from app.batching import BatchObserver
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -117,23 +117,26 @@ class Metrics:
 
 
 class _ModelObserver(BatchObserver):
+    """A model's series, each child looked up once (labels() takes a lock and builds a key) and
+    written directly (app/patches.py): every request and every batch updates several."""
+
     def __init__(self, metrics: Metrics, model: str) -> None:
-        self._queue_rows = metrics.queue_rows.labels(model)
-        self._queue_wait = metrics.queue_wait.labels(model)
-        self._batch_rows = metrics.batch_rows.labels(model)
-        self._batch_requests = metrics.batch_requests.labels(model)
-        self._padding = metrics.padding_rows.labels(model)
-        self._predict = metrics.predict_seconds.labels(model)
-        self._length_real = metrics.length_real_elements.labels(model)
-        self._length_padded = metrics.length_padded_elements.labels(model)
-        self._length_waste = metrics.length_waste.labels(model)
+        self._queue_rows = patches.value_of(metrics.queue_rows.labels(model))
+        self._queue_wait = patches.HistogramCounts(metrics.queue_wait.labels(model))
+        self._batch_rows = patches.HistogramCounts(metrics.batch_rows.labels(model))
+        self._batch_requests = patches.HistogramCounts(metrics.batch_requests.labels(model))
+        self._padding = patches.value_of(metrics.padding_rows.labels(model))
+        self._predict = patches.HistogramCounts(metrics.predict_seconds.labels(model))
+        self._length_real = patches.value_of(metrics.length_real_elements.labels(model))
+        self._length_padded = patches.value_of(metrics.length_padded_elements.labels(model))
+        self._length_waste = patches.HistogramCounts(metrics.length_waste.labels(model))
         self._rejections = metrics.rejections
         self._model = model
         self._reported_rows = 0
         # Every reason's series exists from the start, at 0: dashboards show 0 rather than
         # "No data", and rate() and increase() count the very first rejection.
-        for reason in ("queue_full", "deadline", "shutting_down", "client_gone"):
-            metrics.rejections.labels(model, reason)
+        self._rejected = {reason: metrics.rejections.labels(model, reason)
+                          for reason in ("queue_full", "deadline", "shutting_down", "client_gone")}
 
     def queue_depth(self, rows: int) -> None:
         # Each batcher has its own observer, but a model's versions and signatures share one
@@ -148,7 +151,8 @@ class _ModelObserver(BatchObserver):
     def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
         self._batch_rows.observe(rows)
         self._batch_requests.observe(requests)
-        self._padding.inc(padded_rows)
+        if padded_rows:  # never negative; adding 0 would only write the same value again
+            self._padding.inc(padded_rows)
         self._predict.observe(predict_s)
 
     def length_padding(self, *, real_elements: int, padded_elements: int) -> None:
@@ -157,7 +161,9 @@ class _ModelObserver(BatchObserver):
         self._length_waste.observe(padded_elements / real_elements if real_elements else 0.0)
 
     def rejected(self, reason: str) -> None:
-        self._rejections.labels(self._model, reason).inc()
+        # A burst of them is what an overloaded server does: the known reasons' children are kept.
+        child = self._rejected.get(reason)
+        (child if child is not None else self._rejections.labels(self._model, reason)).inc()
 
 
 def get_metrics(app: Flask) -> Metrics:
@@ -171,45 +177,32 @@ HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTI
 OTHER = "other"
 
 
-# Where the matched URL rule of a request is left for the metrics layer: Flask clears
-# environ["werkzeug.request"] when its request context ends, before the layer counts.
+# Where the matched URL rule of a request is left for other layers (tracing names its span by
+# it): Flask clears environ["werkzeug.request"] when its request context ends.
 ROUTE_KEY = "model_server.route"
-
-
-class RoutedRequest(Request):
-    """Flask's request class, leaving the URL rule it matched in the WSGI environ."""
-
-    @property
-    def url_rule(self) -> Rule | None:
-        return self.__dict__.get("_url_rule")
-
-    @url_rule.setter
-    def url_rule(self, rule: Rule | None) -> None:
-        self.__dict__["_url_rule"] = rule
-        self.environ[ROUTE_KEY] = rule.rule if rule is not None else None
 
 
 class RequestCounts:
     """Each answer counted and timed by route, method and status, for every front door.
 
     Label children are looked up once per label set and kept: prometheus_client's labels()
-    takes a lock and builds a key on every call.
+    takes a lock and builds a key on every call; they are written directly (app/patches.py).
     """
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self._counters: dict[tuple[str, str, str], Any] = {}
-        self._timers: dict[str, Any] = {}
+        self._timers: dict[str, patches.HistogramCounts] = {}
 
     def count(self, route: str, method: str, status: str, seconds: float) -> None:
         key = (route, method, status)
         counter = self._counters.get(key)
         if counter is None:
-            counter = self._counters[key] = self.metrics.requests.labels(route, method, status)
-        counter.inc()
+            counter = self._counters[key] = patches.value_of(self.metrics.requests.labels(route, method, status))
+        counter.inc(1)
         timer = self._timers.get(route)
         if timer is None:
-            timer = self._timers[route] = self.metrics.request_seconds.labels(route)
+            timer = self._timers[route] = patches.HistogramCounts(self.metrics.request_seconds.labels(route))
         timer.observe(seconds)
 
 
@@ -219,6 +212,7 @@ class _MetricsLayer:
     def __init__(self, app: Callable[..., Iterable[bytes]], metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
+        self._in_flight = patches.value_of(metrics.in_flight)
         self._counts = RequestCounts(metrics)
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -227,13 +221,18 @@ class _MetricsLayer:
 
         def start(line: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
             status[0] = int(line[:3])
+            # Flask answers inside its request context, so its request (and the rule it matched,
+            # None for a 404 or 405) is still in the environ here, and no longer once it returns.
+            flask_request = environ.get("werkzeug.request")
+            rule = flask_request.url_rule if flask_request is not None else None
+            environ[ROUTE_KEY] = rule.rule if rule is not None else None
             return start_response(line, headers, exc_info)
 
-        self.metrics.in_flight.inc()
+        self._in_flight.inc(1)
         try:
             return self.app(environ, start)
         finally:
-            self.metrics.in_flight.dec()
+            self._in_flight.inc(-1)
             self._count(environ, status[0], time.perf_counter() - started)
 
     def _count(self, environ: dict[str, Any], status: int, seconds: float) -> None:
@@ -252,7 +251,6 @@ def metrics_view() -> Response:
 def init_app(app: Flask, metrics: Metrics | None = None) -> Metrics:
     metrics = metrics or Metrics()
     app.extensions["metrics"] = metrics
-    app.request_class = RoutedRequest
     app.wsgi_app = _MetricsLayer(app.wsgi_app, metrics)  # type: ignore[method-assign]
     app.add_url_rule("/metrics", "metrics", metrics_view, methods=["GET"])
     settings = app.extensions.get("settings")

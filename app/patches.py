@@ -7,6 +7,13 @@ tests/test_patches.py fails when the installed or pinned version differs: then r
 
 - `CachedEnsureSync` (Flask): Flask asks `inspect.iscoroutinefunction` of every view and
   hook on every request; the answer never changes for a function, so it is asked once.
+  And a request thread (Gunicorn's, never the main thread, where tests and tools push and pop
+  their own) keeps one application context pushed for its life, which Flask reuses, instead of
+  making, pushing and popping one per request (about 15 calls and 3 signals). So `flask.g` is
+  per thread, not per request, and teardown_appcontext functions would never run: the app
+  uses neither, and must not start to.
+- `NoSessions` (Flask): the server keeps no sessions; instead of asking for a secret key and
+  making a new empty null session on every request, each request gets the same one.
 - `KeepAliveWithoutDrain` (Gunicorn's gthread worker): after each response gthread drains
   what the application left unread of the body, bounded by a socket timeout: `settimeout`
   before and after, each an `ioctl` that releases the GIL and, under load, hands the
@@ -15,23 +22,32 @@ tests/test_patches.py fails when the installed or pinned version differs: then r
   else (a chunked body, a body left unread, a failed read) takes Gunicorn's own path.
 - `batched_writes` (logging): access lines reach each plain StreamHandler's stream in a
   few large writes instead of one write and flush per line (app/logs.py's access writer).
+- `request_environ` (Flask): the current request's WSGI environ from Flask's own context
+  variable, not through `has_request_context()` and the `request` proxy (four calls).
+- `value_of`, `HistogramCounts` (prometheus_client): the metrics a request or a batch updates
+  write their values directly, as the metric's own `inc`/`observe` would after checks that a
+  child made once has passed; a histogram finds its bucket by bisection, not a walk.
 
 Imports nothing of TensorFlow: Gunicorn's master loads the worker class.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import io
 import logging
 import select
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from flask import Flask
+from flask.globals import _cv_app, _cv_request
+from flask.sessions import NullSession, SessionInterface
 from gunicorn.http.body import LengthReader
 
-MEASURED_ON = {"flask": "3.1.3", "gunicorn": "27.0.1", "python": "3.11"}
+MEASURED_ON = {"flask": "3.1.3", "gunicorn": "27.0.1", "prometheus-client": "0.26.0", "python": "3.11"}
 
 
 class CachedEnsureSync(Flask):
@@ -44,6 +60,28 @@ class CachedEnsureSync(Flask):
         if sync is None:
             sync = self._sync[func] = super().ensure_sync(func)
         return sync
+
+    def wsgi_app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if _cv_app.get(None) is None and threading.current_thread() is not threading.main_thread():
+            # Left pushed for the thread's life: Flask reuses an active context of its app.
+            self.app_context().push()
+        return super().wsgi_app(environ, start_response)
+
+
+class NoSessions(SessionInterface):
+    """One shared empty session, read-only as Flask's null session is (a write raises), never saved."""
+
+    def __init__(self) -> None:
+        self._session = NullSession()
+
+    def open_session(self, app: Flask, request: Any) -> NullSession:
+        return self._session
+
+
+def request_environ() -> dict[str, Any] | None:
+    """The WSGI environ of the request this thread is handling; None outside a request."""
+    context = _cv_request.get(None)
+    return context.request.environ if context is not None else None
 
 
 class KeepAliveWithoutDrain:
@@ -132,3 +170,34 @@ def _handlers_of(logger: logging.Logger) -> list[logging.Handler]:
         found.extend(current.handlers)
         current = current.parent if current.propagate else None
     return found
+
+
+def value_of(metric: Any) -> Any:
+    """The value object of a Counter or Gauge without labels, or of one labelled child.
+
+    Its `inc(amount)` is what the metric's own inc() ends in (a lock and, under Gunicorn, a
+    write to the worker's mmap file), less the check that the label set is complete, done once
+    when the child was made. For a Counter the caller's amounts must never be negative.
+    """
+    return metric._value
+
+
+class HistogramCounts:
+    """One labelled child of a Histogram: `observe` writes what Histogram.observe writes.
+
+    The sum, and the count of the first bucket whose upper bound is at least the amount, found
+    by bisection rather than by a walk from the smallest bound; NaN, as there, counts in no bucket.
+    """
+
+    __slots__ = ("_sum", "_buckets", "_bounds")
+
+    def __init__(self, child: Any) -> None:
+        self._sum = child._sum
+        self._buckets = child._buckets
+        self._bounds = list(child._upper_bounds)  # ends with +Inf: every number finds a bucket
+
+    def observe(self, amount: float) -> None:
+        self._sum.inc(amount)
+        index = bisect.bisect_left(self._bounds, amount)
+        if amount <= self._bounds[index]:  # False for NaN only
+            self._buckets[index].inc(1)

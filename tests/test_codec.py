@@ -125,6 +125,20 @@ def test_nan_and_infinity_are_written_as_tf_serving_writes_them():
     assert json.loads(codec.encode_response({"y": y}, spec, codec.ROW))["predictions"][2] == float("inf")
 
 
+def test_only_an_answer_written_with_a_null_is_looked_through_for_nan_and_infinity(monkeypatch):
+    """A finite answer is written in one pass; a string that reads "null" costs a second, same bytes."""
+    looked: list[np.ndarray] = []
+    real = codec.non_finite_fragment
+    monkeypatch.setattr(codec, "non_finite_fragment", lambda array: looked.append(array) or real(array))
+    spec = Spec([], [tensor("y", (2,))])
+    assert codec.encode_response({"y": np.array([[0.5, 1.0]], F32)}, spec, codec.ROW) == b'{"predictions":[[0.5,1.0]]}'
+    assert looked == []
+    noted = Spec([], [tensor("y", ()), tensor("note", (), STRING)])
+    outputs = {"y": np.array([0.5], F32), "note": np.array([b"null"], object)}
+    assert codec.encode_response(outputs, noted, codec.ROW) == b'{"predictions":[{"y":0.5,"note":"null"}]}'
+    assert len(looked) == 1
+
+
 # -- _bytes outputs -----------------------------------------------------------------------------
 
 def test_outputs_named_bytes_are_always_base64():

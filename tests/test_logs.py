@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import requests
@@ -208,6 +208,38 @@ def test_probes_are_access_logged_only_when_asked(caplog, probes, logged):
         for path in ("/healthz", "/readyz", "/metrics", "/predict"):
             assert client.get(path).status_code == 200
     assert sorted(entry.fields["path"] for entry in caplog.records if entry.name == "app.access") == logged
+
+
+@pytest.mark.parametrize("created", [
+    1_000_000.9999995, 1_000_000.0004999, 1_000_000.9995, 1_000_000.0005, 59.9999995, 0.0, -0.5, -1.0000004,
+    1_795_810_714.123456, 1_795_810_714.9999996, 1_795_810_715.0004,
+])
+def test_timestamps_are_what_datetime_writes_to_the_millisecond(created):
+    # Microseconds round half to even before the cut to milliseconds: .9999995 is the next second.
+    for when in (created, created + 1):  # the next second's text is made anew
+        assert logs.utc_timestamp(when) == datetime.fromtimestamp(when, tz=UTC).isoformat(timespec="milliseconds")
+
+
+def test_access_fields_of_the_real_app_in_process(in_process_app, exact_model_path, caplog):
+    client = in_process_app(model_path=str(exact_model_path), access_log=True).test_client()
+    rows = {"instances": integer_rows(2).tolist()}
+    with caplog.at_level(logging.INFO, logger="app.access"):
+        given = client.post("/predict", json=rows, headers={"X-Request-ID": "trace-7"})
+        made = client.post("/v1/models/default:predict", json=rows)
+        lost = client.get("/caf%C3%A9/%FF")  # a path that is not UTF-8 is logged as Werkzeug reads it
+        logs.flush_access_log()
+    assert (given.status_code, made.status_code, lost.status_code) == (200, 200, 404)
+    assert given.headers["X-Request-ID"] == "trace-7"
+    assert re.fullmatch(r"[0-9a-f]{32}", made.headers["X-Request-ID"])
+    lines = [dict(entry.fields) for entry in caplog.records if entry.name == "app.access"]
+    assert all(line.pop("latency_ms") > 0 for line in lines)
+    served = {"status": 200, "rows": 2, "batch_rows": 2, "batch_requests": 1, "model": "default"}
+    assert lines == [
+        {"method": "POST", "path": "/predict", **served, "request_id": "trace-7"},
+        {"method": "POST", "path": "/v1/models/default:predict", **served, "request_id": made.headers["X-Request-ID"]},
+        {"method": "GET", "path": "/caf\u00e9/\ufffd", "status": 404, "rows": None, "batch_rows": None,
+         "batch_requests": None, "model": None, "request_id": lost.headers["X-Request-ID"]},
+    ]
 
 
 class _Collecting(logging.Handler):

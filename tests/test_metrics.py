@@ -98,6 +98,26 @@ def test_full_queue_is_counted_as_a_rejection(in_process_app, exact_model_path):
     assert value(after, "model_server_padding_rows_total", model="default") == 0
 
 
+def test_http_answers_are_counted_by_the_rule_they_matched(in_process_app, exact_model_path):
+    # The rule, not the path (a path per model or per probe would grow a series each); none matched: other.
+    client = in_process_app(model_path=str(exact_model_path)).test_client()
+    rows = {"instances": integer_rows(1).tolist()}
+    assert client.post("/v1/models/default:predict", json=rows).status_code == 200
+    assert client.post("/v1/models/nothing:predict", json=rows).status_code == 404
+    assert client.get("/no/such/path").status_code == 404
+    assert client.get("/predict").status_code == 405
+    found = parsed(client.get("/metrics").text)
+    rule = "/v1/models/<model_name:name>:predict"
+    assert value(found, "model_server_requests_total", route=rule, method="POST", status="200") == 1
+    assert value(found, "model_server_requests_total", route=rule, method="POST", status="404") == 1
+    assert value(found, "model_server_requests_total", route="other", method="GET", status="404") == 1
+    assert value(found, "model_server_requests_total", route="other", method="GET", status="405") == 1
+    assert value(found, "model_server_request_duration_seconds_count", route=rule) == 2
+    assert value(found, "model_server_request_duration_seconds_count", route="other") == 2
+    # The /metrics request itself is the one in flight.
+    assert value(found, "model_server_requests_in_flight") == 1
+
+
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory, exact_model_path):
     """The exact model with a 300 ms batch window and buckets up to 8 rows, logging JSON."""

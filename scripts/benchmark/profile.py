@@ -45,7 +45,8 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("model: TensorFlow call", ("tensorflow/", "keras/", "app/models.py")),
     # Before the decode row: both are in app/codec.py, told apart by function.
     ("JSON encode", tuple(f"{name} (app/codec.py" for name in (
-        "encode_response", "_jsonable", "_squeezed", "_batch_size", "_non_finite_json", "_token", "_encode_strings"))),
+        "encode_response", "_answer_body", "_jsonable", "_squeezed", "_batch_size", "_non_finite_json", "_token",
+        "_encode_strings"))),
     ("JSON decode and checks", ("(app/codec.py", "(app/classify.py")),
     ("access log", ("app/logs.py", "logging/")),
     ("metrics", ("prometheus_client/", "app/metrics.py")),
