@@ -31,7 +31,6 @@ queue-wait span is made by the request's own thread once its answer arrives.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -175,7 +174,7 @@ class TracedRequestLayer(RequestLayer):
             return super().run(call, servable, signature, decode)
         if not request.span.is_recording():
             # Sampled out: no predict span links to it either.
-            return super().run(dataclasses.replace(call, trace=None), servable, signature, decode)
+            return super().run(call._replace(trace=None), servable, signature, decode)
         tracer_ = self._tracer
         marks: list[int] = []
 
