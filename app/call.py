@@ -6,7 +6,8 @@ these values as separate parameters: a new per-request field is one field here.
 
     Call(model=ModelSpec(name, version, label),   # pinned: a version or a label was named
          signature="", outputs=(),                # as the request names them ('': the default)
-         deadline=...,                            # one absolute time.monotonic() instant
+         deadline=..., timeout_s=...,             # one absolute time.monotonic() instant, and
+                                                  # the time it gave the call (for messages only)
          client_gone=..., priority=0, record=..., trace=...)
 
 With MODEL_PROCESSES the call crosses into the model process once, as `frame()` in the
@@ -65,11 +66,15 @@ class Call(NamedTuple):
     record: RequestRecord | None = None
     # The request's trace (app/tracing.py), opaque below the request layer.
     trace: Any = None
+    # How long the call was given when its deadline was set: what a timeout's message names
+    # (the deadline, not this, is what every layer acts on).
+    timeout_s: float | None = None
 
     @classmethod
     def within(cls, timeout_s: float | None, **fields: Any) -> Call:
         """A call whose deadline is `timeout_s` from now (None: no deadline)."""
-        return cls(deadline=None if timeout_s is None else time.monotonic() + timeout_s, **fields)
+        return cls(deadline=None if timeout_s is None else time.monotonic() + timeout_s, timeout_s=timeout_s,
+                   **fields)
 
     def seconds_left(self, now: float | None = None) -> float | None:
         """Seconds until the deadline (negative once passed); None without one."""

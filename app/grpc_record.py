@@ -190,12 +190,13 @@ def _serializer(call: _Call, serialize: Callable[[Any], bytes] | None) -> Callab
     return serialized
 
 
-def make_call(spec: ModelSpec, record: RequestRecord, context: grpc.ServicerContext, deadline: float, *,
+def make_call(spec: ModelSpec, record: RequestRecord, context: grpc.ServicerContext, timeout_s: float, *,
               signature: str = "", outputs: tuple[str, ...] = ()) -> Call:
     """A gRPC front door's Call: its record and trace, and its client_gone. gRPC marks a call
     inactive once its client cancelled it, its deadline passed or its connection dropped; reading
     that mark takes the call's lock and nothing else, and only a request that reaches its batch asks."""
-    return Call(spec, signature, outputs, deadline, CallClientGone(context), 0, record, record.trace)
+    return Call.within(timeout_s, model=spec, signature=signature, outputs=outputs,
+                       client_gone=CallClientGone(context), record=record, trace=record.trace)
 
 
 class CallClientGone:

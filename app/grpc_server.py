@@ -190,7 +190,7 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         if not request.HasField("model_spec"):
             raise errors.BadRequest("Missing ModelSpec")
         return grpc_record.make_call(model_spec(request.model_spec), record, context,
-                                self._layer.deadline(context.time_remaining()),
+                                self._layer.deadline_s(context.time_remaining()),
                                 signature=request.model_spec.signature_name, outputs=outputs)
 
     def _predict(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
@@ -227,7 +227,7 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         tasks = [Task(task.model_spec.name, task.model_spec.signature_name, task.method_name)
                  for task in request.tasks]
         spec = multi_inference_spec(model_spec(request.tasks[0].model_spec) if tasks else ModelSpec())
-        call = grpc_record.make_call(spec, record, context, self._layer.deadline(context.time_remaining()))
+        call = grpc_record.make_call(spec, record, context, self._layer.deadline_s(context.time_remaining()))
         servable, results = self._layer.multi_inference(call, tasks, _examples(request))
         response = inference_pb2.MultiInferenceResponse()
         for result in results:

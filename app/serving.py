@@ -3,8 +3,8 @@
 A front door (TF Serving REST in app/api.py, TF Serving gRPC in app/grpc_server.py, the Open
 Inference Protocol in app/v2_rest.py and app/v2_grpc.py) is parse -> call -> infer -> encode:
 
-    call = Call(ModelSpec(name, version, label), signature_name, output_names,
-                deadline=layer.deadline(client_timeout_s), client_gone=..., record=..., trace=...)
+    call = Call.within(layer.deadline_s(client_timeout_s), model=ModelSpec(name, version, label),
+                       signature=..., outputs=..., client_gone=..., record=..., trace=...)
     answer = layer.infer(call, decode)      # decode(signature, max_rows) -> the input arrays
     ... write answer.outputs (answer.selected: the outputs asked for, in order) ...
 
@@ -228,20 +228,20 @@ class RequestLayer:
 
     # -- the deadline ---------------------------------------------------------------------
 
-    def deadline(self, client_timeout_s: float | None = None) -> float:
-        """A call's one deadline, on time.monotonic()'s clock: REQUEST_TIMEOUT_MS from now, or
-        sooner if the client gave less time (a call whose time is up is refused when it runs)."""
-        timeout_s = self.timeout_s if client_timeout_s is None else min(self.timeout_s, client_timeout_s)
-        return time.monotonic() + timeout_s
+    def deadline_s(self, client_timeout_s: float | None = None) -> float:
+        """How long a call may take: REQUEST_TIMEOUT_MS, or less if the client gave less (a call
+        whose time is up is refused when it runs). `Call.within` makes it the call's deadline."""
+        return self.timeout_s if client_timeout_s is None else min(self.timeout_s, client_timeout_s)
 
     def http_call(self, environ: dict[str, Any], spec: ModelSpec, signature: str, outputs: tuple[str, ...] = (),
                   client_timeout_s: float | None = None) -> Call:
         """An HTTP front door's Call for the request of `environ`: its record, its trace, and a
         client_gone that watches its connection (Gunicorn hands the app the client's socket;
         Flask's test client has none)."""
-        return Call(spec, signature, outputs, deadline=self.deadline(client_timeout_s),
-                    client_gone=socket_client_gone(environ.get("gunicorn.socket")),
-                    record=environ.get(logs.RECORD_KEY) or logs.RequestRecord(""), trace=environ.get(TRACE_KEY))
+        return Call.within(self.deadline_s(client_timeout_s), model=spec, signature=signature, outputs=outputs,
+                           client_gone=socket_client_gone(environ.get("gunicorn.socket")),
+                           record=environ.get(logs.RECORD_KEY) or logs.RequestRecord(""),
+                           trace=environ.get(TRACE_KEY))
 
     # -- the prediction -------------------------------------------------------------------
 

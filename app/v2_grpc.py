@@ -79,7 +79,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def _infer(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
         parameters = request.parameters
         call = grpc_record.make_call(v2_tensors.model_spec(request.model_name, request.model_version), record, context,
-                                self._layer.deadline(_timeout_s(parameters, context.time_remaining())),
+                                self._layer.deadline_s(_timeout_s(parameters, context.time_remaining())),
                                 signature=_signature_name(parameters),
                                 outputs=tuple(output.name for output in request.outputs))
         answer = self._layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(

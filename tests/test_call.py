@@ -79,7 +79,7 @@ def test_a_call_looks_its_signature_up_once(layer, monkeypatch):
         return lookup(servable, name)
 
     monkeypatch.setattr(Servable, "signature", counted)
-    call = Call(ModelSpec("m"), "takes_floats", deadline=layer.deadline(), record=_record())
+    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), signature="takes_floats", record=_record())
 
     answer = layer.infer(call, lambda _signature, _rows: {"x": np.array([[1, 2]], np.float32)})
 
@@ -89,7 +89,7 @@ def test_a_call_looks_its_signature_up_once(layer, monkeypatch):
 
 def test_the_deadline_is_the_calls_own_not_one_counted_from_the_queueing(layer):
     # The deadline was set when the call was built: by the time it is queued, it has passed.
-    call = Call(ModelSpec("m"), deadline=layer.deadline(0.0), record=_record())
+    call = Call.within(layer.deadline_s(0.0), model=ModelSpec("m"), record=_record())
 
     with pytest.raises(DeadlineExceeded, match="deadline passed before it was queued"):
         layer.infer(call, lambda _signature, _rows: {"x": np.ones((1, 2), np.float32)})

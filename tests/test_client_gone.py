@@ -148,13 +148,15 @@ def test_http_client_that_closed_its_connection_is_left_out_of_its_batch(server,
 
 CALLS = {
     "predict": lambda on, client_gone: on.infer(
-        Call(ModelSpec("m"), deadline=on.deadline(), client_gone=client_gone, record=_record()),
+        Call.within(on.deadline_s(), model=ModelSpec("m"), client_gone=client_gone, record=_record()),
         lambda _signature, _rows: {"x": np.ones((1, 2), np.float32)}),
     "classify": lambda on, client_gone: on.classify(
-        Call(ModelSpec("m"), "classify", deadline=on.deadline(), client_gone=client_gone, record=_record()),
+        Call.within(on.deadline_s(), model=ModelSpec("m"), signature="classify", client_gone=client_gone,
+                    record=_record()),
         examples_decode(lambda _rows: np.array([b"e"], object))),
     "regress": lambda on, client_gone: on.regress(
-        Call(ModelSpec("m"), "regress", deadline=on.deadline(), client_gone=client_gone, record=_record()),
+        Call.within(on.deadline_s(), model=ModelSpec("m"), signature="regress", client_gone=client_gone,
+                    record=_record()),
         examples_decode(lambda _rows: np.array([b"e"], object))),
 }
 SIGNATURES = {"predict": "serving_default", "classify": "classify", "regress": "regress"}

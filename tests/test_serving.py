@@ -275,9 +275,8 @@ def test_the_byte_limit_comes_from_settings_not_from_flask(registry, metrics):
 
 
 @pytest.mark.parametrize("client_s, expected_s", [(None, TIMEOUT_S), (5.0, 5.0), (TIMEOUT_S + 60, TIMEOUT_S)])
-def test_the_clients_deadline_caps_the_servers(layer, client_s, expected_s, monkeypatch):
-    monkeypatch.setattr(serving.time, "monotonic", lambda: 1000.0)
-    assert layer.deadline(client_s) - 1000.0 == expected_s
+def test_the_clients_deadline_caps_the_servers(layer, client_s, expected_s):
+    assert layer.deadline_s(client_s) == expected_s
 
 
 @pytest.mark.parametrize("client_s", [0.0, -0.5])
@@ -287,7 +286,7 @@ def test_a_deadline_already_passed_is_refused_before_queueing(layer, registry, c
     record = _record()
 
     with pytest.raises(DeadlineExceeded, match="deadline passed before it was queued"):
-        layer.run(Call(deadline=layer.deadline(client_s), record=record), servable, signature,
+        layer.run(Call.within(layer.deadline_s(client_s), record=record), servable, signature,
                   lambda _signature, _rows: {"x": np.ones((1, 2), np.float32)})
     assert servable.batchers[DEFAULT_SIGNATURE].batches_run == 0
 
@@ -301,7 +300,7 @@ def test_a_prediction_answers_its_rows_and_fills_the_record(layer, registry):
     record = _record()
     x = np.array([[1, 2], [3, 4]], np.float32)
 
-    answer = layer.infer(Call(ModelSpec("m", 1), deadline=layer.deadline(), record=record),
+    answer = layer.infer(Call.within(layer.deadline_s(), model=ModelSpec("m", 1), record=record),
                          lambda _signature, _rows: {"x": x})
 
     assert answer.servable is servable and answer.signature is signature
@@ -314,8 +313,8 @@ def test_classify_answers_labels_and_scores_per_example(layer, registry):
     record = _record()
     examples = np.array([b"e1", b"e2", b"e3"], dtype=object)
 
-    answer, classes = layer.classify(Call(ModelSpec("m"), "classify", deadline=layer.deadline(), record=record),
-                                     examples_decode(lambda _rows: examples))
+    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), signature="classify", record=record)
+    answer, classes = layer.classify(call, examples_decode(lambda _rows: examples))
 
     assert answer.signature.name == "classify" and record.rows == 3
     assert classes.labels == [["a", "b"]] * 3
@@ -324,8 +323,8 @@ def test_classify_answers_labels_and_scores_per_example(layer, registry):
 
 
 def test_regress_answers_one_float32_per_example(layer, registry):
-    answer, values = layer.regress(Call(ModelSpec("m"), "regress", deadline=layer.deadline(), record=_record()),
-                                   examples_decode(lambda _rows: np.array([b"e1", b"e2"], dtype=object)))
+    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), signature="regress", record=_record())
+    answer, values = layer.regress(call, examples_decode(lambda _rows: np.array([b"e1", b"e2"], dtype=object)))
 
     assert answer.signature.name == "regress"
     assert values.dtype == np.float32
@@ -388,7 +387,8 @@ def test_multi_inference_answers_every_task_in_order_from_one_version(layer, reg
     tasks = [serving.Task("m", "regress", REGRESS_METHOD), serving.Task("m", "classify", CLASSIFY_METHOD)]
     record = _record()
 
-    servable, results = layer.multi_inference(Call(ModelSpec("m"), deadline=layer.deadline(), record=record), tasks,
+    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), record=record)
+    servable, results = layer.multi_inference(call, tasks,
                                               examples_decode(lambda _rows: np.array([b"e1", b"e2"], dtype=object)))
 
     assert servable.model.version == 2 and record.rows == 2
@@ -412,7 +412,7 @@ def test_multi_inference_runs_no_task_unless_every_task_passes(layer, registry, 
     servable = registry.get("m")
 
     with pytest.raises(error) as raised:
-        layer.multi_inference(Call(ModelSpec("m"), deadline=layer.deadline(), record=_record()),
+        layer.multi_inference(Call.within(layer.deadline_s(), model=ModelSpec("m"), record=_record()),
                               [serving.Task(*task) for task in tasks],
                               examples_decode(lambda _rows: np.array([b"e1"], dtype=object)))
 

@@ -33,6 +33,12 @@ from app.errors import BatcherBroken, DeadlineExceeded, PredictFailed, ShuttingD
 log = logging.getLogger(__name__)
 
 
+def given_ms(call: Call, wait_s: float | None) -> str:
+    """The time a call was given, as its timeout's message names it (what was left, if not known)."""
+    given_s = call.timeout_s if call.timeout_s is not None else wait_s or 0.0
+    return f"{given_s * 1000:.0f}"
+
+
 class Batcher:
     """Owns one model's predict function and the one thread that calls it."""
 
@@ -118,7 +124,7 @@ class Batcher:
         except concurrent.futures.TimeoutError:
             pass
         # Give the request up, unless its answer landed between the timeout and now: then it stands.
-        late = DeadlineExceeded(f"no result from model '{self.name}' within {(wait_s or 0.0) * 1000:.0f} ms")
+        late = DeadlineExceeded(f"no result from model '{self.name}' within {given_ms(call, wait_s)} ms")
         if future.cancel() or settle(future, exception=late):
             self._hooks.rejected("deadline")
             raise late

@@ -21,6 +21,7 @@ from typing import Any
 from flask import Flask
 
 from app.batching import BatchResult, Engine, EngineInfo, Tensors
+from app.batching.batcher import given_ms
 from app.call import Call
 from app.errors import DeadlineExceeded
 from app.model_process import meta, protos
@@ -155,7 +156,7 @@ class RemoteBatcher:
         except concurrent.futures.TimeoutError:
             # The model process drops the rows at the same deadline, if they have not run.
             raise DeadlineExceeded(f"no result from model '{self.info.name}' within "
-                                   f"{(wait_s or 0.0) * 1000:.0f} ms") from None
+                                   f"{given_ms(call, wait_s)} ms") from None
         finally:
             if unwatch is not None:
                 unwatch()
