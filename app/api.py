@@ -1,8 +1,9 @@
 """HTTP routes: predict (a shortcut and TensorFlow Serving's URLs, by version or label),
 classify and regress, model status and metadata, and health.
 
-The views translate URLs and JSON to calls of the request layer (app/serving.py) and back;
-resolution, limits, the deadline and the shape of answers are the layer's."""
+A view parses the URL and the JSON body, builds the request's Call, hands it to the request
+layer (app/serving.py) with the decoding of its inputs, and encodes the answer; resolution,
+limits, the deadline and the shape of answers are the layer's."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 from werkzeug.routing import BaseConverter, IntegerConverter
 
-from app import classify, codec, limits, logs, metadata
+from app import classify, codec, limits, metadata
+from app.batching import Tensors, check_rows
+from app.call import ModelSpec
+from app.models import Signature
 from app.registry import get_registry
-from app.serving import CLASSIFY, REGRESS, Answer, ClientGonePredicate, ModelSpec, get_layer, socket_client_gone
+from app.serving import CLASSIFY, REGRESS, Answer, examples_decode, get_layer
 from app.settings import MODEL_NAME_PATTERN
 
 bp = Blueprint("api", __name__)
@@ -36,32 +40,27 @@ def _json(body: bytes, status: int = 200, headers: list[tuple[str, str]] | None 
 
 def _predict(spec: ModelSpec) -> Response:
     """Parse, queue, wait, answer: the request thread never touches TensorFlow."""
-    layer, record = get_layer(current_app), logs.record()
-    servable = layer.model(spec, record)
+    layer = get_layer(current_app)
     # Like TensorFlow Serving, the body is JSON whatever its Content-Type says.
-    parsed = codec.parse_request(limits.body(), max_rows=layer.row_limit(servable))
-    signature = layer.predict_signature(servable, parsed.signature_name)
-    inputs = codec.decode_inputs(parsed, signature)
-    answer = layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned, client_gone=_client_gone())
+    parsed = codec.parse_request(limits.body())
+
+    def decode(signature: Signature, max_rows: int) -> Tensors:
+        check_rows(parsed.rows, max_rows)  # before any array is built
+        return codec.decode_inputs(parsed, signature)
+
+    answer = layer.infer(layer.http_call(request.environ, spec, parsed.signature_name), decode)
     return _answer(answer, codec.encode_response(answer.outputs, answer.signature, parsed))
 
 
 def _classify_or_regress(spec: ModelSpec, method: str) -> Response:
-    layer, record = get_layer(current_app), logs.record()
-    servable = layer.model(spec, record)
-    signature_name, examples = classify.parse(limits.body(), method, max_rows=layer.row_limit(servable))
+    layer = get_layer(current_app)
+    signature_name, examples = classify.parse(limits.body(), method)
+    call, decode = layer.http_call(request.environ, spec, signature_name), examples_decode(examples)
     if method == CLASSIFY:
-        answer, classes = layer.classify(servable, signature_name, examples, record=record, pinned=spec.pinned,
-                                         client_gone=_client_gone())
+        answer, classes = layer.classify(call, decode)
         return _answer(answer, classify.encode_classes(classes))
-    answer, values = layer.regress(servable, signature_name, examples, record=record, pinned=spec.pinned,
-                                   client_gone=_client_gone())
+    answer, values = layer.regress(call, decode)
     return _answer(answer, classify.encode_regressions(values))
-
-
-def _client_gone() -> ClientGonePredicate | None:
-    # Gunicorn hands the WSGI app the client's connection; Flask's test client has none.
-    return socket_client_gone(request.environ.get("gunicorn.socket"))
 
 
 def _answer(answer: Answer, body: bytes) -> Response:
@@ -126,7 +125,7 @@ def model_metadata(name: str, version: int | None = None, label: str | None = No
 @bp.get("/healthz")
 def healthz() -> Response:
     # Liveness: a worker whose batch thread died is replacing itself; until it is gone it is not alive.
-    broken = sorted({batcher.name for servable in get_registry(current_app).servables()
+    broken = sorted({batcher.info.name for servable in get_registry(current_app).servables()
                      for batcher in servable.batchers.values() if batcher.broken})
     if broken:
         return _json(orjson.dumps({"error": f"the batch thread of model(s) {broken} died"}), status=503)

@@ -17,21 +17,21 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import orjson
 
 from app import codec
+from app.batching import check_rows
 from app.errors import BadRequest, InvalidInput
-from app.serving import Classes, check_rows
+from app.serving import Classes
 
 
-def parse(body: bytes, method: str, *, max_rows: int | None = None) -> tuple[str, np.ndarray]:
-    """The signature name asked for ('' if none) and one serialized tf.Example per example;
-    more examples than max_rows are refused before any is built."""
-    from tensorflow.core.example import example_pb2
-
+def parse(body: bytes, method: str) -> tuple[str, Callable[[int], np.ndarray]]:
+    """The signature name asked for ('' if none), and what builds one serialized tf.Example per
+    example once the limit is known: more examples than its `max_rows` are refused before any is built."""
     document = codec.parse_json(body)
     if not isinstance(document, dict):
         raise BadRequest(f"the request body must be a JSON object, not {codec._json_type(document)}")
@@ -46,15 +46,20 @@ def parse(body: bytes, method: str, *, max_rows: int | None = None) -> tuple[str
         raise BadRequest("Expecting 'examples' value to be an list/array")
     if not examples:
         raise BadRequest("'examples' value is an empty array")
-    if max_rows is not None:
-        check_rows(len(examples), max_rows, unit="examples")
+    return signature_name, lambda max_rows: _serialize(examples, context, max_rows)
+
+
+def _serialize(examples: list[Any], context: dict[str, Any], max_rows: int) -> np.ndarray:
+    from tensorflow.core.example import example_pb2
+
+    check_rows(len(examples), max_rows, unit="examples")
     serialized = np.empty(len(examples), dtype=object)
     for index, value in enumerate(examples):
         example = example_pb2.Example()
         for name, feature in {**context, **_features(value, f"examples[{index}]")}.items():
             example.features.feature[name].CopyFrom(feature)
         serialized[index] = example.SerializeToString()
-    return signature_name, serialized
+    return serialized
 
 
 def _features(value: Any, where: str) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from typing import Any
 
 import grpc
 
+from app.call import Call, ModelSpec
 from app.grpc_limits import HEALTH_PREFIX
 from app.logs import RequestRecord, accept_request_id
 from app.serving import Requests
@@ -41,12 +42,22 @@ REQUEST_ID_KEY = "x-request-id"
 # took to arrive; a call cancelled this close to its deadline was cancelled by it.
 DEADLINE_SLACK_S = 0.1
 
+# grpc hands a handler only (request, context): the record its interceptor opened reaches the
+# handler below through this, and from there travels in the handler's Call.
 _current: contextvars.ContextVar[_Call] = contextvars.ContextVar("model_server_grpc_record")
 
 
 def current() -> RequestRecord:
     """The record of the call this thread serves (LookupError outside a recorded call)."""
     return _current.get().record
+
+
+def set_trace(trace: object) -> None:
+    """Give the record of the call this thread serves its trace (the tracing interceptor's), which
+    the front door puts in the call it builds; nothing outside a recorded call."""
+    call = _current.get(None)
+    if call is not None:
+        call.record.trace = trace
 
 
 def when_written(callback: Callable[[str], None]) -> bool:
@@ -179,11 +190,13 @@ def _serializer(call: _Call, serialize: Callable[[Any], bytes] | None) -> Callab
     return serialized
 
 
-def client_gone(context: grpc.ServicerContext) -> Callable[[], bool]:
-    """The request layer's client_gone for a call: gRPC marks a call inactive once its client
-    cancelled it, its deadline passed or its connection dropped. Reading that mark takes the
-    call's lock and nothing else, and only a request that reaches its batch asks."""
-    return CallClientGone(context)
+def make_call(spec: ModelSpec, record: RequestRecord, context: grpc.ServicerContext, timeout_s: float, *,
+              signature: str = "", outputs: tuple[str, ...] = ()) -> Call:
+    """A gRPC front door's Call: its record and trace, and its client_gone. gRPC marks a call
+    inactive once its client cancelled it, its deadline passed or its connection dropped; reading
+    that mark takes the call's lock and nothing else, and only a request that reaches its batch asks."""
+    return Call.within(timeout_s, model=spec, signature=signature, outputs=outputs,
+                       client_gone=CallClientGone(context), record=record, trace=record.trace)
 
 
 class CallClientGone:

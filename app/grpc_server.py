@@ -47,18 +47,19 @@ from tensorflow_serving.apis import (
 )
 
 from app import errors, grpc_limits, grpc_record, grpc_socket, metadata, tensor_proto, tfs_config, tls, v2_grpc
+from app.batching import check_rows
+from app.call import Call, ModelSpec
 from app.errors import SignatureNotFound
 from app.logs import RequestRecord
 from app.models import LoadedModel, Signature
-from app.registry import Servable
 from app.serving import (
     Answer,
     Classes,
-    ModelSpec,
+    Decode,
     RequestLayer,
     Task,
     braced,
-    check_rows,
+    examples_decode,
     get_layer,
     multi_inference_spec,
 )
@@ -184,35 +185,30 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         self._max_bytes = max_bytes
         self._tensor_content = tensor_content
 
-    def _servable(self, request: Any, record: RequestRecord) -> tuple[Servable, ModelSpec]:
+    def _call(self, request: Any, record: RequestRecord, context: grpc.ServicerContext, *,
+              outputs: tuple[str, ...] = ()) -> Call:
         if not request.HasField("model_spec"):
             raise errors.BadRequest("Missing ModelSpec")
-        spec = model_spec(request.model_spec)
-        return self._layer.model(spec, record), spec
+        return grpc_record.make_call(model_spec(request.model_spec), record, context,
+                                self._layer.deadline_s(context.time_remaining()),
+                                signature=request.model_spec.signature_name, outputs=outputs)
 
     def _predict(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
-        servable, spec = self._servable(request, record)
-        signature = self._layer.predict_signature(servable, request.model_spec.signature_name)
-        outputs = self._layer.select_outputs(signature, list(request.output_filter))
-        inputs = decode_inputs(request, signature, max_rows=self._layer.row_limit(servable), max_bytes=self._max_bytes)
-        answer = self._layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
-                                     client_timeout_s=context.time_remaining(),
-                                     client_gone=grpc_record.client_gone(context))
+        call = self._call(request, record, context, outputs=tuple(request.output_filter))
+        answer = self._layer.infer(call, lambda signature, max_rows: decode_inputs(
+            request, signature, max_rows=max_rows, max_bytes=self._max_bytes))
         response = predict_pb2.PredictResponse()
-        _set_model_spec(response.model_spec, answer.servable.model, signature.name)
-        for output in outputs:
+        _set_model_spec(response.model_spec, answer.servable.model, answer.signature.name)
+        for output in answer.selected:
             tensor_proto.from_ndarray(answer.outputs[output.name], output.tf_dtype, response.outputs[output.name],
                                       tensor_content=self._tensor_content)
         return response
 
     def _examples(self, request: Any, record: RequestRecord, context: grpc.ServicerContext,
-                  method: Callable[..., tuple[Answer, Any]], response: Any) -> Any:
+                  method: Callable[[Call, Decode], tuple[Answer, Any]], response: Any) -> Any:
         """Classify or Regress: the layer's `method` over the request's tf.Examples, into `response`."""
-        servable, spec = self._servable(request, record)
-        examples = serialized_examples(request.input, max_rows=self._layer.row_limit(servable))
-        answer, result = method(servable, request.model_spec.signature_name, examples, record=record,
-                                pinned=spec.pinned, client_timeout_s=context.time_remaining(),
-                                client_gone=grpc_record.client_gone(context))
+        call = self._call(request, record, context)
+        answer, result = method(call, _examples(request))
         _set_model_spec(response.model_spec, answer.servable.model, answer.signature.name)
         return result
 
@@ -231,11 +227,8 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         tasks = [Task(task.model_spec.name, task.model_spec.signature_name, task.method_name)
                  for task in request.tasks]
         spec = multi_inference_spec(model_spec(request.tasks[0].model_spec) if tasks else ModelSpec())
-        servable = self._layer.model(spec, record)
-        examples = serialized_examples(request.input, max_rows=self._layer.row_limit(servable))
-        servable, results = self._layer.multi_inference(servable, tasks, examples, record=record, pinned=spec.pinned,
-                                                        client_timeout_s=context.time_remaining(),
-                                                        client_gone=grpc_record.client_gone(context))
+        call = grpc_record.make_call(spec, record, context, self._layer.deadline_s(context.time_remaining()))
+        servable, results = self._layer.multi_inference(call, tasks, _examples(request))
         response = inference_pb2.MultiInferenceResponse()
         for result in results:
             entry = response.results.add()
@@ -263,6 +256,10 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
             signatures.signature_def[key].CopyFrom(metadata.signature_def(signature))
         response.metadata["signature_def"].Pack(signatures)
         return response
+
+
+def _examples(request: Any) -> Decode:
+    return examples_decode(lambda max_rows: serialized_examples(request.input, max_rows=max_rows))
 
 
 def _fill_classes(target: Any, classes: Classes) -> None:

@@ -268,7 +268,7 @@ def max_request_bytes(settings: Settings, registry: ModelRegistry) -> int:
     if settings.max_request_bytes:
         return settings.max_request_bytes
     # Every signature of every version served: :classify and other signatures take bodies too.
-    return max(derived_max_request_bytes(servable.model.signatures[key], batcher.max_request_rows)
+    return max(derived_max_request_bytes(servable.model.signatures[key], batcher.info.max_request_rows)
                for servable in registry.servables()
                for key, batcher in servable.batchers.items())
 

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
@@ -89,7 +89,7 @@ class PayloadLog:
     def rate(self, model_name: str) -> float:
         return self._rates.get(model_name, self._default_rate)
 
-    def offer(self, inputs: dict[str, np.ndarray], answer: Any, request_id: str) -> None:
+    def offer(self, inputs: Mapping[str, np.ndarray], answer: Any, request_id: str) -> None:
         """Keep this prediction with the model's sampling rate; never blocks, never raises."""
         model = answer.servable.model
         rate = self.rate(model.name)

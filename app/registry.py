@@ -23,14 +23,14 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from flask import Flask
 
 from app import models, padding, runtime, shared_config
-from app.batching import Batcher, BatchObserver, BatchResult, Tensors, bucket_sizes
+from app.batching import Batcher, BatchObserver, BatchResult, Engine, Tensors, bucket_sizes
+from app.call import Call
 from app.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
 from app.metrics import Metrics
 from app.settings import ModelConfig, Settings, SettingsError, configs_from_document, model_configs
@@ -52,7 +52,7 @@ class Servable:
     """One loaded version of a model: its signatures, each with its own batcher."""
 
     model: models.LoadedModel
-    batchers: dict[str, Batcher]
+    batchers: dict[str, Engine]
 
     def __post_init__(self) -> None:
         self._users = threading.Condition()
@@ -60,7 +60,7 @@ class Servable:
         self.retiring = threading.Event()  # set once no new request may enter
 
     @property
-    def batcher(self) -> Batcher:
+    def batcher(self) -> Engine:
         """The batcher of the model's main signature (serving_default where it has one)."""
         return self.batchers[self.model.default_signature]
 
@@ -76,19 +76,20 @@ class Servable:
 
     def status(self) -> dict[str, Any]:
         batchers = list(self.batchers.values())
+        main = self.batcher.info
         return {
             "version": self.model.version,
             "source": self.model.source,
             "alive": all(batcher.alive for batcher in batchers),
             "queued_rows": sum(batcher.queued_rows for batcher in batchers),
             "batches_run": sum(batcher.batches_run for batcher in batchers),
-            "max_batch_size": self.batcher.max_batch_size,
-            "batch_timeout_ms": self.batcher.batch_timeout_s * 1000,
-            "fill_under_load": self.batcher.fill_under_load,
+            "max_batch_size": main.max_batch_size,
+            "batch_timeout_ms": main.batch_timeout_s * 1000,
+            "fill_under_load": main.fill_under_load,
             "signatures": sorted(self.batchers),
-            "padded_signatures": sorted(key for key, batcher in self.batchers.items() if batcher.padding),
+            "padded_signatures": sorted(key for key, batcher in self.batchers.items() if batcher.info.padded),
             # Served one request per call, as sent: no batch dimension to stack requests on.
-            "unbatched_signatures": sorted(key for key, batcher in self.batchers.items() if batcher.whole),
+            "unbatched_signatures": sorted(key for key, batcher in self.batchers.items() if batcher.info.whole),
             "load_seconds": round(self.model.load_s, 3),
             "warmup_seconds": round(self.model.warmup_s, 3),
         }
@@ -148,7 +149,7 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
     paddings = padding.model_paddings(model, config)
     metrics.load_seconds.labels(config.name).set(model.load_s)
     metrics.warmup_seconds.labels(config.name).set(model.warmup_s)
-    batchers = {}
+    batchers: dict[str, Engine] = {}
     for key, signature in model.signatures.items():
         batchers[key] = Batcher(
             signature.predict,
@@ -262,32 +263,27 @@ class ModelRegistry:
                                f"it serves {sorted(entry.serving)}")
             return servable
 
-    def predict(self, servable: Servable, inputs: Tensors, *, timeout_s: float, signature_name: str | None = None,
-                pinned: bool = False, client_gone: Callable[[], bool] | None = None,
-                trace: Any = None) -> tuple[Servable, BatchResult]:
-        """Predict with one signature of the servable (serving_default by default); `client_gone`
-        goes to the batcher (CancelledError when it answered True before the rows ran).
+    def predict(self, call: Call, servable: Servable, signature: models.Signature,
+                inputs: Tensors) -> tuple[Servable, BatchResult]:
+        """The call's rows through `signature`'s batcher of the servable (CancelledError when the
+        call's client_gone answered True before they ran).
 
-        If the servable was retired after `get()` chose it, a pinned request (a version or
-        a label) is refused as TF Serving refuses a version it does not serve; an unpinned
-        one goes to the newest version.
+        If the servable was retired after `get()` chose it, a pinned call (a version or a
+        label) is refused as TF Serving refuses a version it does not serve; an unpinned one
+        goes to the newest version, if its signature of that name takes the same inputs.
         """
-        deadline = time.monotonic() + timeout_s
-        signature = servable.signature(signature_name)
         while not servable.enter():
             name, version = servable.model.name, servable.model.version
-            if pinned:
+            if call.model.pinned:
                 raise NotFound(f"{servable_not_found(name, version)}: version {version} of model {name!r} "
                                "was unloaded before this request reached it")
             servable = self.get(name)
-            replacement = servable.signature(signature_name)
+            replacement = servable.signature(signature.name)
             if replacement.inputs != signature.inputs:
                 raise Unavailable(f"model {name!r} changed to v{servable.model.version}, whose signature "
                                   f"'{replacement.name}' takes other inputs, while this request waited; retry")
         try:
-            batcher = servable.batchers[signature.name]
-            return servable, batcher.predict(inputs, timeout_s=max(0.0, deadline - time.monotonic()),
-                                             client_gone=client_gone, trace=trace)
+            return servable, servable.batchers[signature.name].predict(call, inputs)
         finally:
             servable.leave()
 

@@ -1,27 +1,23 @@
 """The request layer: the policy every front door shares, below its wire format.
 
-A front door (TF Serving REST in app/api.py, TF Serving gRPC in app/grpc_server.py, and
-any protocol to come) reads its wire format into plain values and calls this layer:
+A front door (TF Serving REST in app/api.py, TF Serving gRPC in app/grpc_server.py, the Open
+Inference Protocol in app/v2_rest.py and app/v2_grpc.py) is parse -> call -> infer -> encode:
 
-    record = layer.requests.start(method, route, request_id)    # one record: access log + metrics
-    servable = layer.model(ModelSpec(name, version, label), record)
-    signature = layer.predict_signature(servable, signature_name)   # or example_signature(...)
-    outputs = layer.select_outputs(signature, requested_names)
-    rows = check_rows(count, layer.row_limit(servable))          # early, before arrays are built
-    answer = layer.predict(servable, signature, inputs, record=record,
-                           client_timeout_s=..., pinned=spec.pinned, client_gone=...)
-    layer.requests.finish(record)
+    call = Call.within(layer.deadline_s(client_timeout_s), model=ModelSpec(name, version, label),
+                       signature=..., outputs=..., client_gone=..., record=..., trace=...)
+    answer = layer.infer(call, decode)      # decode(signature, max_rows) -> the input arrays
+    ... write answer.outputs (answer.selected: the outputs asked for, in order) ...
 
-and writes `answer` (or the ServingError raised on the way) back in its wire format. What
-lives here, and nowhere in a front door: which model, version, label and signature a
-request names, with TensorFlow Serving's words for each refusal; the row and byte limits;
-the deadline (REQUEST_TIMEOUT_MS, capped by the client's own); the shape of classify and
-regress answers; and the request record that feeds both the access log and the request
-metrics.
+`classify`, `regress` and `multi_inference` are shaped on top of the same `run`. What lives
+here, and nowhere in a front door: which model, version, label and signature a call names,
+with TensorFlow Serving's words for each refusal (looked up once per call); the row limit
+(handed to `decode`, so it refuses before building any array) and byte limits; the deadline
+(REQUEST_TIMEOUT_MS, capped by the client's own, made absolute once); the shape of classify
+and regress answers; and the request record that feeds the access log and the request metrics.
 
-`client_gone` is the one way a front door says whether its client still waits: a cheap
-predicate, asked once just before the request's first rows run. When it answers True the
-rows never run and the layer raises ClientGone (HTTP 499, gRPC CANCELLED), counted as the
+`Call.client_gone` is the one way a front door says whether its client still waits: a cheap
+predicate, asked once just before the call's first rows run. When it answers True the rows
+never run and the layer raises ClientGone (HTTP 499, gRPC CANCELLED), counted as the
 rejection reason `client_gone`. `socket_client_gone` makes one for an HTTP connection;
 gRPC's is its call context's `is_active`.
 """
@@ -40,8 +36,9 @@ import numpy as np
 from flask import Flask
 
 from app import logs
-from app.batching import BatchResult
-from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidInput, MethodNotAllowed, PayloadTooLarge
+from app.batching import BatchResult, Tensors
+from app.call import Call, ClientGonePredicate, ModelSpec
+from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidInput, MethodNotAllowed
 from app.limits import max_request_bytes
 from app.logs import RequestRecord
 from app.metrics import Metrics, RequestCounts
@@ -65,9 +62,12 @@ EXAMPLES_INPUT = "inputs"
 _EXAMPLE_METHODS = {CLASSIFY: (CLASSIFY_METHOD, "classification"), REGRESS: (REGRESS_METHOD, "regression")}
 _TASK_METHODS = {CLASSIFY_METHOD: CLASSIFY, REGRESS_METHOD: REGRESS}
 
+# The WSGI environ key under which tracing's layer leaves a request's trace (app/tracing.py).
+TRACE_KEY = "model_server.trace"
 
-# True once nobody will read the answer. Asked on the batch thread: it must be quick and never block.
-ClientGonePredicate = Callable[[], bool]
+# A front door's decoding of its request's inputs against the signature the call resolved to,
+# refusing more than `max_rows` rows before it builds any array: decode(signature, max_rows).
+Decode = Callable[[Signature, int], Tensors]
 
 
 # Linux's "the peer closed its end" poll event; where it is missing, leaving is not seen.
@@ -104,26 +104,15 @@ class SocketClientGone:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """The model a request names: by name (None: the server's first), version or label."""
-
-    name: str | None = None
-    version: int | None = None
-    label: str | None = None
-
-    @property
-    def pinned(self) -> bool:
-        """A pinned request is served by the version it names or refused, never by another."""
-        return self.version is not None or self.label is not None
-
-
-@dataclasses.dataclass(frozen=True)
 class Answer:
-    """What a prediction came back with; `servable` is the version that answered it."""
+    """What a prediction came back with; `servable` is the version that answered it, `selected`
+    the outputs the call asked for (all, if none), in its order."""
 
     servable: Servable
     signature: Signature
+    selected: list[TensorInfo]
     outputs: dict[str, np.ndarray]
+    rows: int
     batch_rows: int
     batch_requests: int
 
@@ -152,14 +141,6 @@ class TaskResult:
     signature: Signature
     classes: Classes | None = None
     regressions: np.ndarray | None = None
-
-
-def check_rows(rows: int, limit: int, *, unit: str = "rows") -> int:
-    """`rows`, or PayloadTooLarge when it is over the model's MAX_REQUEST_ROWS."""
-    if rows > limit:
-        raise PayloadTooLarge(f"the request holds {rows} {unit}; this model takes at most {limit} "
-                              "rows per request (MAX_REQUEST_ROWS)")
-    return rows
 
 
 def text(value: Any) -> str:
@@ -232,7 +213,7 @@ class RequestLayer:
         return example_signature(servable.model, name, method, check_method_name=self.check_method_name)
 
     @staticmethod
-    def select_outputs(signature: Signature, names: list[str] | None = None) -> list[TensorInfo]:
+    def select_outputs(signature: Signature, names: tuple[str, ...] | list[str] = ()) -> list[TensorInfo]:
         """The outputs asked for, in the order asked (none asked: all), with TF Serving's refusals."""
         if not names:
             return list(signature.outputs)
@@ -247,91 +228,107 @@ class RequestLayer:
             chosen.append(by_name[name])
         return chosen
 
-    # -- limits and deadline --------------------------------------------------------------
-
-    @staticmethod
-    def row_limit(servable: Servable) -> int:
-        """MAX_REQUEST_ROWS of the model: a front door refuses more before it builds any array."""
-        return servable.batcher.max_request_rows
+    # -- the deadline ---------------------------------------------------------------------
 
     def deadline_s(self, client_timeout_s: float | None = None) -> float:
-        """How long a request may take: REQUEST_TIMEOUT_MS, or less if the client gave less."""
-        timeout_s = self.timeout_s if client_timeout_s is None else min(self.timeout_s, client_timeout_s)
-        if timeout_s <= 0:
-            raise DeadlineExceeded("the call's deadline passed before it was queued")
-        return timeout_s
+        """How long a call may take: REQUEST_TIMEOUT_MS, or less if the client gave less (a call
+        whose time is up is refused when it runs). `Call.within` makes it the call's deadline."""
+        return self.timeout_s if client_timeout_s is None else min(self.timeout_s, client_timeout_s)
+
+    def http_call(self, environ: dict[str, Any], spec: ModelSpec, signature: str, outputs: tuple[str, ...] = (),
+                  client_timeout_s: float | None = None) -> Call:
+        """An HTTP front door's Call for the request of `environ`: its record, its trace, and a
+        client_gone that watches its connection (Gunicorn hands the app the client's socket;
+        Flask's test client has none)."""
+        return Call.within(self.deadline_s(client_timeout_s), model=spec, signature=signature, outputs=outputs,
+                           client_gone=socket_client_gone(environ.get("gunicorn.socket")),
+                           record=environ.get(logs.RECORD_KEY) or logs.RequestRecord(""),
+                           trace=environ.get(TRACE_KEY))
 
     # -- the prediction -------------------------------------------------------------------
 
     # Sampled predictions go here (app/payload_log.py); None: not logged (warm-up's layer, or sampling off).
     payload_log: PayloadLog | None = None
 
-    def predict(self, servable: Servable, signature: Signature, inputs: dict[str, np.ndarray], *,
-                record: RequestRecord, pinned: bool, client_timeout_s: float | None = None,
-                client_gone: ClientGonePredicate | None = None) -> Answer:
-        """Queue the rows on the signature's batcher and wait for them, within the deadline;
-        ClientGone if `client_gone` answered True before they ran."""
+    def infer(self, call: Call, decode: Decode) -> Answer:
+        """The call's model and signature resolved, its inputs decoded, its rows run within its deadline."""
+        servable = self.model(call.model, call.record)
+        return self.run(call, servable, servable.signature(call.signature), decode)
+
+    def run(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
+        """Decode against `signature`, queue the rows on its batcher and wait for them; ClientGone
+        if the call's client_gone answered True before they ran. Every shape of answer (predict,
+        classify, regress, multi-inference) comes through here."""
+        selected = self.select_outputs(signature, call.outputs)
+        inputs = decode(signature, servable.batchers[signature.name].info.max_request_rows)
         # A request with no inputs, or a scalar one (an unbatched signature's), is one item.
         first = next(iter(inputs.values()), None)
-        record.rows = first.shape[0] if first is not None and first.ndim else 1
-        timeout_s = self.deadline_s(client_timeout_s)
+        rows = first.shape[0] if first is not None and first.ndim else 1
+        record = call.record
+        if record is not None:
+            record.rows = rows
+        if call.deadline is not None and call.deadline <= time.monotonic():
+            raise DeadlineExceeded("the call's deadline passed before it was queued")
         try:
-            servable, result = self.registry.predict(servable, inputs, timeout_s=timeout_s,
-                                                     signature_name=signature.name, pinned=pinned,
-                                                     client_gone=client_gone, trace=record.trace)
+            servable, result = self.registry.predict(call, servable, signature, inputs)
         except concurrent.futures.CancelledError:
             # The engine cancels a request's future only when client_gone said so (and counted it).
             raise ClientGone("the client left before its request ran") from None
-        record.batch_rows, record.batch_requests = result.batch_rows, result.batch_requests
-        answer = _answer(servable, signature, result)
+        if record is not None:
+            record.batch_rows, record.batch_requests = result.batch_rows, result.batch_requests
+        # Here, and only here, a finished call has its decoded inputs and its outputs together.
+        answer = _answer(servable, signature, selected, rows, result)
         if self.payload_log is not None:
-            self.payload_log.offer(inputs, answer, record.request_id)
+            self.payload_log.offer(inputs, answer, record.request_id if record is not None else "")
         return answer
 
-    def classify(self, servable: Servable, signature_name: str, examples: np.ndarray, *, record: RequestRecord,
-                 pinned: bool, client_timeout_s: float | None = None,
-                 client_gone: ClientGonePredicate | None = None) -> tuple[Answer, Classes]:
+    def classify(self, call: Call, decode: Decode) -> tuple[Answer, Classes]:
         """Classify serialized tf.Examples (one per row) with TF Serving's checks of the answer."""
-        answer = self._examples(servable, signature_name, CLASSIFY, examples, record, pinned, client_timeout_s,
-                                client_gone)
-        return answer, classes(answer.outputs, len(examples))
+        answer = self._examples(call, CLASSIFY, decode)
+        return answer, classes(answer.outputs, answer.rows)
 
-    def regress(self, servable: Servable, signature_name: str, examples: np.ndarray, *, record: RequestRecord,
-                pinned: bool, client_timeout_s: float | None = None,
-                client_gone: ClientGonePredicate | None = None) -> tuple[Answer, np.ndarray]:
+    def regress(self, call: Call, decode: Decode) -> tuple[Answer, np.ndarray]:
         """Regress serialized tf.Examples: one float32 value per example."""
-        answer = self._examples(servable, signature_name, REGRESS, examples, record, pinned, client_timeout_s,
-                                client_gone)
-        return answer, regressions(answer.outputs, len(examples))
+        answer = self._examples(call, REGRESS, decode)
+        return answer, regressions(answer.outputs, answer.rows)
 
-    def _examples(self, servable: Servable, signature_name: str, method: str, examples: np.ndarray,
-                  record: RequestRecord, pinned: bool, client_timeout_s: float | None,
-                  client_gone: ClientGonePredicate | None) -> Answer:
-        signature, input_name = self.example_signature(servable, signature_name, method)
-        return self.predict(servable, signature, {input_name: examples}, record=record, pinned=pinned,
-                            client_timeout_s=client_timeout_s, client_gone=client_gone)
+    def _examples(self, call: Call, method: str, decode: Decode) -> Answer:
+        servable = self.model(call.model, call.record)
+        signature, _input_name = self.example_signature(servable, call.signature, method)
+        return self.run(call, servable, signature, decode)
 
-    def multi_inference(self, servable: Servable, tasks: list[Task], examples: np.ndarray, *,
-                        record: RequestRecord, pinned: bool, client_timeout_s: float | None = None,
-                        client_gone: ClientGonePredicate | None = None) -> tuple[Servable, list[TaskResult]]:
+    def multi_inference(self, call: Call, tasks: list[Task], decode: Decode) -> tuple[Servable, list[TaskResult]]:
         """Every task over the same examples, in the tasks' order, once all of them passed TF Serving's checks.
 
         TF Serving feeds the examples once and fetches every task's outputs from one session run;
-        here each task's signature runs on its own batcher, within the one deadline. Later tasks
-        go to the version that answered the first, so every result names one version.
+        here each task's signature runs on its own batcher, within the call's one deadline. Later
+        tasks go to the version that answered the first, so every result names one version.
         """
+        servable = self.model(call.model, call.record)
         plan = multi_inference_plan(servable.model, tasks, check_method_name=self.check_method_name)
-        deadline = time.monotonic() + self.deadline_s(client_timeout_s)
         results = []
         for method, signature in plan:
-            answer = self.predict(servable, signature, {EXAMPLES_INPUT: examples}, record=record, pinned=pinned,
-                                  client_timeout_s=deadline - time.monotonic(), client_gone=client_gone)
+            answer = self.run(call, servable, signature, decode)
             servable = answer.servable
             if method == CLASSIFY:
-                results.append(TaskResult(answer.signature, classes=classes(answer.outputs, len(examples))))
+                results.append(TaskResult(answer.signature, classes=classes(answer.outputs, answer.rows)))
             else:
-                results.append(TaskResult(answer.signature, regressions=regressions(answer.outputs, len(examples))))
+                results.append(TaskResult(answer.signature, regressions=regressions(answer.outputs, answer.rows)))
         return servable, results
+
+
+def examples_decode(examples: Callable[[int], np.ndarray]) -> Decode:
+    """Classify's, regress's and MultiInference's decode: `examples(max_rows)`, the serialized
+    tf.Examples (refused over max_rows before any is built), as the signature's one input;
+    built once, however many of a MultiInference's tasks read them."""
+    built: list[np.ndarray] = []
+
+    def decode(_signature: Signature, max_rows: int) -> Tensors:
+        if not built:
+            built.append(examples(max_rows))
+        return {EXAMPLES_INPUT: built[0]}
+
+    return decode
 
 
 def multi_inference_spec(first: ModelSpec) -> ModelSpec:
@@ -410,10 +407,11 @@ def example_signature(model: LoadedModel, name: str, method: str, *,
     return signature, EXAMPLES_INPUT
 
 
-def _answer(servable: Servable, signature: Signature, result: BatchResult) -> Answer:
+def _answer(servable: Servable, signature: Signature, selected: list[TensorInfo], rows: int,
+            result: BatchResult) -> Answer:
     # The version that answered may be newer than the one resolved (a retired one sends on).
-    return Answer(servable, servable.model.signatures.get(signature.name, signature), result.outputs,
-                  result.batch_rows, result.batch_requests)
+    return Answer(servable, servable.model.signatures.get(signature.name, signature), selected, result.outputs,
+                  rows, result.batch_rows, result.batch_requests)
 
 
 def classes(outputs: dict[str, np.ndarray], rows: int) -> Classes:

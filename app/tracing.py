@@ -3,24 +3,26 @@
 Spans (docs/tracing.md is the manual):
 
     request (SERVER: REST "POST /v1/models/<model_name:name>:predict", gRPC its full method)
-      ├─ decode      from the model's lookup to the queueing of the rows: body, parse, tensors
+      ├─ decode      from the request's start to the queueing of its rows: body, parse, lookup, tensors
       ├─ queue wait  from the queueing to the start of the predict call that runs the first rows
       └─ encode      from the answer to the end of the front door: shaping and the response body
     predict         one per predict call (a trace of its own), LINKED to each request it served
 
 With MODEL_PROCESSES the predict calls run in a model process: the request span's context
-travels in the frame (`frame_fields`), the model process's BatchTracer links its predict span
-to it (`LinkedTrace`) and exports it with its own provider, and the call's start comes back
+travels in the call's frame (`RequestTrace.frame_fields`), the model process's BatchTracer
+links its predict span to it (`LinkedTrace`) and exports it with its own provider, and the call's start comes back
 in the answer to end the queue-wait span. The spans and links are the default mode's.
 
 A request continues the W3C `traceparent` it came with (the propagators OTEL_PROPAGATORS
 names, tracecontext and baggage by default). A predict call serves many requests, so it
 cannot be the child of one: its span starts a trace of its own with a link to each.
 
-Nothing here runs unless TRACING is on: app/serving.py then picks `TracedRequestLayer`,
-app/registry.py wraps each batcher's observer in a `BatchTracer`, and `init_app` puts the
-REST layer around the WSGI app and hands gRPC its interceptor. Off, no module of tracing
-is imported and a request's path holds no call of it.
+Nothing here runs unless TRACING is on: app/serving.py then picks `TracedRequestLayer`, which
+wraps the one method every call goes through (`run`), app/registry.py wraps each batcher's
+observer in a `BatchTracer`, and `init_app` puts the REST layer around the WSGI app (it leaves
+the trace in the environ, under serving.TRACE_KEY) and hands gRPC its interceptor (it leaves
+the trace on the call's record). A front door puts the trace in its Call. Off, no module of
+tracing is imported and a request's path holds no call of it.
 
 The batch thread is the server's one serial section, so it does the least: one span per
 call, built after the call with its links, and a timestamp on each request's trace; the
@@ -29,7 +31,6 @@ queue-wait span is made by the request's own thread once its answer arrives.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import logging
 import os
@@ -38,7 +39,6 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import grpc
-import numpy as np
 from flask import Flask
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -50,20 +50,19 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from app import grpc_record
-from app.batching import BatchObserver
-from app.logs import PROBE_PATHS, RequestRecord
+from app.batching import BatchObserver, Tensors
+from app.call import Call
+from app.logs import PROBE_PATHS
 from app.metrics import ROUTE_KEY, Metrics
 from app.models import LoadedModel, Signature
 from app.registry import Servable
-from app.serving import Answer, ClientGonePredicate, ModelSpec, RequestLayer
+from app.serving import TRACE_KEY, Answer, Decode, RequestLayer
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVICE_NAME = "model-server"
 
-# The trace of the request this thread serves, set by the front door's layer.
-_current: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar("model_server_trace", default=None)
 _provider: TracerProvider | None = None
 _tracer: trace.Tracer | None = None
 
@@ -71,12 +70,11 @@ _tracer: trace.Tracer | None = None
 class RequestTrace:
     """One traced request: its span, and the marks its child spans are made from."""
 
-    __slots__ = ("span", "context", "resolved_ns", "predict_started_ns", "encode")
+    __slots__ = ("span", "context", "predict_started_ns", "encode")
 
     def __init__(self, span: trace.Span) -> None:
         self.span = span
         self.context = trace.set_span_in_context(span)
-        self.resolved_ns: int | None = None
         # Set by the batch thread when the first predict call that runs the request's rows starts.
         self.predict_started_ns: int | None = None
         self.encode: trace.Span | None = None
@@ -85,6 +83,12 @@ class RequestTrace:
         if self.encode is not None:
             self.encode.end()
         self.span.end()
+
+    def frame_fields(self) -> list[str | int]:
+        """What a model process needs of the trace to link its predict span to it (Call.frame):
+        the request span's context (W3C's trace id, span id and flags), as text the frame's JSON holds."""
+        context = self.span.get_span_context()
+        return [format(context.trace_id, "032x"), format(context.span_id, "016x"), int(context.trace_flags)]
 
 
 # -- the provider: one per process (a Gunicorn worker makes it after the fork) ------------------
@@ -164,36 +168,36 @@ class TracedRequestLayer(RequestLayer):
         super().__init__(*args, **kwargs)
         self._tracer = tracer_
 
-    def model(self, spec: ModelSpec, record: RequestRecord | None = None) -> Any:
-        request = _current.get()
-        if request is not None and request.resolved_ns is None:
-            request.resolved_ns = time.time_ns()
-        return super().model(spec, record)
-
-    def predict(self, servable: Servable, signature: Signature, inputs: dict[str, np.ndarray], *,
-                record: RequestRecord, pinned: bool, client_timeout_s: float | None = None,
-                client_gone: ClientGonePredicate | None = None) -> Answer:
-        request = _current.get()
-        if request is None or not request.span.is_recording():
-            return super().predict(servable, signature, inputs, record=record, pinned=pinned,
-                                   client_timeout_s=client_timeout_s, client_gone=client_gone)
+    def run(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
+        request = call.trace
+        if request is None:
+            return super().run(call, servable, signature, decode)
+        if not request.span.is_recording():
+            # Sampled out: no predict span links to it either.
+            return super().run(call._replace(trace=None), servable, signature, decode)
         tracer_ = self._tracer
-        queued_ns = time.time_ns()
-        tracer_.start_span("decode", context=request.context,
-                           start_time=request.resolved_ns or cast(ReadableSpan, request.span).start_time).end(queued_ns)
-        record.trace = request
+        marks: list[int] = []
+
+        def traced_decode(signature_: Signature, max_rows: int) -> Tensors:
+            inputs = decode(signature_, max_rows)
+            queued_ns = time.time_ns()
+            tracer_.start_span("decode", context=request.context,
+                               start_time=cast(ReadableSpan, request.span).start_time).end(queued_ns)
+            marks.append(queued_ns)
+            return inputs
+
         try:
-            answer = super().predict(servable, signature, inputs, record=record, pinned=pinned,
-                                     client_timeout_s=client_timeout_s, client_gone=client_gone)
+            answer = super().run(call, servable, signature, traced_decode)
         finally:
-            # Ends where the first predict call serving it began, or now if none did (refused, expired).
-            tracer_.start_span("queue wait", context=request.context,
-                               start_time=queued_ns).end(request.predict_started_ns or time.time_ns())
+            if marks:
+                # Ends where the first predict call serving it began, or now if none did (refused, expired).
+                tracer_.start_span("queue wait", context=request.context,
+                                   start_time=marks[0]).end(request.predict_started_ns or time.time_ns())
         request.span.set_attributes({
             "model_server.model.name": answer.servable.model.name,
             "model_server.model.version": answer.servable.model.version,
             "model_server.model.signature": answer.signature.name,
-            "model_server.request.rows": record.rows or 0,
+            "model_server.request.rows": answer.rows,
             "model_server.batch.rows": answer.batch_rows,
             "model_server.batch.requests": answer.batch_requests,
         })
@@ -258,13 +262,6 @@ class BatchTracer(BatchObserver):
 # -- MODEL_PROCESSES: the request's trace in the frame, its predict span in the model process ----
 
 
-def frame_fields(request: RequestTrace) -> list[str | int]:
-    """What a model process needs of a request's trace to link its predict span to it: the
-    request span's context (W3C's trace id, span id and flags), as text the frame's JSON holds."""
-    context = request.span.get_span_context()
-    return [format(context.trace_id, "032x"), format(context.span_id, "016x"), int(context.trace_flags)]
-
-
 class LinkedTrace:
     """A request's trace as a model process's BatchTracer sees it: the request span to link to
     (remote, not recording), and the start of the first predict call that runs its rows, which
@@ -312,7 +309,7 @@ class _RestTracing:
                                       kind=SpanKind.SERVER,
                                       attributes={"http.request.method": method, "url.path": path})
         request = RequestTrace(span)
-        token = _current.set(request)
+        environ[TRACE_KEY] = request
 
         def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
             code = int(status[:3])
@@ -324,7 +321,6 @@ class _RestTracing:
         try:
             return self.app(environ, start)
         finally:
-            _current.reset(token)
             route = environ.get(ROUTE_KEY)
             if route:
                 span.update_name(f"{method} {route}")
@@ -351,7 +347,8 @@ class _GrpcTracing(grpc.ServerInterceptor):
             span = self.tracer.start_span(method.lstrip("/"), context=parent, kind=SpanKind.SERVER, attributes={
                 "rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
             traced_request = RequestTrace(span)
-            token = _current.set(traced_request)
+            # The front door puts it in its Call from the call's record.
+            grpc_record.set_trace(traced_request)
             code = grpc.StatusCode.OK
             try:
                 return inner(request, context)
@@ -360,7 +357,6 @@ class _GrpcTracing(grpc.ServerInterceptor):
                 code = context.code() or grpc.StatusCode.UNKNOWN
                 raise
             finally:
-                _current.reset(token)
                 # The span ends with the call's record, with the status its client got
                 # (app/grpc_record.py); with the handler's where no record is kept.
                 if not grpc_record.when_written(lambda status: _end_grpc_span(traced_request, status)):

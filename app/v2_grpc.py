@@ -78,18 +78,16 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             outputs=[service_pb2.ModelMetadataResponse.TensorMetadata(**tensor) for tensor in metadata["outputs"]])
 
     def _infer(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
-        spec = v2_tensors.model_spec(request.model_name, request.model_version)
-        servable = self._layer.model(spec, record)
         parameters = request.parameters
-        signature = self._layer.predict_signature(servable, _signature_name(parameters))
-        outputs = self._layer.select_outputs(signature, [output.name for output in request.outputs])
-        inputs = v2_tensors.decode_inputs(_tensors(request), signature, max_rows=self._layer.row_limit(servable))
-        answer = self._layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
-                                     client_timeout_s=_timeout_s(parameters, context.time_remaining()),
-                                     client_gone=grpc_record.client_gone(context))
+        call = grpc_record.make_call(v2_tensors.model_spec(request.model_name, request.model_version), record, context,
+                                self._layer.deadline_s(_timeout_s(parameters, context.time_remaining())),
+                                signature=_signature_name(parameters),
+                                outputs=tuple(output.name for output in request.outputs))
+        answer = self._layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
+            _tensors(request), signature, max_rows=max_rows))
         response = service_pb2.ModelInferResponse(model_name=answer.servable.model.name,
                                                   model_version=str(answer.servable.model.version), id=request.id)
-        for output in outputs:
+        for output in answer.selected:
             array = v2_tensors.output_array(answer.outputs[output.name], output)
             response.outputs.add(name=output.name, datatype=v2_tensors.datatype(output), shape=array.shape)
             response.raw_output_contents.append(v2_tensors.to_bytes(array))

@@ -31,9 +31,9 @@ from typing import Any
 import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 
-from app import codec, limits, logs, v2_statistics, v2_tensors
+from app import codec, limits, v2_statistics, v2_tensors
 from app.errors import BadRequest, Unavailable
-from app.serving import Answer, get_layer, socket_client_gone
+from app.serving import Answer, get_layer
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -91,9 +91,7 @@ bp.add_url_rule("/models/<model_name:name>/versions/<version>/stats", "model_sta
 @bp.post("/models/<model_name:name>/infer")
 @bp.post("/models/<model_name:name>/versions/<version>/infer")
 def infer(name: str, version: str | None = None) -> Response:
-    layer, record = get_layer(current_app), logs.record()
-    spec = v2_tensors.model_spec(name, version)
-    servable = layer.model(spec, record)
+    layer = get_layer(current_app)
     body, tensors = _split(limits.body(), request.headers.get(HEADER_LENGTH))
     parameters = _parameters(body, "the request")
     request_id = _text(body["id"], "id") if "id" in body else None
@@ -101,20 +99,18 @@ def infer(name: str, version: str | None = None) -> Response:
     signature_name = parameters.get("signature_name", "")
     if not isinstance(signature_name, str):
         raise BadRequest(v2_tensors.SIGNATURE_NAME_ERROR)
-    signature = layer.predict_signature(servable, signature_name)
     wanted = _requested_outputs(body)
-    outputs = layer.select_outputs(signature, [output_name for output_name, _ in wanted])
-    inputs = v2_tensors.decode_inputs(_inputs(body, tensors), signature, max_rows=layer.row_limit(servable))
-    answer = layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
-                           client_timeout_s=_timeout_s(parameters),
-                           client_gone=socket_client_gone(request.environ.get("gunicorn.socket")))
+    call = layer.http_call(request.environ, v2_tensors.model_spec(name, version), signature_name,
+                           tuple(output for output, _ in wanted), _timeout_s(parameters))
+    answer = layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
+        _inputs(body, tensors), signature, max_rows=max_rows))
     binary = {output_name: every_binary if choice is None else choice for output_name, choice in wanted}
     header: dict[str, Any] = {"model_name": answer.servable.model.name,
                               "model_version": str(answer.servable.model.version)}
     if request_id is not None:
         header["id"] = request_id
     header["outputs"], chunks = [], []
-    for output in outputs:
+    for output in answer.selected:
         array = v2_tensors.output_array(answer.outputs[output.name], output)
         entry: dict[str, Any] = {"name": output.name, "datatype": v2_tensors.datatype(output),
                                  "shape": list(array.shape)}

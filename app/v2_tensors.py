@@ -24,9 +24,11 @@ import ml_dtypes
 import numpy as np
 
 from app import codec
+from app.batching import check_rows
+from app.call import ModelSpec
 from app.errors import InvalidInput
 from app.models import STRING, LoadedModel, Signature, TensorInfo
-from app.serving import ModelSpec, braced, check_rows
+from app.serving import braced
 
 SERVER_NAME = "tensorflow-model-server"
 # The project ships no release numbers; this names the API generation a client may expect.

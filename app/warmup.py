@@ -39,13 +39,16 @@ MAX_RECORDS = 1000  # TF Serving's WarmupConsts::kMaxNumRecords
 
 
 class _Context:
-    """What the front door asks of a gRPC context: the time left."""
+    """What the front door asks of a gRPC context: the time left, and whether its client waits."""
 
     def __init__(self, timeout_s: float) -> None:
         self._deadline = time.monotonic() + timeout_s
 
     def time_remaining(self) -> float:
         return self._deadline - time.monotonic()
+
+    def is_active(self) -> bool:
+        return True
 
 
 def _unobserved(route: str, handler: Any) -> Any:

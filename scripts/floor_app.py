@@ -24,6 +24,7 @@ from flask import Flask, Response, request
 
 from app import metadata
 from app.batching import Batcher, bucket_sizes
+from app.call import Call
 from app.models import example_batch, load_model, warm_up
 from app.settings import Settings
 
@@ -80,9 +81,10 @@ if os.environ.get("FLOOR_BATCHER", "").lower() == "true":
     batcher = Batcher(model.predict, name=settings.model_name, max_batch_size=settings.max_batch_size,
                       buckets=BUCKETS)
     ONE_ROW = {name: batch[:1] for name, batch in BATCH.items()}
+    CALL = Call()
 
     def wait_for_the_model() -> None:
-        batcher.submit(ONE_ROW).result()
+        batcher.submit(CALL, ONE_ROW).result()
 else:
     wait_for_the_model = ModelThread(
         lambda rows: model.predict({name: batch[:rows] for name, batch in BATCH.items()}), BUCKETS).wait

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from flask import Flask
 
+from app.call import Call
 from app.patches import CachedEnsureSync
 
 
@@ -50,7 +51,7 @@ def test_a_dead_batch_thread_calls_the_apps_own_replace_worker_once(exact_model_
             if thread.name.startswith("batcher-"):
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(Killed))
         # The submit wakes the thread, which dies at its next line: its own last defence answers.
-        future = batcher.submit({tensor.name: integer_rows(1).astype(tensor.dtype)})
+        future = batcher.submit(Call(), {tensor.name: integer_rows(1).astype(tensor.dtype)})
         try:
             future.result(60)
         except BatcherBroken:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from app.batching import Batcher, BatchObserver, bucket_sizes, max_predict_calls
+from app.call import Call
 from app.errors import (
     BadRequest,
     BatcherBroken,
@@ -91,7 +92,7 @@ def make_batcher(fake):
 def occupy(batcher: Batcher, fake: FakeModel):
     """Submit one request whose predict call blocks; returns (its future, release event)."""
     started, release = fake.hold()
-    future = batcher.submit(rows(-1.0))
+    future = batcher.submit(Call(), rows(-1.0))
     assert started.wait(WAIT_S)
     return future, release
 
@@ -117,7 +118,7 @@ def test_bucket_sizes_are_powers_of_two_up_to_max():
 
 def test_single_request_gets_its_own_rows(make_batcher, fake):
     batcher = make_batcher()
-    result = batcher.submit(rows(1.0, 2.0, 3.0)).result(WAIT_S)
+    result = batcher.submit(Call(), rows(1.0, 2.0, 3.0)).result(WAIT_S)
     np.testing.assert_array_equal(result.outputs["y"], rows(10.0, 20.0, 30.0)["x"])
     assert (result.batch_rows, result.batch_requests) == (3, 1)
 
@@ -125,7 +126,7 @@ def test_single_request_gets_its_own_rows(make_batcher, fake):
 def test_requests_queued_while_model_busy_share_one_batch(make_batcher, fake):
     batcher = make_batcher(max_batch_size=8)
     first, release = occupy(batcher, fake)
-    futures = [batcher.submit(rows(float(i))) for i in range(1, 6)]
+    futures = [batcher.submit(Call(), rows(float(i))) for i in range(1, 6)]
     release.set()
     first.result(WAIT_S)
     results = [future.result(WAIT_S) for future in futures]
@@ -140,7 +141,7 @@ def test_requests_queued_while_model_busy_share_one_batch(make_batcher, fake):
 def test_batch_never_exceeds_max_batch_size(make_batcher, fake):
     batcher = make_batcher(max_batch_size=4)
     first, release = occupy(batcher, fake)
-    futures = [batcher.submit(rows(float(i))) for i in range(10)]
+    futures = [batcher.submit(Call(), rows(float(i))) for i in range(10)]
     release.set()
     results = [future.result(WAIT_S) for future in [first, *futures]]
     assert [r.batch_rows for r in results] == [1] + [4] * 8 + [2] * 2
@@ -151,7 +152,7 @@ def test_batch_never_exceeds_max_batch_size(make_batcher, fake):
 def test_large_request_is_split_and_rejoined_in_order(make_batcher, fake):
     batcher = make_batcher(max_batch_size=4)
     values = [float(v) for v in range(10)]
-    result = batcher.submit(rows(*values)).result(WAIT_S)
+    result = batcher.submit(Call(), rows(*values)).result(WAIT_S)
     np.testing.assert_array_equal(result.outputs["y"], rows(*values)["x"] * 10)
     assert fake.batch_rows == [4, 4, 2]
 
@@ -159,8 +160,8 @@ def test_large_request_is_split_and_rejoined_in_order(make_batcher, fake):
 def test_split_request_shares_its_last_batch_with_the_next_request(make_batcher, fake):
     batcher = make_batcher(max_batch_size=4)
     first, release = occupy(batcher, fake)
-    big = batcher.submit(rows(*[float(v) for v in range(6)]))
-    small = batcher.submit(rows(100.0))
+    big = batcher.submit(Call(), rows(*[float(v) for v in range(6)]))
+    small = batcher.submit(Call(), rows(100.0))
     release.set()
     assert big.result(WAIT_S).outputs["y"][:, 0].tolist() == [0, 10, 20, 30, 40, 50]
     assert small.result(WAIT_S).outputs["y"][0, 0] == 1000.0
@@ -171,10 +172,10 @@ def test_split_request_shares_its_last_batch_with_the_next_request(make_batcher,
 def test_only_same_shape_requests_share_a_batch_oldest_group_first(make_batcher, fake):
     batcher = make_batcher(max_batch_size=8)
     first, release = occupy(batcher, fake)
-    wide_a = batcher.submit(rows(1.0, width=3))
-    narrow_b = batcher.submit(rows(2.0, width=2))
-    wide_c = batcher.submit(rows(3.0, width=3))
-    narrow_d = batcher.submit(rows(4.0, width=2))
+    wide_a = batcher.submit(Call(), rows(1.0, width=3))
+    narrow_b = batcher.submit(Call(), rows(2.0, width=2))
+    wide_c = batcher.submit(Call(), rows(3.0, width=3))
+    narrow_d = batcher.submit(Call(), rows(4.0, width=2))
     release.set()
     for future, value, width in [(wide_a, 10, 3), (narrow_b, 20, 2), (wide_c, 30, 3), (narrow_d, 40, 2)]:
         np.testing.assert_array_equal(future.result(WAIT_S).outputs["y"], [[value] * width])
@@ -186,8 +187,8 @@ def test_only_same_shape_requests_share_a_batch_oldest_group_first(make_batcher,
 def test_dtype_difference_keeps_requests_apart(make_batcher, fake):
     batcher = make_batcher()
     first, release = occupy(batcher, fake)
-    as_float = batcher.submit({"x": np.ones((1, 2), np.float32)})
-    as_double = batcher.submit({"x": np.ones((1, 2), np.float64)})
+    as_float = batcher.submit(Call(), {"x": np.ones((1, 2), np.float32)})
+    as_double = batcher.submit(Call(), {"x": np.ones((1, 2), np.float64)})
     release.set()
     assert as_float.result(WAIT_S).outputs["y"].dtype == np.float32
     assert as_double.result(WAIT_S).outputs["y"].dtype == np.float64
@@ -196,7 +197,7 @@ def test_dtype_difference_keeps_requests_apart(make_batcher, fake):
 
 def test_batch_timeout_waits_for_more_until_the_oldest_has_waited(make_batcher, fake):
     batcher = make_batcher(max_batch_size=3, batch_timeout_ms=60_000)
-    futures = [batcher.submit(rows(float(i))) for i in range(3)]
+    futures = [batcher.submit(Call(), rows(float(i))) for i in range(3)]
     # A full batch goes at once: the 60 s timeout would fail this bound.
     results = [future.result(WAIT_S) for future in futures]
     assert [r.batch_requests for r in results] == [3, 3, 3]
@@ -206,7 +207,7 @@ def test_batch_timeout_waits_for_more_until_the_oldest_has_waited(make_batcher, 
 def test_batch_timeout_dispatches_a_partial_batch_after_the_timeout(make_batcher, fake):
     batcher = make_batcher(max_batch_size=8, batch_timeout_ms=50, clock=time.monotonic)
     started_at = time.monotonic()
-    result = batcher.submit(rows(1.0)).result(WAIT_S)
+    result = batcher.submit(Call(), rows(1.0)).result(WAIT_S)
     assert result.batch_requests == 1
     assert time.monotonic() - started_at >= 0.05
 
@@ -215,7 +216,7 @@ def test_expired_batch_window_still_takes_everything_queued(make_batcher, fake):
     now = [1000.0]
     batcher = make_batcher(max_batch_size=8, batch_timeout_ms=20, clock=lambda: now[0])
     first, release = occupy(batcher, fake)
-    futures = [batcher.submit(rows(float(i))) for i in range(5)]
+    futures = [batcher.submit(Call(), rows(float(i))) for i in range(5)]
     now[0] += 10.0  # every queued request has waited its window out behind the held batch
     release.set()
     assert [future.result(WAIT_S).batch_requests for future in futures] == [5] * 5
@@ -224,22 +225,22 @@ def test_expired_batch_window_still_takes_everything_queued(make_batcher, fake):
 
 def test_zero_timeout_dispatches_without_waiting_for_a_full_batch(make_batcher, fake):
     batcher = make_batcher(max_batch_size=64, batch_timeout_ms=0)
-    assert batcher.submit(rows(1.0)).result(WAIT_S).batch_rows == 1
+    assert batcher.submit(Call(), rows(1.0)).result(WAIT_S).batch_rows == 1
 
 
 def test_exception_fails_only_its_batch(make_batcher):
     model = FakeModel(poison=666.0)
     batcher = make_batcher(predict_fn=model, bisect_failures=False)
     first, release = occupy(batcher, model)
-    poisoned = batcher.submit(rows(666.0))
-    neighbour = batcher.submit(rows(2.0))
+    poisoned = batcher.submit(Call(), rows(666.0))
+    neighbour = batcher.submit(Call(), rows(2.0))
     release.set()
     assert first.result(WAIT_S).outputs["y"][0, 0] == -10.0
     for future in (poisoned, neighbour):
         with pytest.raises(PredictFailed, match="ValueError: poisoned value 666"):
             future.result(WAIT_S)
     # The loop goes on.
-    assert batcher.submit(rows(3.0)).result(WAIT_S).outputs["y"][0, 0] == 30.0
+    assert batcher.submit(Call(), rows(3.0)).result(WAIT_S).outputs["y"][0, 0] == 30.0
     assert batcher.alive
 
 
@@ -247,7 +248,7 @@ def test_bisect_fails_only_the_poisoned_request(make_batcher):
     model = FakeModel(poison=666.0)
     batcher = make_batcher(predict_fn=model)
     first, release = occupy(batcher, model)
-    futures = [batcher.submit(rows(v)) for v in (1.0, 2.0, 666.0, 4.0, 5.0)]
+    futures = [batcher.submit(Call(), rows(v)) for v in (1.0, 2.0, 666.0, 4.0, 5.0)]
     release.set()
     for future, value in zip(futures, (1.0, 2.0, None, 4.0, 5.0), strict=True):
         if value is None:
@@ -260,15 +261,15 @@ def test_bisect_fails_only_the_poisoned_request(make_batcher):
 def test_wrong_number_of_output_rows_fails_the_batch(make_batcher):
     batcher = make_batcher(predict_fn=lambda batch: {"y": batch["x"][:1]}, max_batch_size=4)
     with pytest.raises(BadRequest, match="one row per input row"):
-        batcher.submit(rows(1.0, 2.0)).result(WAIT_S)
+        batcher.submit(Call(), rows(1.0, 2.0)).result(WAIT_S)
 
 
 def test_request_still_queued_at_its_deadline_is_dropped_unrun(make_batcher, fake):
     now = [1000.0]
     batcher = make_batcher(clock=lambda: now[0])
     first, release = occupy(batcher, fake)
-    late = batcher.submit(rows(7.0), timeout_s=1.0)
-    on_time = batcher.submit(rows(8.0), timeout_s=100.0)
+    late = batcher.submit(Call(deadline=now[0] + 1.0), rows(7.0))
+    on_time = batcher.submit(Call(deadline=now[0] + 100.0), rows(8.0))
     now[0] += 5.0
     release.set()
     with pytest.raises(DeadlineExceeded):
@@ -281,19 +282,19 @@ def test_predict_answers_deadline_exceeded_and_the_request_never_runs(make_batch
     batcher = make_batcher()
     first, release = occupy(batcher, fake)
     with pytest.raises(DeadlineExceeded):
-        batcher.predict(rows(7.0), timeout_s=0.05)
+        batcher.predict(Call.within(0.05), rows(7.0))
     release.set()
     first.result(WAIT_S)
-    assert batcher.submit(rows(8.0)).result(WAIT_S).outputs["y"][0, 0] == 80.0
+    assert batcher.submit(Call(), rows(8.0)).result(WAIT_S).outputs["y"][0, 0] == 80.0
     assert all(7.0 not in call["x"] for call in fake.calls)
 
 
 def test_request_expiring_while_its_batch_forms_is_left_out(make_batcher, fake):
     batcher = make_batcher(max_batch_size=4, batch_timeout_ms=60_000)
     with pytest.raises(DeadlineExceeded):
-        batcher.predict(rows(7.0), timeout_s=0.05)
+        batcher.predict(Call.within(0.05), rows(7.0))
     # Three more rows fill the batch of four, which then goes without the expired one.
-    result = batcher.submit(rows(1.0, 2.0, 3.0)).result(WAIT_S)
+    result = batcher.submit(Call(), rows(1.0, 2.0, 3.0)).result(WAIT_S)
     assert result.batch_requests == 1
     assert fake.batch_rows == [4]
     assert fake.calls[0]["x"][:, 0].tolist() == [1.0, 2.0, 3.0, 3.0]
@@ -302,9 +303,9 @@ def test_request_expiring_while_its_batch_forms_is_left_out(make_batcher, fake):
 def test_cancelled_request_is_skipped(make_batcher, fake):
     batcher = make_batcher()
     first, release = occupy(batcher, fake)
-    cancelled = batcher.submit(rows(7.0))
+    cancelled = batcher.submit(Call(), rows(7.0))
     assert cancelled.cancel()
-    kept = batcher.submit(rows(8.0))
+    kept = batcher.submit(Call(), rows(8.0))
     release.set()
     assert kept.result(WAIT_S).batch_requests == 1
     assert all(7.0 not in call["x"] for call in fake.calls)
@@ -316,8 +317,8 @@ def test_cancelled_request_is_skipped(make_batcher, fake):
 def test_cancelled_request_the_thread_never_reached_is_notified_to_waiters(make_batcher, fake):
     batcher = make_batcher(max_batch_size=1)
     first, release = occupy(batcher, fake)
-    taken = batcher.submit(rows(1.0))
-    cancelled = batcher.submit(rows(2.0))
+    taken = batcher.submit(Call(), rows(1.0))
+    cancelled = batcher.submit(Call(), rows(2.0))
     assert cancelled.cancel()
     release.set()
     taken.result(WAIT_S)  # its batch was full before the cancelled request was looked at
@@ -328,21 +329,21 @@ def test_cancelled_request_the_thread_never_reached_is_notified_to_waiters(make_
 def test_full_queue_rejects_at_once_with_retry_after(make_batcher, fake):
     batcher = make_batcher(max_queue_rows=3)
     first, release = occupy(batcher, fake)
-    accepted = [batcher.submit(rows(1.0, 2.0)), batcher.submit(rows(3.0))]
+    accepted = [batcher.submit(Call(), rows(1.0, 2.0)), batcher.submit(Call(), rows(3.0))]
     with pytest.raises(QueueFull) as rejected:
-        batcher.submit(rows(4.0))
+        batcher.submit(Call(), rows(4.0))
     assert rejected.value.status_code == 503
     assert rejected.value.headers == {"Retry-After": "1"}
     release.set()
     assert [f.result(WAIT_S).outputs["y"][:, 0].tolist() for f in accepted] == [[10.0, 20.0], [30.0]]
     # Once the queue drained, the same request is accepted.
-    assert batcher.submit(rows(4.0)).result(WAIT_S).outputs["y"][0, 0] == 40.0
+    assert batcher.submit(Call(), rows(4.0)).result(WAIT_S).outputs["y"][0, 0] == 40.0
 
 
 def test_request_larger_than_the_queue_is_refused_as_too_large(make_batcher):
     batcher = make_batcher(max_queue_rows=2)
     with pytest.raises(PayloadTooLarge, match="at most 2 rows"):
-        batcher.submit(rows(1.0, 2.0, 3.0))
+        batcher.submit(Call(), rows(1.0, 2.0, 3.0))
 
 
 @pytest.mark.parametrize(
@@ -352,7 +353,7 @@ def test_request_larger_than_the_queue_is_refused_as_too_large(make_batcher):
 )
 def test_malformed_inputs_are_refused(make_batcher, inputs):
     with pytest.raises(InvalidInput):
-        make_batcher().submit(inputs)
+        make_batcher().submit(Call(), inputs)
 
 
 def test_several_inputs_travel_together(make_batcher):
@@ -360,7 +361,7 @@ def test_several_inputs_travel_together(make_batcher):
         return {"sum": batch["a"] + batch["b"], "a": batch["a"]}
 
     batcher = make_batcher(predict_fn=add)
-    result = batcher.submit({"a": np.array([[1.0], [2.0]]), "b": np.array([[10.0], [20.0]])}).result(WAIT_S)
+    result = batcher.submit(Call(), {"a": np.array([[1.0], [2.0]]), "b": np.array([[10.0], [20.0]])}).result(WAIT_S)
     assert result.outputs["sum"].tolist() == [[11.0], [22.0]]
     assert result.outputs["a"].tolist() == [[1.0], [2.0]]
 
@@ -368,7 +369,7 @@ def test_several_inputs_travel_together(make_batcher):
 def test_batching_off_runs_each_request_alone(make_batcher, fake):
     batcher = make_batcher(batching=False)
     first, release = occupy(batcher, fake)
-    futures = [batcher.submit(rows(float(i))) for i in range(3)]
+    futures = [batcher.submit(Call(), rows(float(i))) for i in range(3)]
     release.set()
     assert [f.result(WAIT_S).batch_requests for f in futures] == [1, 1, 1]
     assert fake.batch_rows == [1, 1, 1, 1]
@@ -385,7 +386,7 @@ def test_whole_mode_runs_each_request_as_sent_and_answers_what_the_model_returne
 
     batcher = make_batcher(predict_fn=total, whole=True, max_batch_size=2)
     odd_rows = {"x": np.arange(5, dtype=np.float32)}
-    answers = [batcher.submit(inputs).result(WAIT_S) for inputs in (odd_rows, {"x": np.float32(4.0)}, {})]
+    answers = [batcher.submit(Call(), inputs).result(WAIT_S) for inputs in (odd_rows, {"x": np.float32(4.0)}, {})]
     assert [a.outputs["sum"].tolist() for a in answers] == [10.0, 4.0, 0.0]
     assert [a.outputs["sum"].shape for a in answers] == [(), (), ()]
     assert [(a.batch_rows, a.batch_requests) for a in answers] == [(1, 1)] * 3
@@ -396,7 +397,7 @@ def test_whole_mode_runs_each_request_as_sent_and_answers_what_the_model_returne
 def test_whole_mode_never_joins_requests_and_counts_each_as_one_queued_row(make_batcher, fake):
     batcher = make_batcher(whole=True, max_queue_rows=3)
     first, release = occupy(batcher, fake)
-    queued = [batcher.submit(rows(1.0, 2.0, 3.0)), batcher.submit(rows(4.0, 5.0, 6.0))]
+    queued = [batcher.submit(Call(), rows(1.0, 2.0, 3.0)), batcher.submit(Call(), rows(4.0, 5.0, 6.0))]
     assert batcher.queued_rows == 2  # six rows, two requests: a whole request is one item
     release.set()
     assert [f.result(WAIT_S).outputs["y"][:, 0].tolist() for f in queued] == [[10.0, 20.0, 30.0], [40.0, 50.0, 60.0]]
@@ -406,10 +407,10 @@ def test_whole_mode_never_joins_requests_and_counts_each_as_one_queued_row(make_
 def test_close_drains_every_accepted_request(make_batcher, fake):
     batcher = make_batcher(max_batch_size=2)
     first, release = occupy(batcher, fake)
-    futures = [batcher.submit(rows(float(i))) for i in range(5)]
+    futures = [batcher.submit(Call(), rows(float(i))) for i in range(5)]
     batcher.close(drain=True, timeout_s=0)
     with pytest.raises(ShuttingDown):
-        batcher.submit(rows(99.0))
+        batcher.submit(Call(), rows(99.0))
     release.set()
     batcher.close(timeout_s=WAIT_S)
     assert [f.result(0).outputs["y"][0, 0] for f in futures] == [0.0, 10.0, 20.0, 30.0, 40.0]
@@ -419,8 +420,8 @@ def test_close_drains_every_accepted_request(make_batcher, fake):
 def test_close_without_drain_fails_what_is_queued(make_batcher, fake):
     batcher = make_batcher()
     first, release = occupy(batcher, fake)
-    queued = batcher.submit(rows(1.0))
-    cancelled = batcher.submit(rows(2.0))
+    queued = batcher.submit(Call(), rows(1.0))
+    cancelled = batcher.submit(Call(), rows(2.0))
     assert cancelled.cancel()
     batcher.close(drain=False, timeout_s=0)
     release.set()
@@ -439,9 +440,9 @@ def test_thread_death_fails_pending_and_later_requests_at_once(make_batcher, fak
         raise Fatal("boom")
 
     batcher = make_batcher(predict_fn=dying)
-    running = batcher.submit(rows(1.0))
+    running = batcher.submit(Call(), rows(1.0))
     assert started.wait(WAIT_S)
-    queued = batcher.submit(rows(2.0))
+    queued = batcher.submit(Call(), rows(2.0))
     release.set()
     for future in (running, queued):
         with pytest.raises(BatcherBroken, match="batch thread died"):
@@ -449,7 +450,7 @@ def test_thread_death_fails_pending_and_later_requests_at_once(make_batcher, fak
     batcher.join(WAIT_S)
     assert not batcher.alive
     with pytest.raises(BatcherBroken):
-        batcher.submit(rows(3.0))
+        batcher.submit(Call(), rows(3.0))
 
 
 class RecordingObserver(BatchObserver):
@@ -472,9 +473,9 @@ def test_observer_sees_batches_padding_depth_and_rejections(make_batcher, fake):
     observer = RecordingObserver()
     batcher = make_batcher(observer=observer, max_queue_rows=3)
     first, release = occupy(batcher, fake)
-    futures = [batcher.submit(rows(1.0, 2.0)), batcher.submit(rows(3.0))]
+    futures = [batcher.submit(Call(), rows(1.0, 2.0)), batcher.submit(Call(), rows(3.0))]
     with pytest.raises(QueueFull):
-        batcher.submit(rows(4.0))
+        batcher.submit(Call(), rows(4.0))
     release.set()
     for future in futures:
         future.result(WAIT_S)
@@ -505,10 +506,10 @@ def test_failing_observer_hooks_are_logged_once_and_every_request_is_answered(ma
     now = [1000.0]
     batcher = make_batcher(observer=FailingObserver(), max_queue_rows=4, clock=lambda: now[0])
     first, release = occupy(batcher, fake)
-    futures = [batcher.submit(rows(float(i))) for i in range(1, 4)]
-    expiring = batcher.submit(rows(9.0), timeout_s=1.0)
+    futures = [batcher.submit(Call(), rows(float(i))) for i in range(1, 4)]
+    expiring = batcher.submit(Call(deadline=now[0] + 1.0), rows(9.0))
     with pytest.raises(QueueFull):  # the rejected hook raised, the caller still gets its 503
-        batcher.submit(rows(5.0))
+        batcher.submit(Call(), rows(5.0))
     now[0] += 5.0
     release.set()
     assert first.result(WAIT_S).outputs["y"][0, 0] == -10.0
@@ -516,7 +517,7 @@ def test_failing_observer_hooks_are_logged_once_and_every_request_is_answered(ma
     with pytest.raises(DeadlineExceeded):
         expiring.result(WAIT_S)
     assert batcher.alive and batcher.queued_rows == 0
-    assert batcher.submit(rows(4.0)).result(WAIT_S).outputs["y"][0, 0] == 40.0
+    assert batcher.submit(Call(), rows(4.0)).result(WAIT_S).outputs["y"][0, 0] == 40.0
     failed = sorted(r.getMessage().split()[2] for r in caplog.records if "observer hook" in r.getMessage())
     assert failed == ["batch_done", "queue_depth", "queue_wait", "rejected"]
 
@@ -542,8 +543,8 @@ def test_thread_killed_while_a_batch_forms_answers_every_request_taken(make_batc
     first, release = occupy(batcher, fake)
     # The next batch takes four narrow rows (its second start kills the thread), one narrow
     # request stays in the backlog for lack of room, a wide one waits for its own batch.
-    futures += [batcher.submit(rows(float(i))) for i in range(5)]
-    futures.append(batcher.submit(rows(7.0, width=3)))
+    futures += [batcher.submit(Call(), rows(float(i))) for i in range(5)]
+    futures.append(batcher.submit(Call(), rows(7.0, width=3)))
     release.set()
     first.result(WAIT_S)
     for future in futures:
@@ -560,8 +561,8 @@ def test_output_that_cannot_be_rejoined_fails_only_its_request(make_batcher):
     model = FakeModel(output=lambda x: np.repeat(x[:, :1] * 10, len(x), axis=1))
     batcher = make_batcher(predict_fn=model, max_batch_size=4)
     first, release = occupy(batcher, model)
-    split = batcher.submit(rows(1.0, 2.0, 3.0, 4.0, 5.0))
-    neighbour = batcher.submit(rows(6.0))
+    split = batcher.submit(Call(), rows(1.0, 2.0, 3.0, 4.0, 5.0))
+    neighbour = batcher.submit(Call(), rows(6.0))
     release.set()
     with pytest.raises(PredictFailed, match="do not join"):
         split.result(WAIT_S)
@@ -569,7 +570,7 @@ def test_output_that_cannot_be_rejoined_fails_only_its_request(make_batcher):
     assert neighbour.result(WAIT_S).outputs["y"].tolist() == [[60.0, 60.0]]
     assert model.batch_rows == [1, 4, 2]
     assert batcher.alive
-    assert batcher.submit(rows(7.0)).result(WAIT_S).outputs["y"].tolist() == [[70.0]]
+    assert batcher.submit(Call(), rows(7.0)).result(WAIT_S).outputs["y"].tolist() == [[70.0]]
 
 
 def test_thread_death_calls_on_broken_once_and_liveness_says_so(make_batcher, fake):
@@ -581,7 +582,7 @@ def test_thread_death_calls_on_broken_once_and_liveness_says_so(make_batcher, fa
     batcher = make_batcher(predict_fn=dying, on_broken=calls.append)
     assert not batcher.broken
     with pytest.raises(BatcherBroken):
-        batcher.submit(rows(1.0)).result(WAIT_S)
+        batcher.submit(Call(), rows(1.0)).result(WAIT_S)
     batcher.join(WAIT_S)
     assert calls == [batcher] and batcher.broken
 
@@ -617,7 +618,7 @@ def test_queue_depth_is_reported_under_the_lock_and_ends_at_zero(make_batcher, f
     batcher = make_batcher(observer=observer)
     observer.batcher = batcher
     first, release = occupy(batcher, fake)
-    futures = [batcher.submit(rows(float(i), float(i))) for i in range(3)]
+    futures = [batcher.submit(Call(), rows(float(i), float(i))) for i in range(3)]
     release.set()
     for future in [first, *futures]:
         future.result(WAIT_S)
@@ -629,7 +630,7 @@ def test_queue_depth_is_reported_under_the_lock_and_ends_at_zero(make_batcher, f
 def test_close_without_drain_stops_a_drain_that_timed_out(make_batcher, fake):
     batcher = make_batcher(max_batch_size=1)
     first, release = occupy(batcher, fake)
-    queued = [batcher.submit(rows(float(i))) for i in range(3)]
+    queued = [batcher.submit(Call(), rows(float(i))) for i in range(3)]
     batcher.close(drain=True, timeout_s=0)  # the drain times out: the model is still held
     batcher.close(drain=False, timeout_s=0)  # escalate: what is not running yet fails now
     release.set()
@@ -647,8 +648,8 @@ def test_predict_keeps_an_answer_that_lands_just_after_its_timeout(make_batcher,
     first, release = occupy(batcher, fake)
     submit = batcher.submit
 
-    def submit_answered_late(inputs, **kwargs):
-        future = submit(inputs, **kwargs)
+    def submit_answered_late(call, inputs):
+        future = submit(call, inputs)
         cancel = future.cancel
 
         def cancel_after_the_answer():
@@ -661,7 +662,7 @@ def test_predict_keeps_an_answer_that_lands_just_after_its_timeout(make_batcher,
         return future
 
     batcher.submit = submit_answered_late
-    result = batcher.predict(rows(7.0), timeout_s=0.01)
+    result = batcher.predict(Call(deadline=1000.0 + 0.01), rows(7.0))
     assert result.outputs["y"][0, 0] == 70.0
     first.result(WAIT_S)
 
@@ -671,10 +672,10 @@ def test_predict_timing_out_on_a_running_request_answers_504_and_discards_the_re
     batcher = make_batcher(observer=observer, clock=lambda: 1000.0)
     started, release = fake.hold()
     with pytest.raises(DeadlineExceeded):
-        batcher.predict(rows(7.0), timeout_s=0.01)  # the predict call started and is held
+        batcher.predict(Call(deadline=1000.0 + 0.01), rows(7.0))  # the predict call started and is held
     assert started.is_set()
     release.set()
-    assert batcher.submit(rows(8.0)).result(WAIT_S).outputs["y"][0, 0] == 80.0
+    assert batcher.submit(Call(), rows(8.0)).result(WAIT_S).outputs["y"][0, 0] == 80.0
     assert observer.rejections == ["deadline"]
 
 
@@ -683,9 +684,9 @@ def test_predict_timing_out_on_a_running_request_answers_504_and_discards_the_re
 def test_request_over_max_request_rows_is_refused_while_the_queue_has_room(make_batcher, fake):
     batcher = make_batcher(max_queue_rows=16, max_request_rows=4)
     with pytest.raises(PayloadTooLarge, match="at most 4 rows per request"):
-        batcher.submit(rows(*range(5)))
+        batcher.submit(Call(), rows(*range(5)))
     first, release = occupy(batcher, fake)
-    accepted = [batcher.submit(rows(*range(4))) for _ in range(4)]  # 16 rows fill the queue
+    accepted = [batcher.submit(Call(), rows(*range(4))) for _ in range(4)]  # 16 rows fill the queue
     assert batcher.queued_rows == 16
     release.set()
     assert [f.result(WAIT_S).outputs["y"][:, 0].tolist() for f in accepted] == [[0, 10, 20, 30]] * 4
@@ -708,7 +709,7 @@ def test_bisection_stops_at_the_requests_deadline(make_batcher, fake):
 
     batcher = make_batcher(predict_fn=failing_slowly, clock=lambda: now[0], max_batch_size=8)
     first, release = occupy(batcher, fake)
-    futures = [batcher.submit(rows(float(i)), timeout_s=5.0) for i in range(8)]
+    futures = [batcher.submit(Call(deadline=now[0] + 5.0), rows(float(i))) for i in range(8)]
     release.set()
     first.result(WAIT_S)
     for future in futures:
@@ -721,7 +722,7 @@ def test_always_failing_model_makes_a_bounded_number_of_predict_calls(make_batch
     model = FakeModel(poison=0.0)
     batcher = make_batcher(predict_fn=model, max_batch_size=32)
     first, release = occupy(batcher, model)
-    futures = [batcher.submit(rows(0.0)) for _ in range(32)]
+    futures = [batcher.submit(Call(), rows(0.0)) for _ in range(32)]
     release.set()
     for future in futures:
         with pytest.raises(PredictFailed, match="poisoned"):
@@ -735,7 +736,7 @@ def test_two_poisoned_requests_in_a_full_batch_fail_alone_within_the_budget(make
     batcher = make_batcher(predict_fn=model, max_batch_size=32)
     first, release = occupy(batcher, model)
     values = [666.0 if i in (3, 29) else float(i) for i in range(32)]
-    futures = [batcher.submit(rows(v)) for v in values]
+    futures = [batcher.submit(Call(), rows(v)) for v in values]
     release.set()
     for future, value in zip(futures, values, strict=True):
         if value == 666.0:
@@ -749,15 +750,15 @@ def test_two_poisoned_requests_in_a_full_batch_fail_alone_within_the_budget(make
 def test_cancelled_and_timed_out_rows_stop_counting_at_once(make_batcher, fake):
     batcher = make_batcher(max_queue_rows=4)
     first, release = occupy(batcher, fake)
-    cancelled = batcher.submit(rows(1.0, 2.0, 3.0))
+    cancelled = batcher.submit(Call(), rows(1.0, 2.0, 3.0))
     with pytest.raises(QueueFull):
-        batcher.submit(rows(4.0, 5.0))
+        batcher.submit(Call(), rows(4.0, 5.0))
     assert cancelled.cancel()
     assert batcher.queued_rows == 0  # the model is still held: the thread has not seen it
     with pytest.raises(DeadlineExceeded):
-        batcher.predict(rows(6.0, 7.0, 8.0, 9.0), timeout_s=0.01)
+        batcher.predict(Call.within(0.01), rows(6.0, 7.0, 8.0, 9.0))
     assert batcher.queued_rows == 0
-    accepted = batcher.submit(rows(4.0, 5.0))
+    accepted = batcher.submit(Call(), rows(4.0, 5.0))
     assert batcher.queued_rows == 2
     release.set()
     assert accepted.result(WAIT_S).outputs["y"][:, 0].tolist() == [40.0, 50.0]
@@ -770,7 +771,7 @@ def test_cancelled_and_timed_out_rows_stop_counting_at_once(make_batcher, fake):
 def held_for(batcher: Batcher, fake: FakeModel, now: list[float], *, seconds: float, waiting: int):
     """A predict call that 'takes' `seconds` of the fake clock while `waiting` requests queue behind it."""
     first, release = occupy(batcher, fake)
-    queued = [batcher.submit(rows(float(index))) for index in range(waiting)]
+    queued = [batcher.submit(Call(), rows(float(index))) for index in range(waiting)]
     now[0] += seconds
     release.set()
     assert first.result(WAIT_S).batch_requests == 1
@@ -782,12 +783,12 @@ def answered_call(batcher: Batcher, fake: FakeModel, now: list[float], *, reques
     """A predict call of `requests` requests that 'takes' `seconds` of the fake clock while `during`
     more arrive; returns (the answered futures, the arrivals), after the call has answered."""
     first, release_first = occupy(batcher, fake)
-    answered = [batcher.submit(rows(float(index))) for index in range(requests)]
+    answered = [batcher.submit(Call(), rows(float(index))) for index in range(requests)]
     started, release = fake.hold()
     release_first.set()
     assert started.wait(WAIT_S)
     now[0] += seconds
-    arrived = [batcher.submit(rows(float(index))) for index in range(requests, requests + during)]
+    arrived = [batcher.submit(Call(), rows(float(index))) for index in range(requests, requests + during)]
     release.set()
     assert [future.result(WAIT_S).batch_requests for future in answered] == [requests] * requests
     return answered, arrived
@@ -800,7 +801,7 @@ def test_under_load_a_batch_waits_for_more_rows_instead_of_going_half_empty(make
     # Two requests waited through a 60 s call: the batch they start may wait up to 60 s to fill.
     # Dispatching at once would have run them as a batch of 2 by now.
     assert not queued[0].done() and not wait_for_done(queued[0], within_s=0.3)
-    queued += [batcher.submit(rows(float(index))) for index in range(2, 8)]
+    queued += [batcher.submit(Call(), rows(float(index))) for index in range(2, 8)]
     results = [future.result(WAIT_S) for future in queued]
     assert [(result.batch_rows, result.batch_requests) for result in results] == [(8, 8)] * 8
     assert [result.outputs["y"][0, 0] for result in results] == [10.0 * index for index in range(8)]
@@ -822,7 +823,7 @@ def test_a_straggler_waits_for_the_clients_the_last_call_just_answered(make_batc
     # One waited, six were just answered: a closed loop's clients come straight back, so the
     # straggler waits for them rather than take a whole call alone.
     assert not wait_for_done(straggler, within_s=0.3)
-    returning = [batcher.submit(rows(float(index))) for index in range(7, 13)]
+    returning = [batcher.submit(Call(), rows(float(index))) for index in range(7, 13)]
     # ... and goes with them: seven clients were seen around that call, and a batch of eight
     # would wait for one that is not coming (the fake clock is frozen: the window never ends).
     assert [future.result(WAIT_S).batch_requests for future in [straggler, *returning]] == [7] * 7
@@ -836,9 +837,9 @@ def test_after_a_large_call_the_first_request_back_waits_for_the_others(make_bat
     answered_call(batcher, fake, now, requests=4, seconds=60.0)
     # A closed loop's clients are all in the call, so none waits through it; the first one
     # back still waits for the other three rather than take a call alone.
-    back = [batcher.submit(rows(4.0))]
+    back = [batcher.submit(Call(), rows(4.0))]
     assert not wait_for_done(back[0], within_s=0.3)
-    back += [batcher.submit(rows(float(index))) for index in range(5, 8)]
+    back += [batcher.submit(Call(), rows(float(index))) for index in range(5, 8)]
     assert [future.result(WAIT_S).batch_requests for future in back] == [4] * 4
     assert [future.result(WAIT_S).outputs["y"][0, 0] for future in back] == [40.0, 50.0, 60.0, 70.0]
 
@@ -851,7 +852,7 @@ def test_a_request_long_after_a_large_call_goes_at_once(make_batcher, fake):
     # A request after that is light load, and goes at once (a wait to fill would last the
     # call's 60 s, longer than the test waits).
     now[0] += 61.0
-    later = batcher.submit(rows(4.0))
+    later = batcher.submit(Call(), rows(4.0))
     assert later.result(WAIT_S).batch_requests == 1
 
 
@@ -892,14 +893,14 @@ def test_a_filling_batch_wakes_its_thread_once_for_the_requests_it_waits_for(mak
     now = [1000.0]
     batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
     answered_call(batcher, fake, now, requests=4, seconds=60.0)
-    back = [batcher.submit(rows(4.0))]
+    back = [batcher.submit(Call(), rows(4.0))]
     # The first one back starts a batch that waits for the other three of the loop.
     assert wait_for(lambda: batcher.queue.wake_requests == 3)
     woken = []
     notify = batcher.queue.enough_arrived.notify
     batcher.queue.enough_arrived.notify = lambda *args: (woken.append(len(back)), notify(*args))
     for index in range(5, 8):
-        back.append(batcher.submit(rows(float(index))))
+        back.append(batcher.submit(Call(), rows(float(index))))
     # Only the arrival that completes what the batch waits for wakes its thread: waking it for
     # each would cost every request a thread switch and a GIL hand-off between two calls.
     assert [future.result(WAIT_S).batch_requests for future in back] == [4] * 4
@@ -911,10 +912,10 @@ def test_a_request_that_fills_the_waiting_batch_wakes_it_however_few_requests_ca
     now = [1000.0]  # frozen: the fill window never ends by itself
     batcher = make_batcher(max_batch_size=8, clock=lambda: now[0])
     answered_call(batcher, fake, now, requests=4, seconds=60.0)
-    first = batcher.submit(rows(4.0))
+    first = batcher.submit(Call(), rows(4.0))
     assert wait_for(lambda: batcher.queue.wake_requests == 3)
     # Three more requests were expected; one of seven rows fills the batch on its own.
-    big = batcher.submit(rows(*[float(index) for index in range(5, 12)]))
+    big = batcher.submit(Call(), rows(*[float(index) for index in range(5, 12)]))
     assert [(future.result(WAIT_S).batch_rows, future.result(WAIT_S).batch_requests)
             for future in (first, big)] == [(8, 2), (8, 2)]
     assert big.result(WAIT_S).outputs["y"][:, 0].tolist() == [10.0 * index for index in range(5, 12)]
@@ -927,8 +928,8 @@ def test_request_whose_client_has_gone_is_dropped_unrun_and_counted(make_batcher
     batcher = make_batcher(observer=observer)
     first, release = occupy(batcher, fake)
     gone = [False]
-    left = batcher.submit(rows(7.0), client_gone=lambda: gone[0])
-    stayed = batcher.submit(rows(8.0), client_gone=lambda: False)
+    left = batcher.submit(Call(client_gone=lambda: gone[0]), rows(7.0))
+    stayed = batcher.submit(Call(client_gone=lambda: False), rows(8.0))
     gone[0] = True  # asked just before dispatch, not at submit
     release.set()
     assert stayed.result(WAIT_S).outputs["y"][0, 0] == 80.0
@@ -941,7 +942,7 @@ def test_request_whose_client_has_gone_is_dropped_unrun_and_counted(make_batcher
 def test_predict_for_a_client_that_has_gone_raises_cancelled(make_batcher, fake):
     batcher = make_batcher()
     with pytest.raises(concurrent.futures.CancelledError):
-        batcher.predict(rows(7.0), timeout_s=WAIT_S, client_gone=lambda: True)
+        batcher.predict(Call.within(WAIT_S, client_gone=lambda: True), rows(7.0))
     assert fake.calls == []
 
 
@@ -949,7 +950,7 @@ def test_client_gone_is_asked_once_before_the_first_rows_run(make_batcher, fake)
     asked = []
     batcher = make_batcher(max_batch_size=2)
     # Split over two batches: once its first rows ran, the request is finished whatever the answer.
-    result = batcher.submit(rows(1.0, 2.0, 3.0), client_gone=lambda: asked.append(True) or len(asked) > 1)
+    result = batcher.submit(Call(client_gone=lambda: asked.append(True) or len(asked) > 1), rows(1.0, 2.0, 3.0))
     assert result.result(WAIT_S).outputs["y"][:, 0].tolist() == [10.0, 20.0, 30.0]
     assert asked == [True]
 
@@ -959,7 +960,7 @@ def test_a_failing_client_gone_check_is_logged_once_and_the_request_served(make_
         raise RuntimeError("socket check failed")
 
     batcher = make_batcher()
-    results = [batcher.submit(rows(float(v)), client_gone=broken_check).result(WAIT_S) for v in (1, 2)]
+    results = [batcher.submit(Call(client_gone=broken_check), rows(float(v))).result(WAIT_S) for v in (1, 2)]
     assert [result.outputs["y"][0, 0] for result in results] == [10.0, 20.0]
     assert [r.getMessage() for r in caplog.records] == ["client_gone of model 'default' failed (logged once)"]
     assert batcher.alive
@@ -969,7 +970,7 @@ def test_a_request_that_expires_while_its_batch_fills_is_dropped_unrun(make_batc
     now = [1000.0]
     # A window of a minute on the fake clock: the batch waits in it until the flush below.
     batcher = make_batcher(max_batch_size=8, batch_timeout_ms=60_000, clock=lambda: now[0])
-    expiring = batcher.submit(rows(1.0), timeout_s=0.01)
+    expiring = batcher.submit(Call(deadline=now[0] + 0.01), rows(1.0))
     wait_for(lambda: batcher.queue.wake_requests is not None, within_s=WAIT_S, what="the batch filling")
     now[0] += 1.0  # past the request's deadline
     batcher.flush()
@@ -982,8 +983,8 @@ def test_an_expired_request_takes_no_room_in_the_next_batch(make_batcher, fake):
     now = [1000.0]
     batcher = make_batcher(max_batch_size=2, clock=lambda: now[0])
     first, release = occupy(batcher, fake)
-    expiring = batcher.submit(rows(1.0), timeout_s=0.01)
-    kept = [batcher.submit(rows(value)) for value in (2.0, 3.0)]
+    expiring = batcher.submit(Call(deadline=now[0] + 0.01), rows(1.0))
+    kept = [batcher.submit(Call(), rows(value)) for value in (2.0, 3.0)]
     now[0] += 1.0  # past the first queued request's deadline, while the model is held
     release.set()
     with pytest.raises(DeadlineExceeded, match="^the request's deadline passed before it ran$"):

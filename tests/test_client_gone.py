@@ -23,10 +23,11 @@ import requests
 from prometheus_client import CollectorRegistry
 from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc, prediction_service_pb2_grpc
 
+from app.call import Call, ModelSpec
 from app.errors import ClientGone
 from app.metrics import Metrics
 from app.registry import ModelRegistry
-from app.serving import RequestLayer, socket_client_gone
+from app.serving import RequestLayer, examples_decode, socket_client_gone
 from tests.conftest import Server, integer_rows, wait_for
 from tests.nginx_front import Nginx
 from tests.test_grpc import predict_request, scores
@@ -146,10 +147,17 @@ def test_http_client_that_closed_its_connection_is_left_out_of_its_batch(server,
 
 
 CALLS = {
-    "predict": lambda on, servable, **kw: on.predict(
-        servable, servable.model.signatures["serving_default"], {"x": np.ones((1, 2), np.float32)}, **kw),
-    "classify": lambda on, servable, **kw: on.classify(servable, "classify", np.array([b"e"], object), **kw),
-    "regress": lambda on, servable, **kw: on.regress(servable, "regress", np.array([b"e"], object), **kw),
+    "predict": lambda on, client_gone: on.infer(
+        Call.within(on.deadline_s(), model=ModelSpec("m"), client_gone=client_gone, record=_record()),
+        lambda _signature, _rows: {"x": np.ones((1, 2), np.float32)}),
+    "classify": lambda on, client_gone: on.classify(
+        Call.within(on.deadline_s(), model=ModelSpec("m"), signature="classify", client_gone=client_gone,
+                    record=_record()),
+        examples_decode(lambda _rows: np.array([b"e"], object))),
+    "regress": lambda on, client_gone: on.regress(
+        Call.within(on.deadline_s(), model=ModelSpec("m"), signature="regress", client_gone=client_gone,
+                    record=_record()),
+        examples_decode(lambda _rows: np.array([b"e"], object))),
 }
 SIGNATURES = {"predict": "serving_default", "classify": "classify", "regress": "regress"}
 
@@ -171,7 +179,7 @@ def test_the_layer_drops_a_request_whose_client_has_gone(layer_and_registry, met
     asked = []
 
     with pytest.raises(ClientGone, match="the client left before its request ran"):
-        CALLS[method](layer, servable, record=_record(), pinned=False, client_gone=lambda: asked.append(1) or True)
+        CALLS[method](layer, lambda: asked.append(1) or True)
 
     assert asked == [1]
     assert servable.batchers[SIGNATURES[method]].batches_run == 0
@@ -182,7 +190,7 @@ def test_the_layer_serves_a_request_whose_client_waits(layer_and_registry, metho
     layer, registry = layer_and_registry
     asked = []
 
-    CALLS[method](layer, registry.get("m"), record=_record(), pinned=False, client_gone=lambda: bool(asked.append(1)))
+    CALLS[method](layer, lambda: bool(asked.append(1)))
 
     assert asked == [1]
 

@@ -13,6 +13,7 @@ import weakref
 import numpy as np
 
 from app.batching import Batcher
+from app.call import Call
 
 WAIT_S = 10  # upper bound for answers that should come at once; never reached when passing
 
@@ -21,12 +22,12 @@ def test_an_answered_request_is_freed_without_the_cyclic_collector() -> None:
     batcher = Batcher(lambda batch: {"y": batch["x"] * 10}, name="m", max_batch_size=4)
     gc.disable()
     try:
-        first = batcher.submit({"x": np.ones((1, 2), np.float32)})
+        first = batcher.submit(Call(), {"x": np.ones((1, 2), np.float32)})
         assert first.result(WAIT_S).outputs["y"].tolist() == [[10.0, 10.0]]
         freed = weakref.ref(first)
         del first
         # The batch thread holds its last batch until it takes the next: one more request moves it on.
-        second = batcher.submit({"x": np.full((1, 2), 2.0, np.float32)})
+        second = batcher.submit(Call(), {"x": np.full((1, 2), 2.0, np.float32)})
         assert second.result(WAIT_S).outputs["y"].tolist() == [[20.0, 20.0]]
         assert freed() is None
     finally:

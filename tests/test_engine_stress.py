@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from app.batching import Batcher, BatchObserver
+from app.call import Call
 from app.errors import DeadlineExceeded, PayloadTooLarge, PredictFailed, QueueFull, ShuttingDown
 
 THREADS = 8
@@ -90,12 +91,12 @@ def test_every_request_resolves_to_its_own_answer_under_random_load(drain):
                 if action == "predict":
                     future = concurrent.futures.Future()
                     try:
-                        future.set_result(batcher.predict(inputs, timeout_s=rng.choice([0.0005, 0.005, 5.0])))
+                        future.set_result(batcher.predict(Call.within(rng.choice([0.0005, 0.005, 5.0])), inputs))
                     except (DeadlineExceeded, PredictFailed) as exc:
                         future.set_exception(exc)
                 else:
                     timeout_s = rng.choice([0.0005, 0.005]) if action == "deadline" else None
-                    future = batcher.submit(inputs, timeout_s=timeout_s)
+                    future = batcher.submit(Call.within(timeout_s), inputs)
                     if action == "cancel":
                         future.cancel()
                     elif rng.random() < 0.8:

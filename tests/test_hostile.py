@@ -143,7 +143,8 @@ def test_derived_limit_covers_every_signature_of_every_version():
 
     def servable(version, **signatures):
         model = SimpleNamespace(signatures={key: signature_model(*inputs) for key, inputs in signatures.items()})
-        return SimpleNamespace(model=model, batchers={key: SimpleNamespace(max_request_rows=10) for key in signatures})
+        return SimpleNamespace(model=model, batchers={key: SimpleNamespace(info=SimpleNamespace(max_request_rows=10))
+                                                    for key in signatures})
 
     registry = SimpleNamespace(servables=lambda: [servable(1, serving_default=[ids]),
                                                   servable(2, serving_default=[ids], classify=[examples])])

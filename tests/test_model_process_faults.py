@@ -32,6 +32,7 @@ import requests
 
 from app import errors
 from app.batching import Batcher
+from app.call import Call, ModelSpec
 from app.model_process.client import RemoteModels, RemoteRegistry
 from app.model_process.link import ModelProcessLink
 from app.model_process.server import WorkerConnection
@@ -213,14 +214,14 @@ def test_flush_runs_the_batch_forming_now_and_later_requests_wait_for_company_ag
 
     batcher = Batcher(predict, name="flushed", max_batch_size=4, batch_timeout_ms=WINDOW_MS)
     try:
-        first = batcher.submit({"x": np.ones((1, 2), np.float32)})
+        first = batcher.submit(Call(), {"x": np.ones((1, 2), np.float32)})
         batcher.flush()
         assert np.array_equal(first.result(30).outputs["y"], np.full((1, 2), 2, np.float32))
         assert first.result().batch_requests == 1
-        later = [batcher.submit({"x": np.zeros((1, 2), np.float32)})]
+        later = [batcher.submit(Call(), {"x": np.zeros((1, 2), np.float32)})]
         # The flush is spent: the next request waits for three more (or its window).
         wait_for(lambda: batcher.queue.wake_requests == 3, what="the next request waiting for company")
-        later += [batcher.submit({"x": np.full((1, 2), value, np.float32)}) for value in range(1, 4)]
+        later += [batcher.submit(Call(), {"x": np.full((1, 2), value, np.float32)}) for value in range(1, 4)]
         assert [future.result(30).batch_requests for future in later] == [4] * 4
         assert calls == [1, 4]
     finally:
@@ -285,17 +286,19 @@ def test_a_version_retired_before_the_model_process_enters_it_refuses_pinned_and
     pinned, unpinned = worker.get("m", 1), worker.get("m")  # resolved in the worker: version 1 both
     assert pinned.model.version == unpinned.model.version == 1
     with ThreadPoolExecutor(2) as pool:
-        held = pool.submit(worker.predict, worker.get("m", 1), {"x": held_rows}, timeout_s=30, pinned=True)
+        held_in = worker.get("m", 1)
+        held = pool.submit(worker.predict, Call.within(30, model=ModelSpec("m", 1)), held_in, held_in.signature(),
+                           {"x": held_rows})
         version_1 = models.get("m", 1)
         wait_for(lambda: version_1._inside == 1, what="a request inside version 1")
         models.add(_version(2))
         retiring = pool.submit(models.retire, "m", 1)
         wait_for(version_1.retiring.is_set, what="version 1 retiring")
         with pytest.raises(errors.NotFound) as refused:
-            worker.predict(pinned, {"x": rows}, timeout_s=10, pinned=True)
+            worker.predict(Call.within(10, model=ModelSpec("m", 1)), pinned, pinned.signature(), {"x": rows})
         # TF Serving's words: whether the model process finds version 1 gone or still leaving.
         assert refused.value.message.startswith("Servable not found for request: Specific(m, 1)")
-        _, answer = worker.predict(unpinned, {"x": rows}, timeout_s=10)
+        _, answer = worker.predict(Call.within(10), unpinned, unpinned.signature(), {"x": rows})
         assert np.array_equal(answer.outputs["y"], rows + 20)  # version 2's own answer
         gate.set()
         # The request inside version 1 when it began to retire is answered by it.
@@ -303,9 +306,9 @@ def test_a_version_retired_before_the_model_process_enters_it_refuses_pinned_and
         retiring.result(30)
     assert models.versions("m") == [2]
     with pytest.raises(errors.NotFound) as refused:
-        worker.predict(pinned, {"x": rows}, timeout_s=10, pinned=True)
+        worker.predict(Call.within(10, model=ModelSpec("m", 1)), pinned, pinned.signature(), {"x": rows})
     assert refused.value.message.startswith("Servable not found for request: Specific(m, 1)")
-    _, answer = worker.predict(unpinned, {"x": rows}, timeout_s=10)
+    _, answer = worker.predict(Call.within(10), unpinned, unpinned.signature(), {"x": rows})
     assert np.array_equal(answer.outputs["y"], rows + 20)
 
 

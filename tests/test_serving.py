@@ -17,7 +17,8 @@ from flask import Flask
 from prometheus_client import CollectorRegistry
 
 from app import logs, serving
-from app.batching import Batcher
+from app.batching import Batcher, check_rows
+from app.call import Call, ModelSpec
 from app.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -39,7 +40,7 @@ from app.models import (
     TensorInfo,
 )
 from app.registry import ModelRegistry, Servable
-from app.serving import ModelSpec, RequestLayer
+from app.serving import RequestLayer, examples_decode
 from app.settings import Settings
 
 TIMEOUT_S = 30.0
@@ -249,12 +250,12 @@ def test_unknown_or_repeated_outputs_are_refused(layer, registry, names, message
 
 
 def test_rows_up_to_the_limit_pass_and_one_more_is_refused(layer, registry):
-    limit = layer.row_limit(registry.get("m"))
+    limit = registry.get("m").batcher.info.max_request_rows
 
     assert limit == MAX_REQUEST_ROWS
-    assert serving.check_rows(limit, limit) == limit
+    assert check_rows(limit, limit) == limit
     with pytest.raises(PayloadTooLarge) as raised:
-        serving.check_rows(limit + 1, limit, unit="examples")
+        check_rows(limit + 1, limit, unit="examples")
     assert raised.value.message == ("the request holds 5 examples; this model takes at most 4 rows per request "
                                     "(MAX_REQUEST_ROWS)")
 
@@ -285,8 +286,8 @@ def test_a_deadline_already_passed_is_refused_before_queueing(layer, registry, c
     record = _record()
 
     with pytest.raises(DeadlineExceeded, match="deadline passed before it was queued"):
-        layer.predict(servable, signature, {"x": np.ones((1, 2), np.float32)}, record=record, pinned=False,
-                      client_timeout_s=client_s)
+        layer.run(Call.within(layer.deadline_s(client_s), record=record), servable, signature,
+                  lambda _signature, _rows: {"x": np.ones((1, 2), np.float32)})
     assert servable.batchers[DEFAULT_SIGNATURE].batches_run == 0
 
 
@@ -299,7 +300,8 @@ def test_a_prediction_answers_its_rows_and_fills_the_record(layer, registry):
     record = _record()
     x = np.array([[1, 2], [3, 4]], np.float32)
 
-    answer = layer.predict(servable, signature, {"x": x}, record=record, pinned=True)
+    answer = layer.infer(Call.within(layer.deadline_s(), model=ModelSpec("m", 1), record=record),
+                         lambda _signature, _rows: {"x": x})
 
     assert answer.servable is servable and answer.signature is signature
     np.testing.assert_array_equal(answer.outputs["y"], [3, 7])
@@ -311,7 +313,8 @@ def test_classify_answers_labels_and_scores_per_example(layer, registry):
     record = _record()
     examples = np.array([b"e1", b"e2", b"e3"], dtype=object)
 
-    answer, classes = layer.classify(registry.get("m"), "classify", examples, record=record, pinned=False)
+    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), signature="classify", record=record)
+    answer, classes = layer.classify(call, examples_decode(lambda _rows: examples))
 
     assert answer.signature.name == "classify" and record.rows == 3
     assert classes.labels == [["a", "b"]] * 3
@@ -320,8 +323,8 @@ def test_classify_answers_labels_and_scores_per_example(layer, registry):
 
 
 def test_regress_answers_one_float32_per_example(layer, registry):
-    answer, values = layer.regress(registry.get("m"), "regress", np.array([b"e1", b"e2"], dtype=object),
-                                   record=_record(), pinned=False)
+    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), signature="regress", record=_record())
+    answer, values = layer.regress(call, examples_decode(lambda _rows: np.array([b"e1", b"e2"], dtype=object)))
 
     assert answer.signature.name == "regress"
     assert values.dtype == np.float32
@@ -384,8 +387,9 @@ def test_multi_inference_answers_every_task_in_order_from_one_version(layer, reg
     tasks = [serving.Task("m", "regress", REGRESS_METHOD), serving.Task("m", "classify", CLASSIFY_METHOD)]
     record = _record()
 
-    servable, results = layer.multi_inference(registry.get("m"), tasks, np.array([b"e1", b"e2"], dtype=object),
-                                              record=record, pinned=False)
+    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), record=record)
+    servable, results = layer.multi_inference(call, tasks,
+                                              examples_decode(lambda _rows: np.array([b"e1", b"e2"], dtype=object)))
 
     assert servable.model.version == 2 and record.rows == 2
     assert [result.signature.name for result in results] == ["regress", "classify"]
@@ -408,8 +412,9 @@ def test_multi_inference_runs_no_task_unless_every_task_passes(layer, registry, 
     servable = registry.get("m")
 
     with pytest.raises(error) as raised:
-        layer.multi_inference(servable, [serving.Task(*task) for task in tasks],
-                              np.array([b"e1"], dtype=object), record=_record(), pinned=False)
+        layer.multi_inference(Call.within(layer.deadline_s(), model=ModelSpec("m"), record=_record()),
+                              [serving.Task(*task) for task in tasks],
+                              examples_decode(lambda _rows: np.array([b"e1"], dtype=object)))
 
     assert raised.value.message == message
     assert servable.batchers["regress"].batches_run == 0

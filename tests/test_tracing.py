@@ -28,6 +28,7 @@ from tensorflow import make_ndarray
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
 from app.batching import Batcher, BatchObserver
+from app.call import Call
 from app.settings import Settings
 from app.tensor_proto import from_ndarray
 from tests.conftest import integer_rows
@@ -254,10 +255,10 @@ def test_each_predict_call_reports_the_traces_of_exactly_its_requests(fail):
     reports = _Reports(traces=True)
     batcher, entered, gate = _gated_batcher(reports, fail)
     try:
-        first = batcher.submit({"x": np.ones((1, 2), np.float32)}, trace="first")
+        first = batcher.submit(Call(trace="first"), {"x": np.ones((1, 2), np.float32)})
         assert entered.wait(10)
         # Queued while the first call holds the model: the next call takes all three.
-        rest = [batcher.submit({"x": np.ones((1, 2), np.float32)}, trace=name) for name in ("a", "b", None)]
+        rest = [batcher.submit(Call(trace=name), {"x": np.ones((1, 2), np.float32)}) for name in ("a", "b", None)]
         gate.set()
         concurrent.futures.wait([first, *rest], timeout=10)
     finally:
@@ -270,7 +271,7 @@ def test_without_a_tracer_the_engine_reports_no_predict_call():
     batcher, _entered, gate = _gated_batcher(reports)
     gate.set()
     try:
-        assert batcher.predict({"x": np.ones((1, 2), np.float32)}, timeout_s=10, trace="ignored").batch_rows == 1
+        assert batcher.predict(Call.within(10, trace="ignored"), {"x": np.ones((1, 2), np.float32)}).batch_rows == 1
     finally:
         batcher.close()
     assert reports.calls == []
@@ -285,7 +286,7 @@ def test_a_predict_call_hook_that_raises_is_logged_once_and_answers_stand(caplog
     gate.set()
     try:
         for _ in range(2):
-            result = batcher.predict({"x": np.full((1, 2), 3, np.float32)}, timeout_s=10, trace="request")
+            result = batcher.predict(Call.within(10, trace="request"), {"x": np.full((1, 2), 3, np.float32)})
             np.testing.assert_array_equal(result.outputs["y"], np.full((1, 2), 6, np.float32))
     finally:
         batcher.close()

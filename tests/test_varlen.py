@@ -18,6 +18,7 @@ import requests
 
 from app.batching import Batcher, BatchObserver
 from app.batching.rows import Padding, batch_key, join_padded
+from app.call import Call
 from app.errors import InvalidInput
 from app.settings import ModelConfig, Settings, SettingsError, model_configs
 from scripts.text_model import build_text_model, token_rows
@@ -64,7 +65,7 @@ def held_batcher(model: MaskingFake, padding: Padding | None, **kwargs):
     """A batcher whose model is busy with a first request until release is set."""
     batcher = Batcher(model, max_batch_size=8, padding=padding, **kwargs)
     started, release = model.hold()
-    first = batcher.submit(ids(1))
+    first = batcher.submit(Call(), ids(1))
     assert started.wait(WAIT_S)
     return batcher, first, release
 
@@ -73,7 +74,7 @@ def test_rows_of_different_lengths_share_one_call_and_get_their_own_answers():
     model = MaskingFake()
     batcher, first, release = held_batcher(model, TEXT_PADDING)
     lengths = [3, 7, 2, 5]
-    futures = [batcher.submit(ids(n)) for n in lengths]
+    futures = [batcher.submit(Call(), ids(n)) for n in lengths]
     release.set()
     for n, future in zip(lengths, futures, strict=True):
         result = future.result(WAIT_S)
@@ -96,13 +97,13 @@ def test_an_empty_sequence_is_refused_alone_and_in_company_before_it_is_queued()
     model = MaskingFake()
     batcher = Batcher(model, max_batch_size=8, padding=TEXT_PADDING)
     with pytest.raises(InvalidInput) as alone_refused:
-        batcher.submit(ids(0, rows=2))
+        batcher.submit(Call(), ids(0, rows=2))
     started, release = model.hold()
-    first = batcher.submit(ids(1))
+    first = batcher.submit(Call(), ids(1))
     assert started.wait(WAIT_S)
-    company = batcher.submit(ids(3))
+    company = batcher.submit(Call(), ids(3))
     with pytest.raises(InvalidInput) as refused_in_company:
-        batcher.submit(ids(0, rows=2))
+        batcher.submit(Call(), ids(0, rows=2))
     release.set()
     np.testing.assert_array_equal(company.result(WAIT_S).outputs["total"], alone(ids(3))["total"])
     first.result(WAIT_S)
@@ -114,7 +115,7 @@ def test_an_empty_sequence_is_refused_alone_and_in_company_before_it_is_queued()
 def test_without_padding_each_length_waits_for_its_own_call():
     model = MaskingFake()
     batcher, first, release = held_batcher(model, None)
-    futures = [batcher.submit(ids(n)) for n in (3, 7, 3)]
+    futures = [batcher.submit(Call(), ids(n)) for n in (3, 7, 3)]
     release.set()
     assert [future.result(WAIT_S).batch_requests for future in futures] == [2, 1, 2]
     batcher.close()
@@ -126,7 +127,7 @@ def test_length_buckets_group_similar_lengths_oldest_group_first():
     padding = Padding(inputs={"ids": (0,)}, outputs={"tokens": (0,)}, length_buckets=(4, 8))
     batcher, first, release = held_batcher(model, padding)
     lengths = [6, 2, 30, 3, 8, 4]
-    futures = [batcher.submit(ids(n)) for n in lengths]
+    futures = [batcher.submit(Call(), ids(n)) for n in lengths]
     release.set()
     for n, future in zip(lengths, futures, strict=True):
         np.testing.assert_array_equal(future.result(WAIT_S).outputs["tokens"], alone(ids(n))["tokens"])
@@ -140,8 +141,8 @@ def test_length_buckets_group_similar_lengths_oldest_group_first():
 def test_a_request_split_across_batches_joins_its_rows_at_its_own_length():
     model = MaskingFake()
     batcher, first, release = held_batcher(model, TEXT_PADDING)
-    long = batcher.submit(ids(9))
-    split = batcher.submit(ids(4, rows=12))
+    long = batcher.submit(Call(), ids(9))
+    split = batcher.submit(Call(), ids(4, rows=12))
     release.set()
     np.testing.assert_array_equal(long.result(WAIT_S).outputs["tokens"], alone(ids(9))["tokens"])
     got = split.result(WAIT_S).outputs
@@ -192,7 +193,7 @@ def test_padding_waste_is_reported_per_call():
     model = MaskingFake()
     recorder = WasteRecorder()
     batcher, first, release = held_batcher(model, TEXT_PADDING, observer=recorder)
-    futures = [batcher.submit(ids(n)) for n in (2, 6, 4)]
+    futures = [batcher.submit(Call(), ids(n)) for n in (2, 6, 4)]
     release.set()
     for future in futures:
         future.result(WAIT_S)
@@ -280,7 +281,7 @@ def test_warm_up_covers_every_batch_and_length_bucket_so_nothing_is_new_under_lo
     rng = np.random.default_rng(5)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         lengths = rng.integers(1, 33, 64)
-        results = list(pool.map(lambda n: batcher.predict({"tokens": token_rows(int(n), int(n))}, timeout_s=60),
+        results = list(pool.map(lambda n: batcher.predict(Call.within(60), {"tokens": token_rows(int(n), int(n))}),
                                 lengths))
     batcher.close()
     assert all(result.outputs["token_scores"].shape == (1, n, 2) for result, n in zip(results, lengths, strict=True))
@@ -297,7 +298,7 @@ def test_padded_to_the_longest_with_real_tensorflow_equals_each_request_alone():
                       padding=padding.model_paddings(model, padded_config())["serving_default"])
     rows = [token_rows(n, seed=n, rows=1 + n % 2) for n in (1, 5, 17, 3, 64, 9, 2, 33)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda r: batcher.predict({"tokens": r}, timeout_s=60), rows))
+        results = list(pool.map(lambda r: batcher.predict(Call.within(60), {"tokens": r}), rows))
     batcher.close()
     for row, result in zip(rows, results, strict=True):
         want = keras_model(row, training=False)

@@ -23,6 +23,7 @@ import requests
 
 from app import models
 from app.batching import Batcher, BatchObserver
+from app.call import Call, ModelSpec
 from app.errors import NotFound
 from app.models import LoadedModel, TensorInfo
 from app.registry import LiveConfig, ModelRegistry, Servable, wanted_versions
@@ -130,7 +131,8 @@ def test_requests_held_queued_on_the_old_version_through_a_swap():
     registry.add(v1)
 
     def call(servable, x, *, pinned=False):
-        return registry.predict(servable, {"x": np.array([x], np.float32)}, timeout_s=TIMEOUT_S, pinned=pinned)
+        call = Call.within(TIMEOUT_S, model=ModelSpec("m", servable.model.version) if pinned else ModelSpec())
+        return registry.predict(call, servable, servable.signature(), {"x": np.array([x], np.float32)})
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         try:
@@ -185,7 +187,7 @@ def test_retirement_waits_for_a_request_between_its_check_and_its_batcher():
         assert v1.retiring.wait(TIMEOUT_S)
         assert not v1.enter()  # no one else gets in
         try:
-            result = v1.batcher.predict({"x": np.array([5.0], np.float32)}, timeout_s=TIMEOUT_S)
+            result = v1.batcher.predict(Call.within(TIMEOUT_S), {"x": np.array([5.0], np.float32)})
         finally:
             v1.leave()
         retiring.result(TIMEOUT_S)

@@ -8,6 +8,7 @@ Its parts, one job each (docs/batching.md is the manual):
 - `rows`: which requests may share a batch, how their rows join and pad to a bucket;
 - `execution`: one batch through the model, bisected on failure, rows sliced back;
 - `batcher`: the thread, its loop, and its life (submit, close, a thread that dies);
+- `engine`: the face the registry sees (`Engine`), which a model process's batcher implements too;
 - `observer`: the hooks metrics listen on.
 
 It imports no TensorFlow and no Flask: the predict function is injected, and the unit tests
@@ -15,11 +16,12 @@ drive the engine with a fake one.
 """
 
 from app.batching.batcher import Batcher
+from app.batching.engine import Engine, EngineInfo
 from app.batching.execution import PredictFn, max_predict_calls
 from app.batching.fill import CallStats, FillPolicy, FillWait
 from app.batching.observer import BatchObserver
-from app.batching.rows import Tensors, bucket_sizes, row_count
+from app.batching.rows import Tensors, bucket_sizes, check_rows, row_count
 from app.batching.work import BatchResult
 
-__all__ = ["BatchObserver", "BatchResult", "Batcher", "CallStats", "FillPolicy", "FillWait", "PredictFn", "Tensors",
-           "bucket_sizes", "max_predict_calls", "row_count"]
+__all__ = ["BatchObserver", "BatchResult", "Batcher", "CallStats", "Engine", "EngineInfo", "FillPolicy", "FillWait",
+           "PredictFn", "Tensors", "bucket_sizes", "check_rows", "max_predict_calls", "row_count"]

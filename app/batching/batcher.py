@@ -1,6 +1,7 @@
 """The batcher: the one thread that runs a model's batches, and its life from start to close.
 
-Request threads call `submit()` (or `predict()`), which puts a work item in the row queue.
+Request threads call `submit(call, inputs)` (or `predict()`), which puts a work item, holding
+the call, in the row queue.
 The batch thread takes the backlog from the queue, forms a batch of compatible requests,
 asks the fill policy whether to wait for more rows, and hands the batch to the executor;
 the executor's call statistics go back to the fill policy.
@@ -18,17 +19,24 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
+from app.batching.engine import EngineInfo
 from app.batching.execution import Executor, PredictFn
 from app.batching.fill import FillPolicy
 from app.batching.observer import BatchObserver, GuardedObserver
 from app.batching.row_queue import RowQueue
 from app.batching.rows import Padding, Tensors, bucket_sizes, check_lengths, request_rows
 from app.batching.work import Batch, BatchResult, Pending, drop_if_abandoned, settle, start
+from app.call import Call
 from app.errors import BatcherBroken, DeadlineExceeded, PredictFailed, ShuttingDown
 
 log = logging.getLogger(__name__)
+
+
+def given_ms(call: Call, wait_s: float | None) -> str:
+    """The time a call was given, as its timeout's message names it (what was left, if not known)."""
+    given_s = call.timeout_s if call.timeout_s is not None else wait_s or 0.0
+    return f"{given_s * 1000:.0f}"
 
 
 class Batcher:
@@ -78,6 +86,8 @@ class Batcher:
         self.executor = Executor(predict_fn, name=name, buckets=self.buckets, bisect_failures=bisect_failures,
                                  padding=padding, whole=whole, observer=self._hooks, clock=clock,
                                  waiting=self.queue.waiting)
+        self.info = EngineInfo(name, self.max_request_rows, max_batch_size, self.fill_policy.batch_timeout_s,
+                               self.fill_policy.fill_under_load, whole, padding is not None)
         self._drain = True
         self.batches_run = 0
         self._thread = threading.Thread(target=self._run, name=f"batcher-{name}", daemon=True)
@@ -85,20 +95,18 @@ class Batcher:
 
     # -- request threads -------------------------------------------------------------
 
-    def submit(self, inputs: Tensors, *, timeout_s: float | None = None, client_gone: Callable[[], bool] | None = None,
-               trace: Any = None) -> concurrent.futures.Future[BatchResult]:
-        """Queue the rows; the future resolves to a BatchResult or a ServingError.
+    def submit(self, call: Call, inputs: Tensors) -> concurrent.futures.Future[BatchResult]:
+        """Queue the call's rows; the future resolves to a BatchResult or a ServingError.
 
-        `client_gone`, if given, is asked just before the request's first rows run: when it
-        answers True the request is dropped unrun (its future cancelled) and counted. `trace`
-        reaches the observer's `predict_call` with every call that runs the request's rows.
+        The queued work item keeps the call: its deadline drops the rows unrun once passed, its
+        `client_gone` is asked just before its first rows run (True: dropped unrun, its future
+        cancelled, and counted), and its trace reaches the observer's `predict_call` with every
+        call that runs its rows.
         """
-        rows = 1 if self.whole else request_rows(inputs, max_rows=self.max_request_rows, name=self.name)
+        rows = 1 if self.whole else request_rows(inputs, max_rows=self.max_request_rows)
         if self.padding is not None:
             check_lengths(inputs, self.padding)
-        now = self._clock()
-        pending = Pending(inputs, rows, now, None if timeout_s is None else now + timeout_s, client_gone,
-                          self.padding, trace)
+        pending = Pending(call, inputs, rows, self._clock(), self.padding)
         # A request abandoned (cancelled, failed, answered) stops counting against the queue at once,
         # not when the batch thread reaches it.
         # Called with the future, which is the request itself (typed as the Future it extends).
@@ -106,16 +114,17 @@ class Batcher:
         self.queue.put(pending)
         return pending
 
-    def predict(self, inputs: Tensors, *, timeout_s: float, client_gone: Callable[[], bool] | None = None,
-                trace: Any = None) -> BatchResult:
-        """Submit and wait, at most timeout_s; the request is dropped unrun if it expires queued."""
-        future = self.submit(inputs, timeout_s=timeout_s, client_gone=client_gone, trace=trace)
+    def predict(self, call: Call, inputs: Tensors) -> BatchResult:
+        """Submit and wait until the call's deadline; the rows are dropped unrun if it passes while they queue."""
+        future = self.submit(call, inputs)
+        # On the batcher's clock, the one its batch thread reads deadlines by.
+        wait_s = None if call.deadline is None else max(call.deadline - self._clock(), 0.0)
         try:
-            return future.result(timeout=timeout_s)
+            return future.result(timeout=wait_s)
         except concurrent.futures.TimeoutError:
             pass
         # Give the request up, unless its answer landed between the timeout and now: then it stands.
-        late = DeadlineExceeded(f"no result from model '{self.name}' within {timeout_s * 1000:.0f} ms")
+        late = DeadlineExceeded(f"no result from model '{self.name}' within {given_ms(call, wait_s)} ms")
         if future.cancel() or settle(future, exception=late):
             self._hooks.rejected("deadline")
             raise late

@@ -138,7 +138,7 @@ class Executor:
         return outputs, rows, padded, predict_s, cut
 
     def _trace(self, part: list[Slice], rows: int, padded: int, predict_s: float, error: Exception | None) -> None:
-        self._observer.predict_call([piece.pending.trace for piece in part], rows=rows, padded_rows=padded - rows,
+        self._observer.predict_call([piece.pending.call.trace for piece in part], rows=rows, padded_rows=padded - rows,
                                     predict_s=predict_s, error=error)
 
 

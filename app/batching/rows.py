@@ -43,17 +43,21 @@ def row_count(inputs: Tensors) -> int:
     return counts.pop()
 
 
-def request_rows(inputs: Tensors, *, max_rows: int, name: str) -> int:
+def check_rows(rows: int, limit: int, *, unit: str = "rows") -> int:
+    """`rows`, or PayloadTooLarge when it is over the model's MAX_REQUEST_ROWS: the one wording,
+    whether a front door refuses them before it builds any array or the engine at submit."""
+    if rows > limit:
+        raise PayloadTooLarge(f"the request holds {rows} {unit}; this model takes at most {limit} "
+                              "rows per request (MAX_REQUEST_ROWS)")
+    return rows
+
+
+def request_rows(inputs: Tensors, *, max_rows: int) -> int:
     """The request's row count, once it is known to be one the model may take."""
     rows = row_count(inputs)
     if rows == 0:
         raise InvalidInput("the request holds no rows")
-    if rows > max_rows:
-        raise PayloadTooLarge(
-            f"the request holds {rows} rows; model '{name}' takes at most {max_rows} rows per request "
-            "(MAX_REQUEST_ROWS)"
-        )
-    return rows
+    return check_rows(rows, max_rows)
 
 
 def check_lengths(inputs: Tensors, padding: Padding) -> None:

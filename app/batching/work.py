@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import numpy as np
 
 from app.batching.observer import BatchObserver, GuardedObserver
 from app.batching.rows import Padding, Tensors, batch_key
+from app.call import Call
 from app.errors import DeadlineExceeded, PredictFailed
 
 
@@ -24,30 +25,29 @@ class BatchResult:
 
 
 class Pending(concurrent.futures.Future[BatchResult]):
-    """One submitted request: its rows, and how far the batch thread got; it is its own future
-    (one object a request, not two), and `submit` hands it out as a plain Future."""
+    """One submitted request: its call, its rows, and how far the batch thread got; it is its
+    own future (one object a request, not two), and `submit` hands it out as a plain Future."""
 
-    __slots__ = ("inputs", "rows", "key", "enqueued_at", "deadline", "client_gone", "next_row", "parts",
-                 "started", "counted", "trace")
+    __slots__ = ("call", "inputs", "rows", "key", "enqueued_at", "deadline", "priority", "next_row", "parts",
+                 "started", "counted")
 
-    def __init__(self, inputs: Tensors, rows: int, enqueued_at: float, deadline: float | None,
-                 client_gone: Callable[[], bool] | None = None, padding: Padding | None = None,
-                 trace: Any = None) -> None:
+    def __init__(self, call: Call, inputs: Tensors, rows: int, enqueued_at: float,
+                 padding: Padding | None = None) -> None:
         super().__init__()
+        # The whole call: its client-gone check and its trace are read from it on the batch thread.
+        self.call = call
         self.inputs = inputs
         self.rows = rows
         self.key: Hashable = batch_key(inputs, padding)
         self.enqueued_at = enqueued_at
-        self.deadline = deadline
-        # Asked just before the request's first rows run: true when nobody will read the answer.
-        self.client_gone = client_gone
+        # The call's, as fields: the row queue and the fill read them for every request they look at.
+        self.deadline = call.deadline
+        self.priority = call.priority
         self.next_row = 0
         self.started = False
         self.parts: list[Mapping[str, np.ndarray]] = []
         # Rows of this request still counted against max_queue_rows (changed under the queue's mutex).
         self.counted = 0
-        # The request's trace, opaque to the engine: handed to an observer that traces predict calls.
-        self.trace = trace
 
     @property
     def remaining(self) -> int:
@@ -157,7 +157,8 @@ def start(pending: Pending, now: float, hooks: GuardedObserver) -> bool:
     # set_running_or_notify_cancel() answers that: no look at the future (its lock) first.
     if expired(pending, now, hooks):
         return False
-    if pending.client_gone is not None and hooks.guarded("client_gone", pending.client_gone):
+    client_gone = pending.call.client_gone
+    if client_gone is not None and hooks.guarded("client_gone", client_gone):
         if pending.cancel():
             hooks.rejected("client_gone")
         pending.notify_if_cancelled()

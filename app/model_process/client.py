@@ -3,14 +3,14 @@
 The request layer (app/serving.py) and the front doors use the same `ModelRegistry` and
 `Servable` as in the default mode, filled from the model process's description: versions,
 labels, states and signatures are resolved and checked here, in the worker. Only the
-batcher is remote: `RemoteBatcher.predict` hands the rows to the model process and waits
-for its answer within the request's deadline. Nothing here imports TensorFlow.
+batcher is remote: `RemoteBatcher` is an `Engine` (app/batching/engine.py) whose `predict`
+hands the call, serialized once in the frame's header, and its rows to the model process,
+and waits for its answer until the call's deadline. Nothing here imports TensorFlow.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextvars
 import logging
 import os
 import select
@@ -20,8 +20,9 @@ from typing import Any
 
 from flask import Flask
 
-from app.batching import BatchResult, Tensors
-from app.batching.rows import request_rows
+from app.batching import BatchResult, Engine, EngineInfo, Tensors
+from app.batching.batcher import given_ms
+from app.call import Call
 from app.errors import DeadlineExceeded
 from app.model_process import meta, protos
 from app.model_process.link import ModelProcessLink, batch_result
@@ -31,14 +32,9 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Whether the request being handed over is pinned: the registry knows it, the batcher call does not carry it.
-_PINNED: contextvars.ContextVar[bool] = contextvars.ContextVar("pinned", default=False)
-
 
 class RemoteRegistry(ModelRegistry):
-    """The registry of the default mode, which tells the model process whether a request is pinned:
-    there, too, a version retired meanwhile refuses a pinned request and sends on an unpinned one.
-    A reload of the model config is the model processes' to apply."""
+    """The registry of the default mode, but a reload of the model config is the model processes' to apply."""
 
     link: ModelProcessLink | None = None
 
@@ -53,14 +49,6 @@ class RemoteRegistry(ModelRegistry):
         except concurrent.futures.TimeoutError:
             raise DeadlineExceeded("the model processes had not applied the model config within the call's "
                                    "deadline; they go on") from None
-
-    def predict(self, servable: Servable, inputs: Tensors, *, pinned: bool = False,
-                **kwargs: Any) -> tuple[Servable, BatchResult]:
-        token = _PINNED.set(pinned)
-        try:
-            return super().predict(servable, inputs, pinned=pinned, **kwargs)
-        finally:
-            _PINNED.reset(token)
 
 
 class HangUps:
@@ -119,22 +107,16 @@ class HangUps:
 
 
 class RemoteBatcher:
-    """A batcher in the model process, as the worker's registry and request layer see it."""
+    """A batcher in the model process, as the worker's registry and request layer see it (an Engine)."""
 
-    def __init__(self, link: ModelProcessLink, model: str, version: int, signature: str, info: dict[str, Any],
+    def __init__(self, link: ModelProcessLink, model: str, version: int, signature: str, info: EngineInfo,
                  hang_ups: HangUps) -> None:
         self.link = link
         self.hang_ups = hang_ups
         self.model = model
         self.version = version
         self.signature = signature
-        self.name = info["name"]
-        self.max_request_rows = info["max_request_rows"]
-        self.max_batch_size = info["max_batch_size"]
-        self.batch_timeout_s = info["batch_timeout_s"]
-        self.fill_under_load = info["fill_under_load"]
-        self.whole = info["whole"]
-        self.padding = info["padded"] or None
+        self.info = info
         self.key = meta.batcher_key(model, version, signature)
         # A model process that is down is restarting: not ready, but this worker is alive.
         self.broken = False
@@ -152,34 +134,35 @@ class RemoteBatcher:
     def batches_run(self) -> int:
         return self.link.stats().get(self.key, [0, 0])[1]
 
-    def predict(self, inputs: Tensors, *, timeout_s: float, client_gone: Callable[[], bool] | None = None,
-                trace: Any = None) -> BatchResult:
-        """Hand the rows to the model process and wait for them, at most `timeout_s`."""
-        if not self.whole:
-            request_rows(inputs, max_rows=self.max_request_rows, name=self.name)
+    def predict(self, call: Call, inputs: Tensors) -> BatchResult:
+        """Hand the call and its rows to the model process and wait for them, until the call's deadline.
+        The model process's batcher refuses rows over the limit, as this worker's front door did."""
+        client_gone = call.client_gone
         if client_gone is not None and client_gone():
             # The layer answers ClientGone (499); asked here, once, before the rows leave the worker.
             raise concurrent.futures.CancelledError()
         header = {"op": "predict", "model": self.model, "version": self.version, "signature": self.signature,
-                  "pinned": _PINNED.get(), "timeout_s": timeout_s}
-        if trace is not None:  # only with tracing on, so the import costs nothing otherwise
-            from app import tracing
-
-            header["trace"] = tracing.frame_fields(trace)
+                  "call": call.frame()}
         request_id, future = self.link.send_request(header, inputs)
         unwatch = self.hang_ups.watch(client_gone, request_id) if client_gone is not None else None
+        left_s = call.seconds_left()
+        wait_s = None if left_s is None else max(left_s, 0.0)
         try:
-            answer = future.result(timeout=timeout_s)
-            if trace is not None:
+            answer = future.result(timeout=wait_s)
+            if call.trace is not None:
                 # The start of the model process's predict call: where the queue-wait span ends.
-                trace.predict_started_ns = answer[0].get("predict_started_ns")
+                call.trace.predict_started_ns = answer[0].get("predict_started_ns")
             return batch_result(answer)
         except concurrent.futures.TimeoutError:
             # The model process drops the rows at the same deadline, if they have not run.
-            raise DeadlineExceeded(f"no result from model '{self.name}' within {timeout_s * 1000:.0f} ms") from None
+            raise DeadlineExceeded(f"no result from model '{self.info.name}' within "
+                                   f"{given_ms(call, wait_s)} ms") from None
         finally:
             if unwatch is not None:
                 unwatch()
+
+    def flush(self, *, later_too: bool = False) -> None:
+        """Nothing here: a stopping worker's link flushes its rows in the model process (stopping())."""
 
     def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
         """Nothing to stop here: the link drains the requests of the whole worker (shutdown_app)."""
@@ -232,9 +215,10 @@ class RemoteModels:
         return [(name, number) for number in served if number not in wanted]
 
     def _servable(self, name: str, version: dict[str, Any]) -> Servable:
-        batchers = {key: RemoteBatcher(self.link, name, version["version"], key, info, self.hang_ups)
-                    for key, info in version["batchers"].items()}
-        return Servable(meta.loaded_model(name, version), batchers)  # type: ignore[arg-type]
+        batchers: dict[str, Engine] = {
+            key: RemoteBatcher(self.link, name, version["version"], key, EngineInfo(**info), self.hang_ups)
+            for key, info in version["batchers"].items()}
+        return Servable(meta.loaded_model(name, version), batchers)
 
 
 def init_app(app: Flask, settings: Settings) -> ModelRegistry:

@@ -48,11 +48,7 @@ def _servable(servable: Any) -> dict[str, Any]:
         "warmup_s": model.warmup_s,
         "default_signature": model.default_signature,
         "signatures": [_signature(signature) for signature in model.signatures.values()],
-        "batchers": {key: {"name": batcher.name, "max_request_rows": batcher.max_request_rows,
-                           "max_batch_size": batcher.max_batch_size, "batch_timeout_s": batcher.batch_timeout_s,
-                           "fill_under_load": batcher.fill_under_load, "whole": batcher.whole,
-                           "padded": batcher.padding is not None}
-                     for key, batcher in servable.batchers.items()},
+        "batchers": {key: batcher.info.as_json() for key, batcher in servable.batchers.items()},
     }
 
 

@@ -28,12 +28,13 @@ import signal
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from flask import Flask
 
 from app import loading, logs, metrics, registry, runtime
-from app.batching import BatchResult
+from app.batching import Batcher, BatchResult
+from app.call import Call
 from app.errors import ClientGone, NotFound, PredictFailed, ServingError, Unavailable
 from app.model_process import meta, wire
 from app.model_process.arena import Arena
@@ -140,22 +141,22 @@ class WorkerConnection:
 
     def _predict(self, header: dict[str, Any], payload: bytes) -> None:
         request_id = header["id"]
+        left = threading.Event()
         try:
-            servable = self._enter(header["model"], header["version"], pinned=header["pinned"])
+            # The worker's call, with this side's client-gone check: the worker's `cancel` sets it.
+            call = Call.from_frame(header["call"], signature=header["signature"], client_gone=left.is_set,
+                                   trace=_linked_trace)
+            servable = self._enter(header["model"], header["version"], pinned=call.model.pinned)
         except ServingError as exc:
             self._error(request_id, exc)
             return
         try:
             inputs = wire.unpack(header["inputs"], self.inbox, payload, copy=False)
-            batcher = servable.batchers[servable.signature(header["signature"]).name]
+            # The model process's registry holds its own batch threads.
+            batcher = cast(Batcher, servable.batchers[servable.signature(call.signature).name])
             # In before the submit: its answer may come before the next line.
-            left = self._left[request_id] = threading.Event()
-            trace = None
-            if "trace" in header:  # sent only with tracing on
-                from app import tracing
-
-                trace = tracing.LinkedTrace(header["trace"])
-            future = batcher.submit(inputs, timeout_s=header["timeout_s"], client_gone=left.is_set, trace=trace)
+            self._left[request_id] = left
+            future = batcher.submit(call, inputs)
             if header.get("flush"):
                 batcher.flush()  # from a stopping worker: it waits for no company
         except Exception as exc:
@@ -163,7 +164,7 @@ class WorkerConnection:
             servable.leave()
             self._error(request_id, exc)
             return
-        future.add_done_callback(lambda done: self._answer(request_id, servable, done, trace))
+        future.add_done_callback(lambda done: self._answer(request_id, servable, done, call.trace))
 
     def _cancel(self, header: dict[str, Any], _payload: bytes) -> None:
         """The worker saw the request's client leave; no answer but the request's own."""
@@ -222,6 +223,13 @@ class WorkerConnection:
         self.send({"op": "error", "id": request_id, "error": type(error).__name__, "message": error.message,
                    "key": getattr(error, "key", ""), "retry_after": error.headers.get("Retry-After"),
                    "detail": getattr(error, "detail", None)})
+
+
+def _linked_trace(fields: list[Any]) -> Any:
+    # Sent only with tracing on, so tracing is imported only then.
+    from app import tracing
+
+    return tracing.LinkedTrace(fields)
 
 
 class ModelProcess:
