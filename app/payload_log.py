@@ -65,7 +65,7 @@ class Entry:
     signature_name: str
     rate: float
     timestamp: float
-    inputs: dict[str, np.ndarray]
+    inputs: Mapping[str, np.ndarray]
     outputs: dict[str, np.ndarray]
     tf_dtypes: dict[str, str]
 
