@@ -285,7 +285,7 @@ def tfrecord(data: bytes) -> bytes:
     return length + struct.pack("<I", _masked_crc(length)) + data + struct.pack("<I", _masked_crc(data))
 
 
-def tensors_json(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+def tensors_json(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """TF Serving's columnar JSON of named tensors; bytes as {"b64": ...}, as its REST API writes them."""
     return {name: _jsonable(array) for name, array in arrays.items()}
 
