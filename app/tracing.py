@@ -223,6 +223,12 @@ class BatchTracer(BatchObserver):
     def queue_wait(self, seconds: float) -> None:
         self._observer.queue_wait(seconds)
 
+    def level_depth(self, level: int, rows: int) -> None:
+        self._observer.level_depth(level, rows)
+
+    def level_rejected(self, level: int) -> None:
+        self._observer.level_rejected(level)
+
     def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
         self._observer.batch_done(rows=rows, requests=requests, padded_rows=padded_rows, predict_s=predict_s)
 

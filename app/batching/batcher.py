@@ -23,7 +23,7 @@ from typing import Any
 from app.batching.execution import Executor, PredictFn
 from app.batching.fill import FillPolicy
 from app.batching.observer import BatchObserver, GuardedObserver
-from app.batching.row_queue import RowQueue
+from app.batching.row_queue import Priorities, RowQueue
 from app.batching.rows import Padding, Tensors, bucket_sizes, check_lengths, request_rows
 from app.batching.work import Batch, BatchResult, Pending, drop_if_abandoned, settle, start
 from app.errors import BatcherBroken, DeadlineExceeded, PredictFailed, ShuttingDown
@@ -49,6 +49,7 @@ class Batcher:
         bisect_failures: bool = True,
         fill_under_load: bool = True,
         padding: Padding | None = None,
+        priorities: Priorities = Priorities(),
         observer: BatchObserver | None = None,
         on_broken: Callable[[Batcher], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -72,7 +73,11 @@ class Batcher:
         self._hooks = GuardedObserver(self.observer, name)
         self._on_broken = on_broken
         self._clock = clock
-        self.queue = RowQueue(name=name, max_rows=max_queue_rows, observer=self._hooks)
+        self.queue = RowQueue(name=name, max_rows=max_queue_rows, observer=self._hooks, priorities=priorities)
+        self.priorities = priorities
+        # Per level: how long a request may wait queued (its policy's default timeout), or None.
+        self._level_timeouts = [priorities.policy(index).default_timeout_s or None
+                                for index in range(priorities.levels)]
         self.fill_policy = FillPolicy(max_batch_size=max_batch_size, batch_timeout_s=batch_timeout_ms / 1000.0,
                                       fill_under_load=fill_under_load)
         self.executor = Executor(predict_fn, name=name, buckets=self.buckets, bisect_failures=bisect_failures,
@@ -86,19 +91,26 @@ class Batcher:
     # -- request threads -------------------------------------------------------------
 
     def submit(self, inputs: Tensors, *, timeout_s: float | None = None, client_gone: Callable[[], bool] | None = None,
-               trace: Any = None) -> concurrent.futures.Future[BatchResult]:
+               trace: Any = None, priority: int = 0) -> concurrent.futures.Future[BatchResult]:
         """Queue the rows; the future resolves to a BatchResult or a ServingError.
 
         `client_gone`, if given, is asked just before the request's first rows run: when it
         answers True the request is dropped unrun (its future cancelled) and counted. `trace`
         reaches the observer's `predict_call` with every call that runs the request's rows.
+        `priority` picks the request's level (0: the model's default); a request still queued
+        when its level's timeout passes fails with DeadlineExceeded.
         """
         rows = 1 if self.whole else request_rows(inputs, max_rows=self.max_request_rows, name=self.name)
         if self.padding is not None:
             check_lengths(inputs, self.padding)
         now = self._clock()
+        level = self.priorities.index(priority)
+        queue_timeout_s = self._level_timeouts[level]
+        if queue_timeout_s is not None and (timeout_s is None or queue_timeout_s < timeout_s):
+            timeout_s = queue_timeout_s
         pending = Pending(inputs, rows, now, None if timeout_s is None else now + timeout_s, client_gone,
-                          self.padding, trace)
+                          self.padding, trace, priority)
+        pending.level = level
         # A request abandoned (cancelled, failed, answered) stops counting against the queue at once,
         # not when the batch thread reaches it.
         # Called with the future, which is the request itself (typed as the Future it extends).
@@ -107,9 +119,9 @@ class Batcher:
         return pending
 
     def predict(self, inputs: Tensors, *, timeout_s: float, client_gone: Callable[[], bool] | None = None,
-                trace: Any = None) -> BatchResult:
+                trace: Any = None, priority: int = 0) -> BatchResult:
         """Submit and wait, at most timeout_s; the request is dropped unrun if it expires queued."""
-        future = self.submit(inputs, timeout_s=timeout_s, client_gone=client_gone, trace=trace)
+        future = self.submit(inputs, timeout_s=timeout_s, client_gone=client_gone, trace=trace, priority=priority)
         try:
             return future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:

@@ -28,11 +28,11 @@ class Pending(concurrent.futures.Future[BatchResult]):
     (one object a request, not two), and `submit` hands it out as a plain Future."""
 
     __slots__ = ("inputs", "rows", "key", "enqueued_at", "deadline", "client_gone", "next_row", "parts",
-                 "started", "counted", "trace")
+                 "started", "counted", "trace", "priority", "level")
 
     def __init__(self, inputs: Tensors, rows: int, enqueued_at: float, deadline: float | None,
                  client_gone: Callable[[], bool] | None = None, padding: Padding | None = None,
-                 trace: Any = None) -> None:
+                 trace: Any = None, priority: int = 0) -> None:
         super().__init__()
         self.inputs = inputs
         self.rows = rows
@@ -48,6 +48,10 @@ class Pending(concurrent.futures.Future[BatchResult]):
         self.counted = 0
         # The request's trace, opaque to the engine: handed to an observer that traces predict calls.
         self.trace = trace
+        # The priority the client asked for (0: the model's default level), and the 0-based
+        # level the batcher resolved it to: the row queue keeps one queue per level.
+        self.priority = priority
+        self.level = 0
 
     @property
     def remaining(self) -> int:
