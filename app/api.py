@@ -13,7 +13,7 @@ import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 from werkzeug.routing import BaseConverter, IntegerConverter
 
-from app import classify, codec, limits, logs, metadata
+from app import classify, codec, limits, logs, metadata, priority
 from app.registry import get_registry
 from app.serving import CLASSIFY, REGRESS, Answer, ClientGonePredicate, ModelSpec, get_layer, socket_client_gone
 from app.settings import MODEL_NAME_PATTERN
@@ -42,7 +42,8 @@ def _predict(spec: ModelSpec) -> Response:
     parsed = codec.parse_request(limits.body(), max_rows=layer.row_limit(servable))
     signature = layer.predict_signature(servable, parsed.signature_name)
     inputs = codec.decode_inputs(parsed, signature)
-    answer = layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned, client_gone=_client_gone())
+    answer = layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned, client_gone=_client_gone(),
+                           priority=priority.from_header(request.headers.get(priority.HEADER)))
     return _answer(answer, codec.encode_response(answer.outputs, answer.signature, parsed))
 
 

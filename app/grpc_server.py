@@ -50,6 +50,7 @@ from app import errors, grpc_limits, grpc_record, grpc_socket, metadata, tensor_
 from app.errors import SignatureNotFound
 from app.logs import RequestRecord
 from app.models import LoadedModel, Signature
+from app.priority import from_metadata as priority_from_metadata
 from app.registry import Servable
 from app.serving import (
     Answer,
@@ -197,7 +198,8 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         inputs = decode_inputs(request, signature, max_rows=self._layer.row_limit(servable), max_bytes=self._max_bytes)
         answer = self._layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
                                      client_timeout_s=context.time_remaining(),
-                                     client_gone=grpc_record.client_gone(context))
+                                     client_gone=grpc_record.client_gone(context),
+                                     priority=priority_from_metadata(context.invocation_metadata()))
         response = predict_pb2.PredictResponse()
         _set_model_spec(response.model_spec, answer.servable.model, signature.name)
         for output in outputs:

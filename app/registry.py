@@ -162,6 +162,7 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
             fill_under_load=settings.batch_fill_under_load,
             buckets=buckets,
             padding=paddings[key],
+            priorities=config.priorities,
             observer=loading.observer(metrics, settings, model, key),
             on_broken=on_broken,
         )
@@ -264,7 +265,7 @@ class ModelRegistry:
 
     def predict(self, servable: Servable, inputs: Tensors, *, timeout_s: float, signature_name: str | None = None,
                 pinned: bool = False, client_gone: Callable[[], bool] | None = None,
-                trace: Any = None) -> tuple[Servable, BatchResult]:
+                trace: Any = None, priority: int = 0) -> tuple[Servable, BatchResult]:
         """Predict with one signature of the servable (serving_default by default); `client_gone`
         goes to the batcher (CancelledError when it answered True before the rows ran).
 
@@ -287,7 +288,7 @@ class ModelRegistry:
         try:
             batcher = servable.batchers[signature.name]
             return servable, batcher.predict(inputs, timeout_s=max(0.0, deadline - time.monotonic()),
-                                             client_gone=client_gone, trace=trace)
+                                             client_gone=client_gone, trace=trace, priority=priority)
         finally:
             servable.leave()
 

@@ -263,7 +263,7 @@ class RequestLayer:
 
     def predict(self, servable: Servable, signature: Signature, inputs: dict[str, np.ndarray], *,
                 record: RequestRecord, pinned: bool, client_timeout_s: float | None = None,
-                client_gone: ClientGonePredicate | None = None) -> Answer:
+                client_gone: ClientGonePredicate | None = None, priority: int = 0) -> Answer:
         """Queue the rows on the signature's batcher and wait for them, within the deadline;
         ClientGone if `client_gone` answered True before they ran."""
         # A request with no inputs, or a scalar one (an unbatched signature's), is one item.
@@ -273,7 +273,8 @@ class RequestLayer:
         try:
             servable, result = self.registry.predict(servable, inputs, timeout_s=timeout_s,
                                                      signature_name=signature.name, pinned=pinned,
-                                                     client_gone=client_gone, trace=record.trace)
+                                                     client_gone=client_gone, trace=record.trace,
+                                                     priority=priority)
         except concurrent.futures.CancelledError:
             # The engine cancels a request's future only when client_gone said so (and counted it).
             raise ClientGone("the client left before its request ran") from None

@@ -172,11 +172,11 @@ class TracedRequestLayer(RequestLayer):
 
     def predict(self, servable: Servable, signature: Signature, inputs: dict[str, np.ndarray], *,
                 record: RequestRecord, pinned: bool, client_timeout_s: float | None = None,
-                client_gone: ClientGonePredicate | None = None) -> Answer:
+                client_gone: ClientGonePredicate | None = None, priority: int = 0) -> Answer:
         request = _current.get()
         if request is None or not request.span.is_recording():
             return super().predict(servable, signature, inputs, record=record, pinned=pinned,
-                                   client_timeout_s=client_timeout_s, client_gone=client_gone)
+                                   client_timeout_s=client_timeout_s, client_gone=client_gone, priority=priority)
         tracer_ = self._tracer
         queued_ns = time.time_ns()
         tracer_.start_span("decode", context=request.context,
@@ -184,7 +184,7 @@ class TracedRequestLayer(RequestLayer):
         record.trace = request
         try:
             answer = super().predict(servable, signature, inputs, record=record, pinned=pinned,
-                                     client_timeout_s=client_timeout_s, client_gone=client_gone)
+                                     client_timeout_s=client_timeout_s, client_gone=client_gone, priority=priority)
         finally:
             # Ends where the first predict call serving it began, or now if none did (refused, expired).
             tracer_.start_span("queue wait", context=request.context,

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from app import grpc_record, v2_tensors
+from app import grpc_record, priority, v2_tensors
 from app.errors import BadRequest, NotFound
 from app.logs import RequestRecord
 from app.serving import RequestLayer
@@ -85,7 +85,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         inputs = v2_tensors.decode_inputs(_tensors(request), signature, max_rows=self._layer.row_limit(servable))
         answer = self._layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
                                      client_timeout_s=_timeout_s(parameters, context.time_remaining()),
-                                     client_gone=grpc_record.client_gone(context))
+                                     client_gone=grpc_record.client_gone(context),
+                                     priority=priority.from_v2_grpc(parameters))
         response = service_pb2.ModelInferResponse(model_name=answer.servable.model.name,
                                                   model_version=str(answer.servable.model.version), id=request.id)
         for output in outputs:

@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 
-from app import codec, limits, logs, v2_tensors
+from app import codec, limits, logs, priority, v2_tensors
 from app.errors import BadRequest, Unavailable
 from app.serving import Answer, get_layer, socket_client_gone
 
@@ -99,7 +99,8 @@ def infer(name: str, version: str | None = None) -> Response:
     inputs = v2_tensors.decode_inputs(_inputs(body, tensors), signature, max_rows=layer.row_limit(servable))
     answer = layer.predict(servable, signature, inputs, record=record, pinned=spec.pinned,
                            client_timeout_s=_timeout_s(parameters),
-                           client_gone=socket_client_gone(request.environ.get("gunicorn.socket")))
+                           client_gone=socket_client_gone(request.environ.get("gunicorn.socket")),
+                           priority=priority.from_v2_rest(parameters))
     binary = {output_name: every_binary if choice is None else choice for output_name, choice in wanted}
     header: dict[str, Any] = {"model_name": answer.servable.model.name,
                               "model_version": str(answer.servable.model.version)}

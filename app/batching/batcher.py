@@ -23,10 +23,11 @@ from typing import Any
 from app.batching.execution import Executor, PredictFn
 from app.batching.fill import FillPolicy
 from app.batching.observer import BatchObserver, GuardedObserver
-from app.batching.row_queue import Priorities, RowQueue
+from app.batching.row_queue import RowQueue
 from app.batching.rows import Padding, Tensors, bucket_sizes, check_lengths, request_rows
 from app.batching.work import Batch, BatchResult, Pending, drop_if_abandoned, settle, start
 from app.errors import BatcherBroken, DeadlineExceeded, PredictFailed, ShuttingDown
+from app.queue_policy import ONE_LEVEL, Priorities
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Batcher:
         bisect_failures: bool = True,
         fill_under_load: bool = True,
         padding: Padding | None = None,
-        priorities: Priorities = Priorities(),
+        priorities: Priorities = ONE_LEVEL,
         observer: BatchObserver | None = None,
         on_broken: Callable[[Batcher], None] | None = None,
         clock: Callable[[], float] = time.monotonic,

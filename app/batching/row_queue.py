@@ -18,7 +18,6 @@ highest level that waits. Each level may also have its own row limit and queue t
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import queue
 import threading
@@ -27,37 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from app.batching.observer import BatchObserver
 from app.batching.work import Pending
 from app.errors import BatcherBroken, QueueFull, ShuttingDown
-
-
-@dataclasses.dataclass(frozen=True)
-class QueuePolicy:
-    """One priority level's queue policy (Triton's ModelQueuePolicy, in rows and seconds)."""
-
-    max_queue_rows: int = 0  # 0: only the model's own limit
-    default_timeout_s: float = 0.0  # 0: only the request's deadline
-
-
-@dataclasses.dataclass(frozen=True)
-class Priorities:
-    """A model's priority levels: 1 (highest) to `levels`; a request asking for 0, or for a
-    level the model does not have, gets `default_level` (as Triton does)."""
-
-    levels: int = 1
-    default_level: int = 1
-    policies: tuple[QueuePolicy, ...] = ()  # per level, from level 1; missing ones: QueuePolicy()
-
-    def __post_init__(self) -> None:
-        if self.levels < 1 or not 1 <= self.default_level <= self.levels:
-            raise ValueError(f"default priority level {self.default_level} is not one of 1..{self.levels}")
-        if len(self.policies) > self.levels:
-            raise ValueError(f"{len(self.policies)} queue policies for {self.levels} priority levels")
-
-    def index(self, priority: int) -> int:
-        """The 0-based level of a request's priority value."""
-        return (priority if 0 < priority <= self.levels else self.default_level) - 1
-
-    def policy(self, index: int) -> QueuePolicy:
-        return self.policies[index] if index < len(self.policies) else QueuePolicy()
+from app.queue_policy import ONE_LEVEL, Priorities
 
 
 class _Backlog:
@@ -87,7 +56,7 @@ class RowQueue(queue.Queue):
     _getting: bool  # set by _init
 
     def __init__(self, *, name: str, max_rows: int, observer: BatchObserver,
-                 priorities: Priorities = Priorities()) -> None:
+                 priorities: Priorities = ONE_LEVEL) -> None:
         self.name = name
         self.max_rows = max_rows
         self._observer = observer
@@ -181,7 +150,7 @@ class RowQueue(queue.Queue):
 
     def _get(self) -> Iterable[Pending]:
         # Into the backlog first, then out of the arrivals.
-        for arrivals, backlog in zip(self._arrivals, self._backlogs):
+        for arrivals, backlog in zip(self._arrivals, self._backlogs, strict=True):
             if arrivals:
                 backlog.extend(arrivals)
                 arrivals.clear()

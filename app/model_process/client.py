@@ -153,7 +153,7 @@ class RemoteBatcher:
         return self.link.stats().get(self.key, [0, 0])[1]
 
     def predict(self, inputs: Tensors, *, timeout_s: float, client_gone: Callable[[], bool] | None = None,
-                trace: Any = None) -> BatchResult:
+                trace: Any = None, priority: int = 0) -> BatchResult:
         """Hand the rows to the model process and wait for them, at most `timeout_s`."""
         if not self.whole:
             request_rows(inputs, max_rows=self.max_request_rows, name=self.name)
@@ -161,7 +161,7 @@ class RemoteBatcher:
             # The layer answers ClientGone (499); asked here, once, before the rows leave the worker.
             raise concurrent.futures.CancelledError()
         header = {"op": "predict", "model": self.model, "version": self.version, "signature": self.signature,
-                  "pinned": _PINNED.get(), "timeout_s": timeout_s}
+                  "pinned": _PINNED.get(), "timeout_s": timeout_s, "priority": priority}
         if trace is not None:  # only with tracing on, so the import costs nothing otherwise
             from app import tracing
 

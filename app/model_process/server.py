@@ -155,7 +155,8 @@ class WorkerConnection:
                 from app import tracing
 
                 trace = tracing.LinkedTrace(header["trace"])
-            future = batcher.submit(inputs, timeout_s=header["timeout_s"], client_gone=left.is_set, trace=trace)
+            future = batcher.submit(inputs, timeout_s=header["timeout_s"], client_gone=left.is_set, trace=trace,
+                                    priority=header.get("priority", 0))
             if header.get("flush"):
                 batcher.flush()  # from a stopping worker: it waits for no company
         except Exception as exc:
