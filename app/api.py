@@ -14,7 +14,7 @@ import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 from werkzeug.routing import BaseConverter, IntegerConverter
 
-from app import classify, codec, limits, metadata
+from app import classify, codec, limits, metadata, priority
 from app.batching import Tensors, check_rows
 from app.call import ModelSpec
 from app.models import Signature
@@ -48,14 +48,15 @@ def _predict(spec: ModelSpec) -> Response:
         check_rows(parsed.rows, max_rows)  # before any array is built
         return codec.decode_inputs(parsed, signature)
 
-    answer = layer.infer(layer.http_call(request.environ, spec, parsed.signature_name), decode)
+    answer = layer.infer(layer.http_call(request.environ, spec, parsed.signature_name, priority=_priority()), decode)
     return _answer(answer, codec.encode_response(answer.outputs, answer.signature, parsed))
 
 
 def _classify_or_regress(spec: ModelSpec, method: str) -> Response:
     layer = get_layer(current_app)
     signature_name, examples = classify.parse(limits.body(), method)
-    call, decode = layer.http_call(request.environ, spec, signature_name), examples_decode(examples)
+    call = layer.http_call(request.environ, spec, signature_name, priority=_priority())
+    decode = examples_decode(examples)
     if method == CLASSIFY:
         answer, classes = layer.classify(call, decode)
         return _answer(answer, classify.encode_classes(classes))
@@ -162,3 +163,8 @@ def init_app(app: Flask) -> None:
     app.url_map.converters["int"] = AsciiIntConverter
     app.url_map.merge_slashes = False
     app.register_blueprint(bp)
+
+
+def _priority() -> int:
+    """The TF Serving REST request's priority level, from its X-Priority header (0: the model's default)."""
+    return priority.from_header(request.headers.get(priority.HEADER))

@@ -191,12 +191,12 @@ def _serializer(call: _Call, serialize: Callable[[Any], bytes] | None) -> Callab
 
 
 def make_call(spec: ModelSpec, record: RequestRecord, context: grpc.ServicerContext, timeout_s: float, *,
-              signature: str = "", outputs: tuple[str, ...] = ()) -> Call:
+              signature: str = "", outputs: tuple[str, ...] = (), priority: int = 0) -> Call:
     """A gRPC front door's Call: its record and trace, and its client_gone. gRPC marks a call
     inactive once its client cancelled it, its deadline passed or its connection dropped; reading
     that mark takes the call's lock and nothing else, and only a request that reaches its batch asks."""
     return Call.within(timeout_s, model=spec, signature=signature, outputs=outputs,
-                       client_gone=CallClientGone(context), record=record, trace=record.trace)
+                       client_gone=CallClientGone(context), record=record, trace=record.trace, priority=priority)
 
 
 class CallClientGone:

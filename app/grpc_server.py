@@ -52,6 +52,7 @@ from app.call import Call, ModelSpec
 from app.errors import SignatureNotFound
 from app.logs import RequestRecord
 from app.models import LoadedModel, Signature
+from app.priority import from_metadata as priority_from_metadata
 from app.serving import (
     Answer,
     Classes,
@@ -191,7 +192,8 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
             raise errors.BadRequest("Missing ModelSpec")
         return grpc_record.make_call(model_spec(request.model_spec), record, context,
                                 self._layer.deadline_s(context.time_remaining()),
-                                signature=request.model_spec.signature_name, outputs=outputs)
+                                signature=request.model_spec.signature_name, outputs=outputs,
+                                priority=priority_from_metadata(context.invocation_metadata()))
 
     def _predict(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
         call = self._call(request, record, context, outputs=tuple(request.output_filter))

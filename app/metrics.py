@@ -70,6 +70,12 @@ class Metrics:
                                          ["model"], buckets=LATENCY_BUCKETS, registry=reg)
         self.queue_rows = Gauge("model_server_queue_rows", "Rows waiting for a predict call.",
                                 ["model"], registry=reg, multiprocess_mode="livesum")
+        # Models with priority levels only: one series per level (1 is the highest).
+        self.priority_queue_rows = Gauge("model_server_priority_queue_rows", "Rows waiting, by priority level.",
+                                         ["model", "priority"], registry=reg, multiprocess_mode="livesum")
+        self.priority_queue_full = Counter("model_server_priority_queue_full",
+                                           "Requests refused because their priority level's queue was full.",
+                                           ["model", "priority"], registry=reg)
         self.rejections = Counter("model_server_rejections", "Requests refused or dropped, by reason.",
                                   ["model", "reason"], registry=reg)
         self.load_seconds = Gauge("model_server_model_load_seconds", "Time to load the model.",
@@ -131,6 +137,9 @@ class _ModelObserver(BatchObserver):
         self._length_padded = patches.value_of(metrics.length_padded_elements.labels(model))
         self._length_waste = patches.HistogramCounts(metrics.length_waste.labels(model))
         self._rejections = metrics.rejections
+        self._metrics = metrics
+        self._level_reported: dict[int, int] = {}
+        self._level_series: set[int] = set()
         self._model = model
         self._reported_rows = 0
         # Every reason's series exists from the start, at 0: dashboards show 0 rather than
@@ -147,6 +156,17 @@ class _ModelObserver(BatchObserver):
 
     def queue_wait(self, seconds: float) -> None:
         self._queue_wait.observe(seconds)
+
+    def level_depth(self, level: int, rows: int) -> None:
+        # A change, as queue_depth's: the model's versions and signatures add up in one series.
+        delta = rows - self._level_reported.get(level, 0)
+        self._level_reported[level] = rows
+        if delta or level not in self._level_series:
+            self._level_series.add(level)
+            self._metrics.priority_queue_rows.labels(self._model, str(level)).inc(delta)
+
+    def level_rejected(self, level: int) -> None:
+        self._metrics.priority_queue_full.labels(self._model, str(level)).inc()
 
     def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
         self._batch_rows.observe(rows)

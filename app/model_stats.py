@@ -70,6 +70,12 @@ class StatsObserver(BatchObserver):
     def rejected(self, reason: str) -> None:
         self._observer.rejected(reason)
 
+    def level_depth(self, level: int, rows: int) -> None:
+        self._observer.level_depth(level, rows)
+
+    def level_rejected(self, level: int) -> None:
+        self._observer.level_rejected(level)
+
     def predict_call(self, traces: list[Any], *, rows: int, padded_rows: int, predict_s: float,
                      error: BaseException | None) -> None:
         self._observer.predict_call(traces, rows=rows, padded_rows=padded_rows, predict_s=predict_s, error=error)

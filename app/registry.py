@@ -163,6 +163,7 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
             fill_under_load=settings.batch_fill_under_load,
             buckets=buckets,
             padding=paddings[key],
+            priorities=config.priorities,
             observer=loading.observer(metrics, settings, model, key),
             on_broken=on_broken,
         )

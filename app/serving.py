@@ -236,14 +236,14 @@ class RequestLayer:
         return self.timeout_s if client_timeout_s is None else min(self.timeout_s, client_timeout_s)
 
     def http_call(self, environ: dict[str, Any], spec: ModelSpec, signature: str, outputs: tuple[str, ...] = (),
-                  client_timeout_s: float | None = None) -> Call:
+                  client_timeout_s: float | None = None, priority: int = 0) -> Call:
         """An HTTP front door's Call for the request of `environ`: its record, its trace, and a
         client_gone that watches its connection (Gunicorn hands the app the client's socket;
         Flask's test client has none)."""
         return Call.within(self.deadline_s(client_timeout_s), model=spec, signature=signature, outputs=outputs,
                            client_gone=socket_client_gone(environ.get("gunicorn.socket")),
                            record=environ.get(logs.RECORD_KEY) or logs.RequestRecord(""),
-                           trace=environ.get(TRACE_KEY))
+                           trace=environ.get(TRACE_KEY), priority=priority)
 
     # -- the prediction -------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from app import tfs_config
+from app import queue_policy, tfs_config
 
 
 class SettingsError(ValueError):
@@ -458,6 +458,7 @@ class ModelConfig:
     pad_value: float = 0.0
     length_buckets: tuple[int, ...] = ()
     payload_log_sampling_rate: float = 0.0
+    priorities: queue_policy.Priorities = queue_policy.ONE_LEVEL
 
     def __post_init__(self) -> None:
         # 0 derives the limit: a request may span a few batches, never more than the queue holds.
@@ -528,10 +529,11 @@ def configs_from_document(document: Any, settings: Settings, where: str) -> list
 def _model_config(entry: Any, index: int, defaults: dict[str, Any], where: str) -> ModelConfig:
     if not isinstance(entry, dict):
         raise SettingsError(f"{where}: models[{index}] must be an object")
-    unknown = set(entry) - {"name", "path", *_VERSION_KEYS, *_MODEL_KEYS}
+    unknown = set(entry) - {"name", "path", *_VERSION_KEYS, *_MODEL_KEYS, *queue_policy.KEYS}
     if unknown:
         raise SettingsError(f"{where}: models[{index}] has unknown key(s) {sorted(unknown)}; "
-                            f"allowed: name, path, {', '.join(_VERSION_KEYS)}, {', '.join(_MODEL_KEYS)}")
+                            f"allowed: name, path, {', '.join(_VERSION_KEYS)}, {', '.join(_MODEL_KEYS)}, "
+                            f"{', '.join(queue_policy.KEYS)}")
     values = dict(defaults)
     try:
         name = parse(f"models[{index}].name", str(entry.get("name", "")), validate_model_name)
@@ -546,9 +548,11 @@ def _model_config(entry: Any, index: int, defaults: dict[str, Any], where: str) 
     try:
         policy = _version_policy(entry.get("model_version_policy", {"latest": {}}))
         labels = _version_labels(entry.get("version_labels", {}))
+        priorities = queue_policy.from_entry(entry)
     except ValueError as exc:
         raise SettingsError(f"{where}: models[{index}].{exc}") from None
-    return ModelConfig(name=name, path=path or None, version_policy=policy, version_labels=labels, **values)
+    return ModelConfig(name=name, path=path or None, version_policy=policy, version_labels=labels,
+                       priorities=priorities, **values)
 
 
 _VERSION_KEYS = ("model_version_policy", "version_labels")

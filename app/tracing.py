@@ -227,8 +227,25 @@ class BatchTracer(BatchObserver):
     def queue_wait(self, seconds: float) -> None:
         self._observer.queue_wait(seconds)
 
+    def level_depth(self, level: int, rows: int) -> None:
+        self._observer.level_depth(level, rows)
+
+    def level_rejected(self, level: int) -> None:
+        self._observer.level_rejected(level)
+
     def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
         self._observer.batch_done(rows=rows, requests=requests, padded_rows=padded_rows, predict_s=predict_s)
+
+    def call_answered(self, *, rows: int, requests: int, input_s: float, infer_s: float, output_s: float,
+                      finished_s: list[float]) -> None:
+        self._observer.call_answered(rows=rows, requests=requests, input_s=input_s, infer_s=infer_s,
+                                     output_s=output_s, finished_s=finished_s)
+
+    def requests_failed(self, waited_s: list[float]) -> None:
+        self._observer.requests_failed(waited_s)
+
+    def length_padding(self, *, real_elements: int, padded_elements: int) -> None:
+        self._observer.length_padding(real_elements=real_elements, padded_elements=padded_elements)
 
     def rejected(self, reason: str) -> None:
         self._observer.rejected(reason)

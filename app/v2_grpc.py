@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from app import grpc_record, v2_statistics, v2_tensors
+from app import grpc_record, priority, v2_statistics, v2_tensors
 from app.errors import BadRequest, NotFound
 from app.logs import RequestRecord
 from app.serving import RequestLayer
@@ -82,7 +82,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         call = grpc_record.make_call(v2_tensors.model_spec(request.model_name, request.model_version), record, context,
                                 self._layer.deadline_s(_timeout_s(parameters, context.time_remaining())),
                                 signature=_signature_name(parameters),
-                                outputs=tuple(output.name for output in request.outputs))
+                                outputs=tuple(output.name for output in request.outputs),
+                                priority=priority.from_v2_grpc(parameters))
         answer = self._layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
             _tensors(request), signature, max_rows=max_rows))
         response = service_pb2.ModelInferResponse(model_name=answer.servable.model.name,

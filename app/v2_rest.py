@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 
-from app import codec, limits, v2_statistics, v2_tensors
+from app import codec, limits, priority, v2_statistics, v2_tensors
 from app.errors import BadRequest, Unavailable
 from app.serving import Answer, get_layer
 
@@ -101,7 +101,8 @@ def infer(name: str, version: str | None = None) -> Response:
         raise BadRequest(v2_tensors.SIGNATURE_NAME_ERROR)
     wanted = _requested_outputs(body)
     call = layer.http_call(request.environ, v2_tensors.model_spec(name, version), signature_name,
-                           tuple(output for output, _ in wanted), _timeout_s(parameters))
+                           tuple(output for output, _ in wanted), _timeout_s(parameters),
+                           priority.from_v2_rest(parameters))
     answer = layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
         _inputs(body, tensors), signature, max_rows=max_rows))
     binary = {output_name: every_binary if choice is None else choice for output_name, choice in wanted}

@@ -19,6 +19,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import cast
 
 from app.batching.engine import EngineInfo
 from app.batching.execution import Executor, PredictFn
@@ -29,6 +30,7 @@ from app.batching.rows import Padding, Tensors, bucket_sizes, check_lengths, req
 from app.batching.work import Batch, BatchResult, Pending, drop_if_abandoned, settle, start
 from app.call import Call
 from app.errors import BatcherBroken, DeadlineExceeded, PredictFailed, ShuttingDown
+from app.queue_policy import ONE_LEVEL, Priorities
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class Batcher:
         bisect_failures: bool = True,
         fill_under_load: bool = True,
         padding: Padding | None = None,
+        priorities: Priorities = ONE_LEVEL,
         observer: BatchObserver | None = None,
         on_broken: Callable[[Batcher], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -80,7 +83,11 @@ class Batcher:
         self._hooks = GuardedObserver(self.observer, name)
         self._on_broken = on_broken
         self._clock = clock
-        self.queue = RowQueue(name=name, max_rows=max_queue_rows, observer=self._hooks)
+        self.queue = RowQueue(name=name, max_rows=max_queue_rows, observer=self._hooks, priorities=priorities)
+        self.priorities = priorities
+        # Per level: how long a request may wait queued (its policy's default timeout), or None.
+        self._level_timeouts = [priorities.policy(index).default_timeout_s or None
+                                for index in range(priorities.levels)]
         self.fill_policy = FillPolicy(max_batch_size=max_batch_size, batch_timeout_s=batch_timeout_ms / 1000.0,
                                       fill_under_load=fill_under_load)
         self.executor = Executor(predict_fn, name=name, buckets=self.buckets, bisect_failures=bisect_failures,
@@ -101,12 +108,18 @@ class Batcher:
         The queued work item keeps the call: its deadline drops the rows unrun once passed, its
         `client_gone` is asked just before its first rows run (True: dropped unrun, its future
         cancelled, and counted), and its trace reaches the observer's `predict_call` with every
-        call that runs its rows.
+        call that runs its rows. The call's priority picks its level (0: the model's default); a
+        request still queued when its level's queue timeout passes fails with DeadlineExceeded.
         """
         rows = 1 if self.whole else request_rows(inputs, max_rows=self.max_request_rows)
         if self.padding is not None:
             check_lengths(inputs, self.padding)
-        pending = Pending(call, inputs, rows, self._clock(), self.padding)
+        now = self._clock()
+        pending = Pending(call, inputs, rows, now, self.padding)
+        pending.level = level = self.priorities.index(call.priority)
+        queue_timeout_s = self._level_timeouts[level]
+        if queue_timeout_s is not None and (pending.deadline is None or now + queue_timeout_s < pending.deadline):
+            pending.deadline = now + queue_timeout_s
         # A request abandoned (cancelled, failed, answered) stops counting against the queue at once,
         # not when the batch thread reaches it.
         # Called with the future, which is the request itself (typed as the Future it extends).
@@ -115,10 +128,12 @@ class Batcher:
         return pending
 
     def predict(self, call: Call, inputs: Tensors) -> BatchResult:
-        """Submit and wait until the call's deadline; the rows are dropped unrun if it passes while they queue."""
+        """Submit and wait until the request's deadline (the call's, or its level's queue timeout if
+        sooner); the rows are dropped unrun if it passes while they queue."""
         future = self.submit(call, inputs)
+        deadline = cast(Pending, future).deadline
         # On the batcher's clock, the one its batch thread reads deadlines by.
-        wait_s = None if call.deadline is None else max(call.deadline - self._clock(), 0.0)
+        wait_s = None if deadline is None else max(deadline - self._clock(), 0.0)
         try:
             return future.result(timeout=wait_s)
         except concurrent.futures.TimeoutError:

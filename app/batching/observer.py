@@ -30,6 +30,12 @@ class BatchObserver:
     def queue_wait(self, seconds: float) -> None:
         pass
 
+    def level_depth(self, level: int, rows: int) -> None:
+        """With priority levels only: the rows queued at one level (1 is the highest), as they change."""
+
+    def level_rejected(self, level: int) -> None:
+        """With a level's own queue limit: a request refused because its level was full."""
+
     def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
         pass
 
@@ -77,6 +83,18 @@ class GuardedObserver(BatchObserver):
             self._observer.queue_wait(seconds)
         except Exception:
             self._log_once("observer hook queue_wait")
+
+    def level_depth(self, level: int, rows: int) -> None:
+        try:
+            self._observer.level_depth(level, rows)
+        except Exception:
+            self._log_once("observer hook level_depth")
+
+    def level_rejected(self, level: int) -> None:
+        try:
+            self._observer.level_rejected(level)
+        except Exception:
+            self._log_once("observer hook level_rejected")
 
     def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
         try:

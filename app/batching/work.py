@@ -29,7 +29,7 @@ class Pending(concurrent.futures.Future[BatchResult]):
     own future (one object a request, not two), and `submit` hands it out as a plain Future."""
 
     __slots__ = ("call", "inputs", "rows", "key", "enqueued_at", "deadline", "priority", "next_row", "parts",
-                 "started", "counted")
+                 "started", "counted", "level")
 
     def __init__(self, call: Call, inputs: Tensors, rows: int, enqueued_at: float,
                  padding: Padding | None = None) -> None:
@@ -48,6 +48,8 @@ class Pending(concurrent.futures.Future[BatchResult]):
         self.parts: list[Mapping[str, np.ndarray]] = []
         # Rows of this request still counted against max_queue_rows (changed under the queue's mutex).
         self.counted = 0
+        # The 0-based level the batcher resolved the call's priority to: the row queue keeps one queue per level.
+        self.level = 0
 
     @property
     def remaining(self) -> int:
