@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from app import priority
 from app.batching import Batcher
+from app.call import Call
 from app.errors import BadRequest, DeadlineExceeded, QueueFull
 from app.metrics import Metrics
 from app.queue_policy import Priorities, QueuePolicy, from_entry
@@ -51,6 +52,11 @@ def rows(value: int, count: int = 1) -> dict[str, np.ndarray]:
     return {"x": np.full((count, 1), value, np.float32)}
 
 
+def submit(batcher: Batcher, inputs, *, priority: int = 0, timeout_s: float | None = None):
+    """The engine's submit with a call of this priority; a deadline `timeout_s` after 0 on the fake clock."""
+    return batcher.submit(Call(priority=priority, deadline=timeout_s), inputs)
+
+
 @pytest.fixture
 def gated():
     """make(priorities, **knobs) -> (batcher, model): the model already holds one call (value 0)."""
@@ -60,7 +66,7 @@ def gated():
         model = GatedModel()
         batcher = Batcher(model, name="m", priorities=priorities, fill_under_load=False, **knobs)
         made.append((batcher, model))
-        batcher.submit(rows(0))
+        submit(batcher, rows(0))
         assert model.running.wait(WAIT_S)
         return batcher, model
 
@@ -76,7 +82,7 @@ def test_batches_take_the_highest_level_first_and_each_level_in_order(gated) -> 
     batcher, model = gated(Priorities(levels=3, default_level=2), max_batch_size=2)
     # (value, priority): 0 and 9 (no such level) mean the default level, 2.
     submitted = [(1, 3), (2, 3), (3, 0), (4, 1), (5, 9), (6, 1)]
-    futures = [(value, batcher.submit(rows(value), priority=level)) for value, level in submitted]
+    futures = [(value, submit(batcher, rows(value), priority=level)) for value, level in submitted]
     model.release.set()
     for value, future in futures:
         assert future.result(WAIT_S).outputs["y"].tolist() == [[value * 10.0]]
@@ -88,11 +94,11 @@ def test_a_full_level_refuses_its_own_requests_only(gated) -> None:
     observer = Metrics(registry).observer("m")
     batcher, model = gated(Priorities(levels=2, default_level=2, policies=(QueuePolicy(), QueuePolicy(2))),
                            max_batch_size=4, observer=observer)
-    low = batcher.submit(rows(1, 2), priority=2)
+    low = submit(batcher, rows(1, 2), priority=2)
     with pytest.raises(QueueFull, match=r"^model 'm' is overloaded at priority level 2: 2 rows of that level are "
                                         r"waiting and at most 2 may; retry later$"):
-        batcher.submit(rows(2), priority=0)
-    high = batcher.submit(rows(3, 3), priority=1)
+        submit(batcher, rows(2), priority=0)
+    high = submit(batcher, rows(3, 3), priority=1)
 
     def sample(name: str, level: str) -> float | None:
         return registry.get_sample_value(name, {"model": "m", "priority": level})
@@ -115,11 +121,11 @@ def test_a_level_timeout_expires_its_requests_still_queued() -> None:
     levels = Priorities(levels=2, default_level=1, policies=(QueuePolicy(), QueuePolicy(default_timeout_s=0.5)))
     batcher = Batcher(model, name="m", priorities=levels, fill_under_load=False, clock=lambda: now[0])
     try:
-        batcher.submit(rows(0))
+        submit(batcher, rows(0))
         assert model.running.wait(WAIT_S)
-        late = batcher.submit(rows(1), priority=2, timeout_s=60)
-        early = batcher.submit(rows(2), priority=2, timeout_s=0.25)  # its own deadline, shorter, stands
-        kept = batcher.submit(rows(3), priority=1, timeout_s=60)
+        late = submit(batcher, rows(1), priority=2, timeout_s=60)
+        early = submit(batcher, rows(2), priority=2, timeout_s=0.25)  # its own deadline, shorter, stands
+        kept = submit(batcher, rows(3), priority=1, timeout_s=60)
         assert (late.deadline, early.deadline, kept.deadline) == (0.5, 0.25, 60)
         now[0] = 0.5
         model.release.set()
@@ -135,7 +141,7 @@ def test_a_level_timeout_expires_its_requests_still_queued() -> None:
 
 def test_one_level_keeps_one_queue_in_arrival_order(gated) -> None:
     batcher, model = gated(Priorities(), max_batch_size=8)
-    futures = [batcher.submit(rows(value), priority=level) for value, level in ((1, 5), (2, 1), (3, 0), (4, 2))]
+    futures = [submit(batcher, rows(value), priority=level) for value, level in ((1, 5), (2, 1), (3, 0), (4, 2))]
     model.release.set()
     assert [future.result(WAIT_S).outputs["y"].tolist() for future in futures] == [[[10.0]], [[20.0]], [[30.0]],
                                                                                    [[40.0]]]

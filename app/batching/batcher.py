@@ -19,7 +19,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import cast
 
 from app.batching.engine import EngineInfo
 from app.batching.execution import Executor, PredictFn
@@ -128,12 +127,11 @@ class Batcher:
         return pending
 
     def predict(self, call: Call, inputs: Tensors) -> BatchResult:
-        """Submit and wait until the request's deadline (the call's, or its level's queue timeout if
-        sooner); the rows are dropped unrun if it passes while they queue."""
+        """Submit and wait until the call's deadline; the rows are dropped unrun if it passes while
+        they queue (or their level's queue timeout does: the batch thread answers them then)."""
         future = self.submit(call, inputs)
-        deadline = cast(Pending, future).deadline
         # On the batcher's clock, the one its batch thread reads deadlines by.
-        wait_s = None if deadline is None else max(deadline - self._clock(), 0.0)
+        wait_s = None if call.deadline is None else max(call.deadline - self._clock(), 0.0)
         try:
             return future.result(timeout=wait_s)
         except concurrent.futures.TimeoutError:
