@@ -33,6 +33,7 @@ import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 from tritonclient.grpc import service_pb2
 
+from app import codec
 from app.errors import BadRequest, Forbidden, NotFound, Unavailable
 from app.registry import AVAILABLE, END, LOADING, UNLOADING, ModelRegistry, get_registry
 from app.settings import MODEL_NAME_PATTERN, ModelConfig, Settings
@@ -173,7 +174,7 @@ def restricted() -> None:
 
 def _body() -> dict[str, Any]:
     data = request.get_data()
-    body = orjson.loads(data) if data.strip() else {}
+    body = codec.loads(data) if data.strip() else {}
     if not isinstance(body, dict):
         raise BadRequest("the request must be a JSON object")
     return body
