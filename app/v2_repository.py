@@ -159,7 +159,10 @@ def _entry(config: ModelConfig) -> dict[str, Any]:
 
 
 def get(app: Flask) -> Repository:
-    return app.extensions["v2_repository"]
+    repository = app.extensions.get("v2_repository")
+    if repository is None:  # made at first use: the routes may be registered in an app without models
+        repository = app.extensions["v2_repository"] = Repository(app.extensions["settings"], get_registry(app))
+    return repository
 
 
 # -- REST ---------------------------------------------------------------------------------
@@ -208,7 +211,6 @@ def unload(name: str) -> Response:
 
 
 def init_app(app: Flask) -> None:
-    app.extensions["v2_repository"] = Repository(app.extensions["settings"], get_registry(app))
     app.register_blueprint(bp)
 
 
