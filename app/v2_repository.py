@@ -99,7 +99,7 @@ class Repository:
                              f"'{name}' in MODEL_REPOSITORY")
 
         def loaded(configs: list[ModelConfig]) -> dict[str, Any]:
-            entries = [_entry(config) for config in configs if config.name != name]
+            entries = [config_entry(config) for config in configs if config.name != name]
             return {"models": [*entries, {"name": name, "path": str(path)}],
                     "default": entries[0]["name"] if entries else name}
 
@@ -115,7 +115,7 @@ class Repository:
             return  # as Triton: unloading what is not served succeeds
 
         def unloaded(configs: list[ModelConfig]) -> dict[str, Any]:
-            entries = [_entry(config) for config in configs if config.name != name]
+            entries = [config_entry(config) for config in configs if config.name != name]
             if not entries:
                 raise BadRequest(f"failed to unload '{name}': it is the only model served, and the server "
                                  "serves at least one")
@@ -139,7 +139,7 @@ class Repository:
         live.edit(change, timeout_s=timeout_s)
 
 
-def _entry(config: ModelConfig) -> dict[str, Any]:
+def config_entry(config: ModelConfig) -> dict[str, Any]:
     """A served model's config as a MODEL_CONFIG entry that reads back equal: unchanged by a reload."""
     kind, value = config.version_policy
     policy: dict[str, Any] = {}  # "all"

@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from app import settings as app_settings
 from app.settings import ModelConfig, Settings, SettingsError
-from app.v2_repository import _entry
+from app.v2_repository import config_entry
 from tests.conftest import Server, build_exact_model, integer_rows
 from tests.test_tfs_live_config import worker_channels
 
@@ -227,9 +227,9 @@ def test_a_served_config_reads_back_unchanged():
                          pad_variable_length=True, pad_value=-1.5, length_buckets=(8, 16))
     for policy in (("specific", (1, 3)), ("latest", 2), ("all", ())):
         changed = ModelConfig(**{**config.__dict__, "version_policy": policy})
-        assert app_settings.configs_from_document({"models": [_entry(changed)]}, Settings(), "x") == [changed]
+        assert app_settings.configs_from_document({"models": [config_entry(changed)]}, Settings(), "x") == [changed]
     default = ModelConfig("d", None, max_batch_size=32, batch_timeout_ms=0.0, max_queue_rows=128)
-    assert app_settings.configs_from_document({"models": [_entry(default)]}, Settings(), "x") == [default]
+    assert app_settings.configs_from_document({"models": [config_entry(default)]}, Settings(), "x") == [default]
 
 
 @pytest.mark.parametrize(("values", "message"), [
