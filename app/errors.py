@@ -5,6 +5,7 @@
     │   ├── InvalidInput (400)          body parsed, but not what the model takes
     │   ├── UnsupportedEncoding (415)   a Content-Encoding the server does not decode
     │   └── SignatureNotFound (400)     gRPC answers it FAILED_PRECONDITION, as TF Serving
+    ├── Forbidden (403)                 a restricted call without its header; gRPC: PERMISSION_DENIED
     ├── NotFound (404)
     ├── MethodNotAllowed (405)
     ├── PayloadTooLarge (413)
@@ -81,6 +82,11 @@ class SignatureNotFound(BadRequest):
     def __init__(self, message: str, *, key: str = "") -> None:
         super().__init__(message)
         self.key = key
+
+
+class Forbidden(ServingError):
+    status_code = 403
+    reason = "forbidden"
 
 
 class NotFound(ServingError):

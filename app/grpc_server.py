@@ -46,7 +46,18 @@ from tensorflow_serving.apis import (
     status_pb2,
 )
 
-from app import errors, grpc_limits, grpc_record, grpc_socket, metadata, tensor_proto, tfs_config, tls, v2_grpc
+from app import (
+    errors,
+    grpc_limits,
+    grpc_record,
+    grpc_socket,
+    metadata,
+    tensor_proto,
+    tfs_config,
+    tls,
+    v2_grpc,
+    v2_repository,
+)
 from app.batching import check_rows
 from app.call import Call, ModelSpec
 from app.errors import SignatureNotFound
@@ -78,6 +89,7 @@ STATUS_CODES: dict[type[errors.ServingError], grpc.StatusCode] = {
     errors.BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
     SignatureNotFound: grpc.StatusCode.FAILED_PRECONDITION,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.Forbidden: grpc.StatusCode.PERMISSION_DENIED,
     errors.MethodNotAllowed: grpc.StatusCode.UNIMPLEMENTED,
     errors.PayloadTooLarge: grpc.StatusCode.INVALID_ARGUMENT,
     errors.PredictFailed: grpc.StatusCode.INTERNAL,
@@ -344,14 +356,17 @@ class GrpcServer:
         self.health = HealthServicer(models)
         # Connections, streams, metadata, calls, receive timeout, Health's own threads (app/grpc_limits.py).
         tracing = app.extensions.get("tracing")
-        self._server = grpc_limits.build_server(app.extensions["settings"], threads=threads, max_bytes=max_bytes,
-                                                records=grpc_record.CallRecords(models.requests),
-                                                interceptors=tracing.grpc_interceptors() if tracing else ())
+        repository = v2_repository.get(app)
+        # RESTRICTED_MODEL_CONTROL first: a refused call is not traced, only recorded.
+        self._server = grpc_limits.build_server(
+            app.extensions["settings"], threads=threads, max_bytes=max_bytes,
+            records=grpc_record.CallRecords(models.requests),
+            interceptors=(v2_repository.Restricted(repository), *(tracing.grpc_interceptors() if tracing else ())))
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
             PredictionServicer(models, observed, max_bytes=max_bytes,
                                tensor_content=app.extensions["settings"].grpc_tensor_content), self._server)
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(models, observed), self._server)
-        v2_grpc.add_to_server(self._server, models, observed)
+        v2_grpc.add_to_server(self._server, models, observed, repository)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         try:
             self.port = tls.add_port(self._server, bind, app.extensions["settings"].grpc_ssl_config_file)

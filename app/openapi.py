@@ -186,6 +186,26 @@ def _v2_paths() -> dict[str, Any]:
                            parameters=(*parameters, header_length), body=True)
         infer["requestBody"]["content"]["application/json"]["schema"] = {"$ref": "#/components/schemas/V2InferRequest"}
         paths[f"{prefix}/infer"] = {"post": infer}
+    return {**paths, **_repository_paths()}
+
+
+def _repository_paths() -> dict[str, Any]:
+    """Triton's model repository extension (app/v2_repository.py)."""
+    forbidden = {"description": "RESTRICTED_MODEL_CONTROL is set and the request lacks its header and value.",
+                 "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    body = {"required": False, "content": {"application/json": {"schema": {"type": "object"}}}}
+    index = _operation("Every model of MODEL_REPOSITORY and every model served, with each version's state.",
+                       _json_ok("name, version, state, reason per model version.",
+                                {"type": "array", "items": {"type": "object", "required": ["name"]}}), (400, 405))
+    paths: dict[str, Any] = {"/v2/repository/index": {"post": index}}
+    for action, summary in (("load", "Serve a model of MODEL_REPOSITORY, in every worker, before answering."),
+                            ("unload", "Stop serving a model, in every worker, before answering.")):
+        operation = _operation(summary, {"description": "Done (an empty body)."}, (400, 405, 503, 504),
+                               parameters=(_NAME,))
+        paths[f"/v2/repository/models/{{name}}/{action}"] = {"post": operation}
+    for path in paths.values():
+        path["post"]["responses"]["403"] = forbidden
+        path["post"]["requestBody"] = body
     return paths
 
 

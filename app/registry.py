@@ -473,6 +473,27 @@ class LiveConfig:
         finally:
             self._applied()
 
+    def edit(self, change: Callable[[list[ModelConfig]], dict[str, Any]], *, timeout_s: float | None) -> None:
+        """A reload of the models served here, changed by `change` (v2's repository load and unload).
+        Under Gunicorn it is made under the reload lock, once the newest reload is applied here:
+        two edits in two workers at once both take effect."""
+        def document(latest: shared_config.Generation | None) -> dict[str, Any]:
+            if latest is not None:
+                self.apply_generation(latest)
+            with self._changing:
+                edited = change(sorted(self.configs.values(), key=lambda c: c.name != self.registry.default_name))
+            try:
+                configs_from_document(edited, self._settings, RELOAD)
+            except SettingsError as exc:
+                raise BadRequest(str(exc)) from None
+            return edited
+
+        if self.shared is None:
+            with self._changing:
+                self.reload(document(None), RELOAD, timeout_s=timeout_s)
+        else:
+            self.shared.publish(document, self.apply_generation, timeout_s=timeout_s)
+
     def apply_generation(self, generation: shared_config.Generation) -> tuple[int, str]:
         """Apply a reload published by this worker or a sibling, unless a newer one was: the
         number of the newest applied, and what failed in it ("" if nothing)."""

@@ -83,6 +83,22 @@ def validate_choice(*choices: str) -> Callable[[str], str]:
     return validate
 
 
+# A header name that is also a valid gRPC metadata key: lowercase token characters, no "-bin"
+# suffix (binary metadata) and no "grpc-" prefix (reserved).
+_RESTRICTION_KEY = re.compile(r"[a-z0-9][a-z0-9_.-]*")
+
+
+def validate_restriction(value: str) -> str:
+    if not value:
+        return ""
+    key, equals, secret = value.partition("=")
+    key = key.strip().lower()
+    if not equals or not secret or not _RESTRICTION_KEY.fullmatch(key) or key.endswith("-bin") \
+            or key.startswith("grpc-"):
+        raise ValueError
+    return f"{key}={secret}"
+
+
 # Matched with fullmatch: "$" would also match before a final newline ("abc\n").
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -186,6 +202,8 @@ _ALLOWED: dict[Callable[[str], Any], str] = {
                                      "any other as text), or empty; not `grpc.so_reuseport` other than 1",
     validate_metrics_path: "a URL path starting with `/`, or empty",
     validate_fraction: "a number from 0 to 1",
+    validate_restriction: "`key=value`: a header name (lowercase letters, digits, '-', '_' or '.'; not `grpc-...` "
+                          "nor `...-bin`) and a value; or empty",
     validate_socket_path: f"a path of at most {MAX_SOCKET_PATH} bytes once absolute, or empty",
 }
 
@@ -225,6 +243,20 @@ class Settings:
         "MODEL_CONFIG_POLL_SECONDS", validate_non_neg_float, 0.0,
         "How often `MODEL_CONFIG` is read again; models added, removed or changed there are loaded, unloaded "
         "or changed live ([TF Serving](tf-serving.md#live-model-config)); 0: never.", section="Models")
+    model_repository: str | None = _env(
+        "MODEL_REPOSITORY", validate_optional_path, None,
+        "A folder of model folders (`name/version/`, as TF Serving and Triton lay them out) that v2's "
+        "repository extension lists and, with `MODEL_CONTROL_MODE=explicit`, loads from "
+        "([repository](api-v2.md#model-repository)).", section="Models")
+    model_control_mode: str = _env(
+        "MODEL_CONTROL_MODE", validate_choice("none", "explicit"), "none",
+        "Triton's name: `explicit` lets v2's repository load and unload change the models served, in every "
+        "worker; `none` refuses them (503). Needs `MODEL_REPOSITORY`.", section="Models")
+    restricted_model_control: str = _env(
+        "RESTRICTED_MODEL_CONTROL", validate_restriction, "",
+        "`key=value`: v2's repository calls and TF Serving's HandleReloadConfigRequest are refused (403, "
+        "PERMISSION_DENIED) without header (REST) or metadata key (gRPC) `key` equal to `value`, as Triton's "
+        "`--http-restricted-api=model-repository:key=value`. Empty: not restricted.", section="Models")
     max_batch_size: int = _env(
         "MAX_BATCH_SIZE", validate_pos_int, 32,
         "Most rows in one predict call. Batches are padded to a bucket: the powers of two below it, and itself.",
@@ -421,6 +453,15 @@ class Settings:
         "none.", section="Payload logging")
 
     def __post_init__(self) -> None:
+        if self.model_control_mode == "explicit" and not self.model_repository:
+            raise SettingsError("MODEL_CONTROL_MODE='explicit' loads models from MODEL_REPOSITORY: set it")
+        if self.model_control_mode == "explicit" and self.model_processes:
+            raise SettingsError(f"MODEL_CONTROL_MODE='explicit' with MODEL_PROCESSES={self.model_processes} is not "
+                                "supported: v2's repository load and unload change a worker's own models")
+        if self.model_control_mode == "explicit" and self.model_config_poll_seconds:
+            # As Triton, which refuses explicit control with polling: the file would undo a load at its next read.
+            raise SettingsError("MODEL_CONTROL_MODE='explicit' and MODEL_CONFIG_POLL_SECONDS="
+                                f"{self.model_config_poll_seconds:g} both change the models served: set one of them")
         if self.gpu_memory_limit_mb and self.gpu_memory_fraction:
             raise SettingsError(
                 f"GPU_MEMORY_LIMIT_MB={self.gpu_memory_limit_mb} and GPU_MEMORY_FRACTION={self.gpu_memory_fraction:g} "

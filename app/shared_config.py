@@ -145,8 +145,10 @@ class SharedConfig:
                 with contextlib.suppress(OSError):  # the reload gave up: nobody reads the answer
                     connection.sendall(json.dumps({"generation": number, "error": error}).encode())
 
-    def publish(self, document: dict[str, Any], apply: Apply, *, timeout_s: float | None) -> None:
-        """Make `document` the server's config: this worker and every live sibling apply it.
+    def publish(self, document: dict[str, Any] | Callable[[Generation | None], dict[str, Any]], apply: Apply, *,
+                timeout_s: float | None) -> None:
+        """Make `document` the server's config: this worker and every live sibling apply it. A
+        callable makes it from the newest generation, under the lock (LiveConfig.edit).
 
         Returns once all did. Raises BadRequest with what failed here (the siblings applied
         the same config), DeadlineExceeded naming the siblings that had not answered within
@@ -157,6 +159,8 @@ class SharedConfig:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with _exclusive(self.folder / _LOCK, timeout_s):
             latest = self.latest()
+            if callable(document):
+                document = document(latest)
             generation = Generation((latest.number if latest else 0) + 1, document)
             _write_atomically(self.folder / _STATE, {"generation": generation.number, "document": document})
             siblings = self._wake(deadline)

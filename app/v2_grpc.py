@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from app import grpc_record, priority, v2_statistics, v2_tensors
+from app import grpc_record, priority, v2_repository, v2_statistics, v2_tensors
 from app.errors import BadRequest, NotFound
 from app.logs import RequestRecord
 from app.serving import RequestLayer
@@ -136,5 +136,9 @@ def _tensors(request: Any) -> list[v2_tensors.Tensor]:
     return tensors
 
 
-def add_to_server(server: grpc.Server, layer: RequestLayer, observed: Callable[[str, Callable], Callable]) -> None:
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(layer, observed), server)
+def add_to_server(server: grpc.Server, layer: RequestLayer, observed: Callable[[str, Callable], Callable],
+                  repository: v2_repository.Repository | None = None) -> None:
+    servicer = InferenceServicer(layer, observed)
+    if repository is not None:  # the model repository extension's methods
+        v2_repository.serve_grpc(servicer, repository, observed)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)

@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 
-from app import codec, limits, priority, v2_statistics, v2_tensors
+from app import codec, limits, priority, v2_repository, v2_statistics, v2_tensors
 from app.errors import BadRequest, Unavailable
 from app.serving import Answer, get_layer
 
@@ -232,3 +232,4 @@ def _inputs(body: dict[str, Any], data: memoryview) -> list[v2_tensors.Tensor]:
 
 def init_app(app: Flask) -> None:
     app.register_blueprint(bp)
+    v2_repository.init_app(app)

@@ -33,7 +33,7 @@ from app.serving import braced
 SERVER_NAME = "tensorflow-model-server"
 # The project ships no release numbers; this names the API generation a client may expect.
 SERVER_VERSION = "1"
-EXTENSIONS = ["binary_tensor_data", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository"]
 BYTES = "BYTES"
 DATATYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),

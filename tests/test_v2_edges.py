@@ -161,7 +161,8 @@ def test_openapi_document_describes_every_route_the_app_serves_v2_included(app, 
         "/v2", "/v2/health/live", "/v2/health/ready", "/v2/models/{name}", "/v2/models/{name}/ready",
         "/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}",
         "/v2/models/{name}/versions/{version}/ready", "/v2/models/{name}/versions/{version}/infer",
-        "/v2/models/stats", "/v2/models/{name}/stats", "/v2/models/{name}/versions/{version}/stats"}
+        "/v2/models/stats", "/v2/models/{name}/stats", "/v2/models/{name}/versions/{version}/stats",
+        "/v2/repository/index", "/v2/repository/models/{name}/load", "/v2/repository/models/{name}/unload"}
 
 
 def test_a_route_without_a_description_stops_start_up():
