@@ -37,6 +37,7 @@ LOCUST_VARIABLES = {"LOCUST_SHAPE", "LOCUST_ROWS", "LOCUST_PATH", "LOCUST_MODEL"
 # The wide-input model: build_default_model's arguments.
 WIDE_MODEL = {"features": 1024, "depth": 3, "outputs": 1000}
 WIDE_MODEL_NAME = "1,024 floats in, 4 × 4,096 hidden, 1,000 out dense, ~235 MB of float32 weights"
+DEFAULT_MODEL_NAME = "the built-in default model (4 → 4096 ×5 → 3 dense, ~268 MB of float32)"
 FLOOR_APP = ("--pythonpath", "scripts", "floor_app:app")
 # Folders of the machine a run was made on: a page shows its command without them.
 LOCAL_FLAGS = ("--out", "--work-dir", "--model-path", "--pytriton-python")
@@ -73,6 +74,34 @@ def names(known: Sequence[str]) -> Callable[[str], list[str]]:
             raise argparse.ArgumentTypeError(f"expected some of {', '.join(known)}; got {text!r}")
         return chosen
     return parse
+
+
+def add_page_arguments(parser: argparse.ArgumentParser, page: Path) -> None:
+    parser.add_argument("--out", type=Path, default=page, help="the page to write (default %(default)s)")
+    parser.add_argument("--work-dir", type=Path, help="keep the servers' logs, the load generator's output and the "
+                        "raw results here (default: a temporary folder)")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, default: str) -> None:
+    """The model every server of a run serves, and an older tree to run beside this one."""
+    add = parser.add_argument
+    add("--model", choices=("default", "wide"), default=default,
+        help=f"the built-in default model, or the wide-input model ({WIDE_MODEL_NAME}), built from seeds")
+    # Absolute: a baseline's server runs in a tree of its own.
+    add("--model-path", type=lambda path: str(Path(path).resolve()),
+        help="serve this model (any MODEL_PATH); wins over --model")
+    add("--baseline-ref", metavar="REF", help="also run the server of this git commit as baseline@<sha>")
+
+
+def model_name(args: argparse.Namespace) -> str:
+    if args.model_path:
+        return Path(args.model_path).name
+    return f"the wide-input model ({WIDE_MODEL_NAME})" if args.model == "wide" else DEFAULT_MODEL_NAME
+
+
+def model_path(args: argparse.Namespace, work_dir: Path) -> str | None:
+    """Every server's MODEL_PATH (None: the built-in model), the wide model built for it first."""
+    return args.model_path or (build_wide_model(work_dir) if args.model == "wide" else None)
 
 
 def mean(values: Iterable[float | None]) -> float | None:
@@ -244,22 +273,15 @@ def run_scenario(args: Any, title: str, measure: Callable[[Path, dict[str, str]]
     and whether anything failed), the page; exit status 1 where anything failed."""
     started, clock = datetime.datetime.now(datetime.UTC), time.monotonic()
     machine = machine_facts()  # the load average at the start, before anything of this run
-    with working_folder(args.work_dir) as work_dir:
-        body, failed = measure(work_dir, machine)
+    if args.work_dir:
+        args.work_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.nullcontext(args.work_dir) if args.work_dir else tempfile.TemporaryDirectory(
+            prefix="benchmark-") as work_dir:
+        body, failed = measure(Path(work_dir), machine)
     page = write_page(args.out, title, scenario=args.scenario, argv=args.argv, started=started,
                       elapsed_s=time.monotonic() - clock, machine=machine, body=body)
     log(f"wrote {page}")
     return 1 if failed else 0
-
-
-@contextmanager
-def working_folder(path: Path | None) -> Iterator[Path]:
-    if path is not None:
-        path.mkdir(parents=True, exist_ok=True)
-        yield path
-        return
-    with tempfile.TemporaryDirectory(prefix="benchmark-") as folder:
-        yield Path(folder)
 
 
 @contextmanager
