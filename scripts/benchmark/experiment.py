@@ -71,19 +71,15 @@ def _numbers(kind: type, *, one: bool = False) -> Any:
 def add_arguments(parser: argparse.ArgumentParser, *, page: Path) -> None:
     add = parser.add_argument
     add("--quick", action="store_true", help="a smoke test of seconds: naive and default, 1 user, 2 s a load")
-    add("--out", type=Path, default=page, help="the page to write (default %(default)s)")
+    common.add_page_arguments(parser, page)
+    common.add_model_arguments(parser, default="default")
     add("--duration", type=_numbers(float, one=True), help="seconds per load point (default 30)")
     add("--configs", type=common.names(list(CONFIGS_BY_NAME)), help=f"of: {', '.join(CONFIGS_BY_NAME)}")
     add("--users", type=_numbers(int), help="user counts with 1-3 s think time (default 1,20)")
     add("--closed-loop-users", type=int, help="users of the closed loop, 0 to skip it (default 64)")
-    add("--model", choices=("default", "wide"), default="default",
-        help=f"the built-in default model, or the wide-input model ({common.WIDE_MODEL_NAME}), built from seeds")
-    add("--model-path", help="serve and time this model (any MODEL_PATH); wins over --model")
-    add("--baseline-ref", metavar="REF", help="also run the server of this git commit as baseline@<sha>")
     add("--rounds", type=_numbers(int, one=True), default=1,
         help="run every configuration this many times in alternating order; report each round's ratios' median")
     add("--spawn-rate", type=_numbers(float, one=True), help="users Locust starts a second (default: all at once)")
-    add("--work-dir", type=Path, help="keep Locust's output, the server logs and results.json here")
     add("--server-start-timeout", type=float, default=300)
 
 
@@ -98,7 +94,6 @@ def resolve(args: argparse.Namespace, *, configs: list[str] | None = None) -> ar
         args.closed_loop_users = 4 if quick else 64
     args.batch_sizes = SERVER_BUCKETS  # every size the servers pad to, so that their batches can be timed alone
     args.idle_calls, args.call_budget = (2, 0.3) if quick else (8, 3.0)  # the model alone's calls after idling, s
-    args.model_path = str(Path(args.model_path).resolve()) if args.model_path else None
     return args
 
 
@@ -212,8 +207,6 @@ class ConfigResult:
 def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, work_dir: Path, *,
                tag: str = "") -> ConfigResult:
     """Start the configuration's server, run every load point against it, stop it."""
-    import psutil
-
     server = Server(config, model_path=args.served_model_path, log_path=work_dir / f"gunicorn-{config.name}{tag}.log")
     result = ConfigResult(config.name)
     measure = functools.partial(measure_load, server, duration_s=args.duration, buckets=SERVER_BUCKETS,
@@ -222,8 +215,7 @@ def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, 
         started = time.monotonic()
         server.start(workers=config.workers, ready_within_s=args.server_start_timeout)
         start_s = time.monotonic() - started
-        assert server.proc is not None
-        result.cwd = psutil.Process(server.proc.pid).cwd()
+        result.cwd = server.processes()[0].cwd()  # the master's
         log(f"{config.name}: ready in {start_s:.1f} s")
         for load in loads:
             name = f"{config.name}{tag}-{load.label.replace(' ', '_')}"
@@ -311,8 +303,7 @@ def load_name(label: str) -> str:
 
 def report_lines(run: Run) -> list[str]:
     args, closed = run.args, run.closed
-    model = (Path(args.model_path).name if args.model_path else f"the wide-input model ({common.WIDE_MODEL_NAME})"
-             if args.model == "wide" else "the built-in default model (4 → 4096 ×5 → 3 dense, ~268 MB of float32)")
+    model = common.model_name(args)
     spawning = f"users started {args.spawn_rate:g} a second" if args.spawn_rate else "all users started at once"
     lines = ["**A quick run**: a smoke test of the benchmark, not measurements.", ""] if args.quick else []
     lines += ["## Settings", "", f"Model: {model}. Each load point: {args.duration:g} s of headless Locust "
@@ -458,11 +449,11 @@ def measure(args: argparse.Namespace, work_dir: Path, stack: ExitStack) -> Run:
     if args.closed_loop_users:
         loads.append(Load(CLOSED_LOOP_LABEL, args.closed_loop_users))
     log(f"working folder {work_dir}; configurations {[c.name for c in configs]}; loads {[x.label for x in loads]}")
-    args.served_model_path = args.model_path or (common.build_wide_model(work_dir) if args.model == "wide" else None)
+    args.served_model_path = common.model_path(args, work_dir)
     log(f"model alone: batch sizes {args.batch_sizes}, then {args.idle_calls} calls after idling")
     common.run_child("scripts.benchmark.experiment:save_model_alone", work_dir / "model_alone.log",
-              out=str(work_dir / "model_alone.json"), model_path=args.served_model_path,
-              batch_sizes=args.batch_sizes, budget_s=args.call_budget, idle_calls=args.idle_calls)
+                     out=str(work_dir / "model_alone.json"), model_path=args.served_model_path,
+                     batch_sizes=args.batch_sizes, budget_s=args.call_budget, idle_calls=args.idle_calls)
     alone = ModelAlone.from_json(json.loads((work_dir / "model_alone.json").read_text()))
     rounds = run_rounds(configs, loads, args, work_dir)
     (work_dir / "results.json").write_text(json.dumps(
