@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import common
-from .common import DOCS, REPO, Config, Load, Server, fmt, log, markdown_table
+from .common import DOCS, Config, Load, Server, fmt, log, markdown_table
 from .experiment import CONFIGS_BY_NAME
 from .load import run_locust
 
@@ -264,36 +264,24 @@ def report_lines(results: list[dict[str, Any]], args: argparse.Namespace) -> lis
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_model_arguments(parser, default="wide")
+    common.add_page_arguments(parser, PAGE)
     add = parser.add_argument
-    add("--model", choices=("default", "wide"), default="wide")
-    add("--model-path", help="profile with this MODEL_PATH instead")
-    add("--baseline-ref", help="also profile this commit (a temporary git worktree), first")
     add("--no-floor", dest="floor", action="store_false", help="leave out the floor and floor-batcher")
     add("--users", type=int, default=32)
     add("--seconds", type=float, default=20)
     add("--rate", type=int, default=100)
-    add("--out", type=Path, default=PAGE, help="the page to write (default %(default)s)")
-    add("--work-dir", type=Path)
 
 
 def run(args: argparse.Namespace) -> int:
     args.py_spy_version = metadata.version("py-spy")
 
     def measure_all(work: Path, machine: dict[str, str]) -> tuple[list[str], bool]:
-        if args.model_path:
-            args.model_name = Path(args.model_path).name
-        elif args.model == "wide":
-            args.model_path = common.build_wide_model(work)
-            args.model_name = f"the wide model ({common.WIDE_MODEL_NAME})"
-        else:
-            args.model_name = "the built-in default model"
+        args.model_name, args.model_path = common.model_name(args), common.model_path(args, work)
         with contextlib.ExitStack() as stack:
-            configs = []
-            if args.baseline_ref:
-                tree, short_sha = stack.enter_context(common.baseline_tree(args.baseline_ref))
-                configs.append(Config(f"baseline@{short_sha}", 1, {}, "one worker, defaults", tree=tree))
-            configs.append(Config("this tree", 1, {}, "one worker, defaults", tree=REPO))
-            configs += [FLOOR, FLOOR_BATCHER] if args.floor else []
+            configs = [common.baseline_config(*stack.enter_context(common.baseline_tree(args.baseline_ref)))
+                       ] if args.baseline_ref else []
+            configs += [Config("this tree", 1, {}, "one worker, defaults"), *([FLOOR, FLOOR_BATCHER] * args.floor)]
             results = [profile_server(config, args, work) for config in configs]
         return report_lines(results, args), False
 
