@@ -13,6 +13,7 @@ Writes gpu_jax.json under --out and prints a summary. `--small` sizes it for a C
 from __future__ import annotations
 
 import argparse
+import functools
 import http.client
 import json
 import multiprocessing
@@ -25,39 +26,37 @@ import time
 from pathlib import Path
 
 import numpy as np
+import requests
 
-REPO = Path(__file__).resolve().parents[2]
-WIDE = {"features": 1024, "depth": 3, "outputs": 1000}  # 1,024 -> 4 x 4,096 -> 1,000
-SMALL = {"features": 1024, "width": 256, "depth": 3, "outputs": 1000}
+from .common import WIDE_MODEL, Config, MetricSnapshot, Server, run_child
+
+SMALL = WIDE_MODEL | {"width": 256}
+SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
 def check_rows() -> np.ndarray:
     return np.random.default_rng(0).normal(size=(3, 1024)).astype("float32")
 
 
-def model_alone(path: str, sizes: list[int], budget_s: float, *, small: bool) -> dict:
-    """Build and save the model, then time it: in a process of its own, so that its JAX client
+def save_model_alone(path: str, out: str, budget_s: float, small: bool) -> None:
+    """Build and save the model, then time it: run in a process of its own, so that its JAX client
     (and the GPU memory JAX takes by default) is gone before the server's starts."""
     from app.models import build_default_model, example_batch, load_model
 
-    build_default_model(**(SMALL if small else WIDE)).save(path)
+    from .experiment import time_calls
+
+    build_default_model(**(SMALL if small else WIDE_MODEL)).save(path)
     model = load_model(path, name="wide")
-    expected = model.predict({"features": check_rows()})["scores"]
     rows = []
-    for size in sizes:
+    for size in SIZES:
         batch = example_batch(model, size)
         batch["features"] = np.random.default_rng(size).normal(size=batch["features"].shape).astype("float32")
-        model.predict(batch)  # compiles this size
-        times: list[float] = []
-        until = time.perf_counter() + budget_s
-        while time.perf_counter() < until or len(times) < 5:
-            started = time.perf_counter()
-            model.predict(batch)
-            times.append(time.perf_counter() - started)
-        median = float(np.median(times))
-        rows.append({"batch": size, "calls": len(times), "median_ms": round(median * 1e3, 3),
-                     "rows_per_s": round(size / median)})
-    return {"timings": rows, "check": expected.tolist()}
+        timing = time_calls(functools.partial(model.predict, batch), budget_s=budget_s, batch_size=size,
+                            max_calls=10**6)
+        rows.append({"batch": size, "calls": timing.calls, "median_ms": round(timing.median_ms, 3),
+                     "rows_per_s": round(timing.items_per_s)})
+    expected = model.predict({"features": check_rows()})["scores"]
+    Path(out).write_text(json.dumps({"timings": rows, "check": expected.tolist()}))
 
 
 def _client(url: str, body: bytes, until: float, latencies: list[float], errors: list[str]) -> None:
@@ -106,15 +105,6 @@ def load(url: str, body: bytes, clients: int, seconds: float, processes: int) ->
             "p99_ms": round(float(np.percentile(latencies, 99)) * 1e3, 2) if len(latencies) else None}
 
 
-def predict_calls(url: str) -> float:
-    """The model's predict calls so far: the count of the server's rows-per-call histogram."""
-    import requests
-
-    text = requests.get(url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("model_server_batch_size_rows_count") and 'model="wide"' in line)
-
-
 def gpu_memory() -> dict:
     query = ["nvidia-smi", "--query-gpu=name,memory.used,memory.total", "--format=csv,noheader,nounits"]
     apps = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
@@ -134,37 +124,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cap-mb", default="8192")
     parser.add_argument("--max-batch", default="128")
     parser.add_argument("--small", action="store_true", help="a narrow model and short runs: a CPU check")
-    parser.add_argument("--alone", help=argparse.SUPPRESS)  # the model-alone child: its model's path
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ["KERAS_BACKEND"] = "jax"
-    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    if args.alone:
-        print(json.dumps(model_alone(args.alone, sizes, 0.3 if args.small else 1.0, small=args.small)))
-        return 0
+    os.environ["KERAS_BACKEND"] = "jax"  # the model-alone child's too
     args.out.mkdir(parents=True, exist_ok=True)
-    path = str(Path(tempfile.mkdtemp(prefix="gpu-jax-")) / "wide.keras")
+    path, alone_path = str(Path(tempfile.mkdtemp(prefix="gpu-jax-")) / "wide.keras"), args.out / "model_alone.json"
     results: dict = {"model": "small" if args.small else "wide", "idle": gpu_memory()}
-    child = subprocess.run([sys.executable, "-m", "scripts.benchmark", "gpu", "--alone", path,
-                            *(["--small"] * args.small)], cwd=REPO, capture_output=True, text=True)
-    if child.returncode:
-        sys.exit(f"the model alone failed:\n{child.stderr[-4000:]}")
-    alone = json.loads(child.stdout.strip().splitlines()[-1])
+    try:
+        run_child("scripts.benchmark.gpu:save_model_alone", args.out / "model_alone.log", path=path,
+                  out=str(alone_path), budget_s=0.3 if args.small else 1.0, small=args.small)
+    except subprocess.CalledProcessError:
+        sys.exit(f"the model alone failed: see {args.out / 'model_alone.log'}")
+    alone = json.loads(alone_path.read_text())
     results["alone"], expected = alone["timings"], np.array(alone["check"], dtype=np.float32)
-
-    from scripts.live_server import LiveServer
-
     env = {"MODEL_PATH": path, "MODEL_NAME": "wide", "MODEL_PROCESSES": "1", "GRPC_BIND": "",
            "GPU_MEMORY_LIMIT_MB": args.cap_mb, "MAX_BATCH_SIZE": args.max_batch, "MAX_QUEUE_ROWS": "1024",
            "ACCESS_LOG": "false", "KERAS_BACKEND": "jax"}
-    server = LiveServer(args.out, env, log_name="server.log")
+    server = Server(Config("gpu", args.workers, env, "JAX"), model_path=None, log_path=args.out / "server.log")
     started = time.perf_counter()
-    server.start(workers=args.workers, ready_within_s=300)
-    results["server"] = {**env, "workers": args.workers, "ready_s": round(time.perf_counter() - started, 1)}
     try:
-        import requests
-
+        server.start(workers=args.workers, ready_within_s=300)
+        results["server"] = {**env, "workers": args.workers, "ready_s": round(time.perf_counter() - started, 1)}
         rows = check_rows()
         rest = requests.post(server.url + "/v1/models/wide:predict", json={"instances": rows.tolist()}, timeout=60)
         v2 = requests.post(server.url + "/v2/models/wide/infer", timeout=60, json={"inputs": [
@@ -178,9 +159,9 @@ def run(args: argparse.Namespace) -> int:
         body = json.dumps({"instances": rows[:1].tolist()}).encode()
         results["load"] = []
         for clients in [int(count) for count in args.clients.split(",")]:
-            before = predict_calls(server.url)
+            before = (server.metrics() or MetricSnapshot()).calls
             level = load(server.url, body, clients, args.seconds, min(8, clients))
-            calls = predict_calls(server.url) - before
+            calls = (server.metrics() or MetricSnapshot()).calls - before
             level["rows_per_call"] = round(level["requests"] / calls, 2) if calls else None
             level["gpu"] = gpu_memory()
             results["load"].append(level)
