@@ -163,33 +163,22 @@ def cpu_by_kind(before: dict[int, float], after: dict[int, float], names: dict[i
 
 
 def gil_table(results: Sequence[dict[str, Any]]) -> list[str]:
-    stages = [stage for stage, _ in STAGES] + [OTHER_STAGE]
-    header = ["stage"]
-    per_result = []
+    columns = []  # per result: GIL samples by stage, their total, and GIL ms per request
     for result in results:
         profile: Profile = result["gil"]
-        total = sum(profile.samples.values()) or 1
         by_stage: collections.Counter = collections.Counter()
         for stack, count in profile.samples.items():
             by_stage[stage_of(stack)] += count
-        held_share = total / profile.ticks  # of wall time, the GIL was held
-        requests = result["gil_requests_in_window"] or 1
-        ms_per_request = held_share * result["seconds"] * 1000 / requests
-        per_result.append((by_stage, total, ms_per_request))
-        header += [f"{result['label']}: share of GIL samples", f"{result['label']}: GIL ms/request"]
-    rows = []
-    for stage in stages:
-        if not any(by_stage[stage] for by_stage, _, _ in per_result):
-            continue
-        row = [stage]
-        for by_stage, total, ms in per_result:
-            row += [f"{by_stage[stage] / total:.1%}", f"{by_stage[stage] / total * ms:.3f}"]
-        rows.append(row)
-    total_row = ["**all (GIL held)**"]
-    for _, _, ms in per_result:
-        total_row += ["100%", f"**{ms:.3f}**"]
-    rows.append(total_row)
-    return markdown_table(header, rows)
+        total = sum(by_stage.values()) or 1
+        # The share of wall time the GIL was held (samples ÷ ticks), over the requests answered meanwhile.
+        columns.append((by_stage, total, total / profile.ticks * result["seconds"] * 1000 / (
+            result["gil_requests_in_window"] or 1)))
+    rows = [[stage, *(cell for by_stage, total, ms in columns for cell in (
+        f"{by_stage[stage] / total:.1%}", f"{by_stage[stage] / total * ms:.3f}"))]
+            for stage in [*(stage for stage, _ in STAGES), OTHER_STAGE] if any(c[0][stage] for c in columns)]
+    rows.append(["**all (GIL held)**", *(cell for _, _, ms in columns for cell in ("100%", f"**{ms:.3f}**"))])
+    return markdown_table(["stage", *(f"{result['label']}: {what}" for result in results
+                                      for what in ("share of GIL samples", "GIL ms/request"))], rows)
 
 
 def cpu_table(results: Sequence[dict[str, Any]]) -> list[str]:
