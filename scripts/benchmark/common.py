@@ -179,6 +179,15 @@ class Server(LiveServer):
                          drop_env=SERVER_VARIABLES | LOCUST_VARIABLES, log_name=log_path.name)
         self.config = config
 
+    @contextmanager
+    def running(self, *, workers: int = 1, within_s: float = 300) -> Iterator[Server]:
+        """Started and ready, then stopped: also when it never became ready."""
+        try:
+            self.start(workers=workers, ready_within_s=within_s)
+            yield self
+        finally:
+            self.stop()
+
     def metrics(self) -> MetricSnapshot | None:
         """The batching figures of /metrics (all workers added up), or None where it cannot be read."""
         try:
