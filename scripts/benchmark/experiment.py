@@ -211,20 +211,17 @@ def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, 
     result = ConfigResult(config.name)
     measure = functools.partial(measure_load, server, duration_s=args.duration, buckets=SERVER_BUCKETS,
                                 spawn_rate=args.spawn_rate)
+    started = time.monotonic()
     try:
-        started = time.monotonic()
-        server.start(workers=config.workers, ready_within_s=args.server_start_timeout)
-        start_s = time.monotonic() - started
-        result.cwd = server.processes()[0].cwd()  # the master's
-        log(f"{config.name}: ready in {start_s:.1f} s")
-        for load in loads:
-            name = f"{config.name}{tag}-{load.label.replace(' ', '_')}"
-            result.loads[load.label] = measure(load, prefix=work_dir / name, what=name)
+        with server.running(workers=config.workers, within_s=args.server_start_timeout):
+            log(f"{config.name}: ready in {time.monotonic() - started:.1f} s")
+            result.cwd = server.processes()[0].cwd()  # the master's
+            for load in loads:
+                name = f"{config.name}{tag}-{load.label.replace(' ', '_')}"
+                result.loads[load.label] = measure(load, prefix=work_dir / name, what=name)
     except Exception as exc:  # one configuration failing should not lose the others' numbers
         result.error = common.failure(exc, server)
         log(f"{config.name}: {result.error}")
-    finally:
-        server.stop()
     return result
 
 
