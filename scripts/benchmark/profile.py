@@ -203,9 +203,7 @@ def profile_server(config: Config, args: argparse.Namespace, work: Path) -> dict
     server = Server(config, model_path=args.model_path, log_path=work / f"gunicorn-{label}.log")
     result: dict[str, Any] = {"label": label, "seconds": args.seconds}
     # py-spy records in this thread pool while Locust loads the server from this thread.
-    recorder = concurrent.futures.ThreadPoolExecutor(1)
-    try:
-        server.start(ready_within_s=300)
+    with server.running(), concurrent.futures.ThreadPoolExecutor(1) as recorder:
         workers = [process.pid for process in server.processes()[1:]]
         if len(workers) != 1:
             raise RuntimeError(f"expected one worker, found {workers}")
@@ -223,9 +221,6 @@ def profile_server(config: Config, args: argparse.Namespace, work: Path) -> dict
         stats = run_locust(server.url, load, duration_s=int(args.seconds), prefix=work / f"{label}-cpu")
         result["cpu"] = cpu_by_kind(before, thread_cpu(pid), thread_names(pid))
         result["cpu_rps"], result["cpu_requests"] = stats.rps, stats.requests
-    finally:
-        recorder.shutdown(wait=True)
-        server.stop()
     return result
 
 
