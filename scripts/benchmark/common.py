@@ -256,12 +256,9 @@ def without_flags(argv: Sequence[str], flags: Sequence[str] = LOCAL_FLAGS) -> li
     """argv less these flags and their values (`--out DIR` and `--out=DIR`)."""
     shown, skip = [], False
     for part in argv:
-        if skip:
-            skip = False
-        elif part in flags:
-            skip = True
-        elif not part.startswith(tuple(f"{flag}=" for flag in flags)):
+        if not skip and part not in flags and not part.startswith(tuple(f"{flag}=" for flag in flags)):
             shown.append(part)
+        skip = not skip and part in flags  # the next part is this flag's value
     return shown
 
 
