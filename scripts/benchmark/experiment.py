@@ -9,6 +9,7 @@ server ran. --baseline-ref REF adds the server of commit REF.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -58,13 +59,11 @@ CONFIGS_BY_NAME = {config.name: config for config in CONFIGS}
 def _numbers(kind: type, *, one: bool = False) -> Any:
     """An argparse type: numbers above 0, separated by commas (one of them with `one`)."""
     def parse(text: str) -> Any:
-        try:
+        with contextlib.suppress(ValueError):
             values = [kind(part) for part in text.split(",") if part.strip()]
-        except ValueError:
-            values = []
-        if not values or not all(value > 0 and math.isfinite(value) for value in values) or (one and len(values) > 1):
-            raise argparse.ArgumentTypeError(f"expected {'a' if one else ''} {kind.__name__} above 0, got {text!r}")
-        return values[0] if one else values
+            if values and all(value > 0 and math.isfinite(value) for value in values) and not (one and len(values) > 1):
+                return values[0] if one else values
+        raise argparse.ArgumentTypeError(f"expected {'a' if one else ''} {kind.__name__} above 0, got {text!r}")
     return parse
 
 
@@ -83,14 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, page: Path) -> None:
     add("--server-start-timeout", type=float, default=300)
 
 
-def resolve(args: argparse.Namespace, *, configs: list[str] | None = None) -> argparse.Namespace:
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Every default filled in, the quick run's where --quick is given."""
     quick = args.quick
     args.duration = args.duration or (2 if quick else 30)
-    args.configs = args.configs or configs or (["naive", REFERENCE] if quick else
-                                               [config.name for config in CONFIGS if config.in_full_run])
+    args.configs = args.configs or (["naive", REFERENCE] if quick else [c.name for c in CONFIGS if c.in_full_run])
     args.users = args.users or ([1] if quick else [1, 20])
-    if args.closed_loop_users is None:
+    if args.closed_loop_users is None:  # 0 skips the closed loop
         args.closed_loop_users = 4 if quick else 64
     args.batch_sizes = SERVER_BUCKETS  # every size the servers pad to, so that their batches can be timed alone
     args.idle_calls, args.call_budget = (2, 0.3) if quick else (8, 3.0)  # the model alone's calls after idling, s
