@@ -110,14 +110,11 @@ def record(pid: int, *, seconds: float, rate: int, out: Path) -> tuple[collectio
     command = [PY_SPY, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", str(rate),
                "--nonblocking", "--gil", "--format", "raw", "--output", str(out)]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 120)
-    errors = 0
-    for line in (finished.stdout + finished.stderr).splitlines():
-        # py-spy> Wrote raw flamegraph data to '...'. Samples: 306 Errors: 97
-        if "Errors:" in line:
-            errors = int(line.rsplit("Errors:", 1)[1].split()[0])
     if finished.returncode != 0 or not out.exists():
         raise RuntimeError(f"py-spy failed ({finished.returncode}): {finished.stderr[-2000:]}")
-    return read_raw(out), errors
+    # py-spy> Wrote raw flamegraph data to '...'. Samples: 306 Errors: 97
+    errors = re.findall(r"Errors: (\d+)", finished.stdout + finished.stderr)
+    return read_raw(out), int(errors[-1]) if errors else 0
 
 
 def thread_names(pid: int) -> dict[int, str]:
