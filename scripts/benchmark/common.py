@@ -117,26 +117,16 @@ class Config:
     workers: int
     env: dict[str, str]
     what: str
-    baseline: bool = False  # a configuration the default is compared against
     tree: Path = REPO
     app: tuple[str, ...] = SERVER_COMMAND[-1:]
     in_full_run: bool = True  # run when --configs is not given
-
-    @property
-    def predict_path(self) -> str:
-        """The model-alone timing that matches this configuration's predict calls."""
-        return "keras_predict" if self.env.get("PREDICT_METHOD") == "keras_predict" else "function"
 
 
 @dataclasses.dataclass(frozen=True)
 class Load:
     label: str
     users: int
-    think_s: tuple[float, float] = (0.0, 0.0)
-
-    @property
-    def closed_loop(self) -> bool:
-        return self.think_s == (0.0, 0.0)
+    think_s: tuple[float, float] = (0.0, 0.0)  # none: a closed loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,8 +297,7 @@ def baseline_tree(ref: str) -> Iterator[tuple[Path, str]]:
 
 
 def baseline_config(tree: Path, short_sha: str) -> Config:
-    return Config(f"baseline@{short_sha}", 1, {}, f"the server of commit {short_sha}: its defaults, 1 worker",
-                  True, tree)
+    return Config(f"baseline@{short_sha}", 1, {}, f"the server of commit {short_sha}: its defaults, 1 worker", tree)
 
 
 def run_child(function: str, log_path: Path, *, timeout_s: float = 900, **kwargs: Any) -> None:

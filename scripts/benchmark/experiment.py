@@ -37,21 +37,19 @@ SERVER_BUCKETS = bucket_sizes(Settings().max_batch_size)
 # naive and unbatched-* use the server's benchmark-only settings (BATCHING, PREDICT_METHOD).
 CONFIGS = [
     Config("naive", 1, {"PREDICT_METHOD": "keras_predict", "BATCHING": "false"},
-           "Keras model.predict per request, no batching: the article's starting point", True),
-    Config("unbatched-1w", 1, {"BATCHING": "false"}, "our compiled predict path, one request per call, 1 worker", True),
-    Config("unbatched-2w", 2, {"BATCHING": "false"}, "our compiled predict path, one request per call, 2 workers",
-           True),
-    Config("timeout-500ms", 1, {"BATCH_TIMEOUT_MS": "500"}, "batching that waits up to 500 ms for a batch to fill",
-           True),
-    Config("timeout-20ms", 1, {"BATCH_TIMEOUT_MS": "20"}, "batching that waits up to 20 ms for a batch to fill", True),
+           "Keras model.predict per request, no batching: the article's starting point"),
+    Config("unbatched-1w", 1, {"BATCHING": "false"}, "our compiled predict path, one request per call, 1 worker"),
+    Config("unbatched-2w", 2, {"BATCHING": "false"}, "our compiled predict path, one request per call, 2 workers"),
+    Config("timeout-500ms", 1, {"BATCH_TIMEOUT_MS": "500"}, "batching that waits up to 500 ms for a batch to fill"),
+    Config("timeout-20ms", 1, {"BATCH_TIMEOUT_MS": "20"}, "batching that waits up to 20 ms for a batch to fill"),
     Config(REFERENCE, 1, {}, "the shipped default: batch as soon as the model is free, 1 worker"),
     Config("default-2w", 2, {}, "the shipped default with 2 workers"),
     Config("procs-2w", 2, {"MODEL_PROCESSES": "1"}, "1 model process, 2 workers", in_full_run=False),
     # Not servers: what Gunicorn and Flask cost around the same model (scripts/floor_app.py, fixed answers).
     Config("floor", 1, {"GRPC_BIND": ""}, "Gunicorn and Flask around the same model with a model thread of its "
-           "own, nothing of app/ in a request", True, app=FLOOR_APP, in_full_run=False),
+           "own, nothing of app/ in a request", app=FLOOR_APP, in_full_run=False),
     Config("floor-batcher", 1, {"GRPC_BIND": "", "FLOOR_BATCHER": "true"}, "the floor with the server's batching "
-           "engine as its model thread", True, app=FLOOR_APP, in_full_run=False),
+           "engine as its model thread", app=FLOOR_APP, in_full_run=False),
 ]
 CONFIGS_BY_NAME = {config.name: config for config in CONFIGS}
 
@@ -128,9 +126,9 @@ class ModelAlone:
                                 CallTiming(**row["keras_predict"]) if row.get("keras_predict") else None)
                     for row in data["batches"]], data["after_idle_ms"])
 
-    def timings(self, predict_path: str) -> dict[int, CallTiming]:
-        """Per batch size, the timing of one predict path (Config.predict_path), where it was timed."""
-        found = {row.batch: row.keras_predict if predict_path == "keras_predict" else row.function
+    def timings(self, method: str) -> dict[int, CallTiming]:
+        """Per batch size, the timing of the predict path a server's PREDICT_METHOD names, where it was timed."""
+        found = {row.batch: row.keras_predict if method == "keras_predict" else row.function
                  for row in self.batches}
         return {size: timing for size, timing in found.items() if timing is not None}
 
@@ -283,13 +281,14 @@ class Run:
 
     @property
     def closed(self) -> Load | None:
-        return next((load for load in self.loads if load.closed_loop), None)
+        return next((load for load in self.loads if not any(load.think_s)), None)
 
     def ceiling(self, name: str, stats: LoadStats) -> Ceiling:
         if stats.server_batches is None or stats.server_cpu_s is None:
             return Ceiling()
-        return ceiling_figures(stats.server_batches, self.alone.timings(self.configs[name].predict_path),
-                               requests=stats.requests, rps=stats.rps, server_cpu_s=stats.server_cpu_s)
+        timings = self.alone.timings(self.configs[name].env.get("PREDICT_METHOD", ""))
+        return ceiling_figures(stats.server_batches, timings, requests=stats.requests, rps=stats.rps,
+                               server_cpu_s=stats.server_cpu_s)
 
 
 def load_name(label: str) -> str:
