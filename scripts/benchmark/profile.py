@@ -75,7 +75,6 @@ NATIVE_THREADS = "threads without Python (TensorFlow's pools, gRPC's)"
 
 @dataclasses.dataclass
 class Profile:
-    label: str
     samples: collections.Counter  # stack -> count
     errors: int
     ticks: int  # sampling ticks over the recording (rate × seconds)
@@ -211,7 +210,7 @@ def profile_server(config: Config, args: argparse.Namespace, work: Path) -> dict
         spy = recorder.submit(record, pid, seconds=args.seconds, rate=args.rate, out=work / f"{label}-gil.txt")
         stats = run_locust(server.url, load, duration_s=int(args.seconds) + 4, prefix=work / f"{label}-gil")
         samples, errors = spy.result()
-        result["gil"] = Profile(label, samples, errors, int(args.rate * args.seconds))
+        result["gil"] = Profile(samples, errors, int(args.rate * args.seconds))
         result["gil_rps"], result["gil_requests_in_window"] = stats.rps, stats.rps * args.seconds
         log(f"{label} gil: {sum(samples.values())} samples, {errors} errors, {stats.rps:.0f} req/s")
         before = thread_cpu(pid)
