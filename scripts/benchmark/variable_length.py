@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
+from . import common
 from .common import DOCS, Config, Server, log, markdown_table, metric_totals, run_child, run_scenario
 from .load import run_wrk
 
@@ -69,8 +70,7 @@ def run_mode(model_path: Path, env: dict[str, str], *, clients: int, seconds: fl
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=20, help="seconds of load per mode (default 20)")
     parser.add_argument("--clients", type=int, default=16, help="wrk's connections (default 16)")
-    parser.add_argument("--out", type=Path, default=PAGE, help="the page to write (default %(default)s)")
-    parser.add_argument("--work-dir", type=Path)
+    common.add_page_arguments(parser, PAGE)
 
 
 def run(args: argparse.Namespace) -> int:
