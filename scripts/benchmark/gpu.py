@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import requests
@@ -88,11 +89,16 @@ def _generator_process(args: tuple) -> tuple[list[float], list[str]]:
     return latencies, errors
 
 
+def _imported(started: Any) -> None:
+    """A generator process's first call: unpickling it imports this module, which must not eat into the load."""
+    started.wait()
+
+
 def load(url: str, body: bytes, clients: int, seconds: float, processes: int) -> dict:
     shares = [clients // processes + (index < clients % processes) for index in range(processes)]
     context = multiprocessing.get_context("spawn")
     started = context.Barrier(processes + 1)
-    with context.Pool(processes, initializer=started.wait) as pool:
+    with context.Pool(processes, initializer=_imported, initargs=(started,)) as pool:
         started.wait()  # every process started and this module imported before the clock runs
         until = time.perf_counter() + seconds  # CLOCK_MONOTONIC: one clock for every process
         parts = pool.map(_generator_process, [(url, body, share, until) for share in shares if share])
