@@ -304,9 +304,11 @@ def run_child(function: str, log_path: Path, *, timeout_s: float = 900, **kwargs
     """`module:function(**kwargs)` in a child process, so that TensorFlow is never loaded in this one."""
     env = {key: value for key, value in os.environ.items() if key not in SERVER_VARIABLES}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    module, name = function.split(":")
+    code = f"import json, sys; from {module} import {name}; {name}(**json.loads(sys.argv[1]))"
     with open(log_path, "wb") as output:
-        subprocess.run([sys.executable, "-m", "scripts.benchmark", "_child", function, json.dumps(kwargs)], cwd=REPO,
-                       env=env, check=True, timeout=timeout_s, stdout=output, stderr=subprocess.STDOUT)
+        subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], cwd=REPO, env=env, check=True,
+                       timeout=timeout_s, stdout=output, stderr=subprocess.STDOUT)
 
 
 def save_wide_model(path: str) -> None:
