@@ -19,12 +19,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def next_version(base: Path) -> int:
-    from app.models import available_versions
-
-    return max(available_versions(str(base)), default=0) + 1
-
-
 def export(model_path: str | None, base: Path, version: int | None = None) -> Path:
     import keras
 
@@ -32,10 +26,11 @@ def export(model_path: str | None, base: Path, version: int | None = None) -> Pa
 
     model = keras.models.load_model(model_path, compile=False) if model_path else build_default_model()
     base.mkdir(parents=True, exist_ok=True)
-    version = version or next_version(base)
+    versions = available_versions(str(base))
+    version = version or max(versions, default=0) + 1
     target = base / str(version)
     # '3' and '00000003' are the same version to a server reading BASE.
-    if target.exists() or version in available_versions(str(base)):
+    if target.exists() or version in versions:
         raise SystemExit(f"version {version} exists already in {base}; choose another --version")
     staging = Path(tempfile.mkdtemp(prefix=f".export-{version}-", dir=base))
     try:

@@ -25,13 +25,11 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail if the page differs from the code")
     parser.add_argument("--page", type=Path, default=PAGE, help="the page to write or check (default: %(default)s)")
     args = parser.parse_args()
-    text = settings_markdown()
-    if args.check:
-        if args.page.read_text() != text:
-            print(f"{args.page} is stale: run python scripts/settings_doc.py", file=sys.stderr)
-            return 1
-        return 0
-    args.page.write_text(text)
+    if not args.check:
+        args.page.write_text(settings_markdown())
+    elif args.page.read_text() != settings_markdown():
+        print(f"{args.page} is stale: run python scripts/settings_doc.py", file=sys.stderr)
+        return 1
     return 0
 
 

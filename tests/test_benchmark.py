@@ -214,7 +214,7 @@ def test_rounds_report_the_median_of_each_rounds_ratio_not_the_ratio_of_medians(
     rounds = [[experiment.ConfigResult("baseline@abc", {"1": stats(1, 10.0), closed.label: stats(base, 100.0)}),
                experiment.ConfigResult("default", {"1": stats(1, 8.0), closed.label: stats(ours, 80.0)})]
               for base, ours in [(250, 300), (200, 300), (240, 336)]]
-    configs = {"baseline@abc": common.Config("baseline@abc", 1, {}, "", True),
+    configs = {"baseline@abc": common.Config("baseline@abc", 1, {}, ""),
                "default": experiment.CONFIGS_BY_NAME["default"]}
     lines = experiment.round_lines(experiment.Run(experiment_args(), ALONE, rounds, [one, closed], configs))
     assert lines[2].startswith("| round | `baseline@abc` req/s | `baseline@abc` CPU outside predict ms | `default`")

@@ -81,7 +81,7 @@ def test_gil_table_turns_shares_into_milliseconds_per_request(profile_worker):
     samples = collections.Counter({f"{REQUEST};parse_json (app/codec.py:67)": 30,
                                    f"{REQUEST};LocalProxy.__get__ (werkzeug/local.py:310)": 10})
     # 40 GIL samples of 200 ticks: the GIL was held 20 % of 10 s, 2 s, over 1,000 requests.
-    result = {"label": "t", "gil": profile_worker.Profile("t", samples, 0, 200), "gil_requests_in_window": 1000,
+    result = {"label": "t", "gil": profile_worker.Profile(samples, 0, 200), "gil_requests_in_window": 1000,
               "seconds": 10}
     lines = profile_worker.gil_table([result])
     assert "| JSON decode and checks | 75.0% | 1.500 |" in lines

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -43,9 +41,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str]) -> int:
-    if argv[:1] == ["_child"]:  # common.run_child's module:function(**kwargs), loading TensorFlow in this process
-        module, name = argv[1].split(":")
-        return getattr(importlib.import_module(module), name)(**json.loads(argv[2])) or 0
     args = parse_args(argv)
     # SIGTERM as SystemExit, so that the finally blocks stop the servers and the load generators.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -37,6 +37,7 @@ LOCUST_VARIABLES = {"LOCUST_SHAPE", "LOCUST_ROWS", "LOCUST_PATH", "LOCUST_MODEL"
 # The wide-input model: build_default_model's arguments.
 WIDE_MODEL = {"features": 1024, "depth": 3, "outputs": 1000}
 WIDE_MODEL_NAME = "1,024 floats in, 4 × 4,096 hidden, 1,000 out dense, ~235 MB of float32 weights"
+DEFAULT_MODEL_NAME = "the built-in default model (4 → 4096 ×5 → 3 dense, ~268 MB of float32)"
 FLOOR_APP = ("--pythonpath", "scripts", "floor_app:app")
 # Folders of the machine a run was made on: a page shows its command without them.
 LOCAL_FLAGS = ("--out", "--work-dir", "--model-path", "--pytriton-python")
@@ -75,6 +76,34 @@ def names(known: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
+def add_page_arguments(parser: argparse.ArgumentParser, page: Path) -> None:
+    parser.add_argument("--out", type=Path, default=page, help="the page to write (default %(default)s)")
+    parser.add_argument("--work-dir", type=Path, help="keep the servers' logs, the load generator's output and the "
+                        "raw results here (default: a temporary folder)")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, default: str) -> None:
+    """The model every server of a run serves, and an older tree to run beside this one."""
+    add = parser.add_argument
+    add("--model", choices=("default", "wide"), default=default,
+        help=f"the built-in default model, or the wide-input model ({WIDE_MODEL_NAME}), built from seeds")
+    # Absolute: a baseline's server runs in a tree of its own.
+    add("--model-path", type=lambda path: str(Path(path).resolve()),
+        help="serve this model (any MODEL_PATH); wins over --model")
+    add("--baseline-ref", metavar="REF", help="also run the server of this git commit as baseline@<sha>")
+
+
+def model_name(args: argparse.Namespace) -> str:
+    if args.model_path:
+        return Path(args.model_path).name
+    return f"the wide-input model ({WIDE_MODEL_NAME})" if args.model == "wide" else DEFAULT_MODEL_NAME
+
+
+def model_path(args: argparse.Namespace, work_dir: Path) -> str | None:
+    """Every server's MODEL_PATH (None: the built-in model), the wide model built for it first."""
+    return args.model_path or (build_wide_model(work_dir) if args.model == "wide" else None)
+
+
 def mean(values: Iterable[float | None]) -> float | None:
     known = [value for value in values if value is not None]
     return sum(known) / len(known) if known else None
@@ -88,26 +117,16 @@ class Config:
     workers: int
     env: dict[str, str]
     what: str
-    baseline: bool = False  # a configuration the default is compared against
     tree: Path = REPO
     app: tuple[str, ...] = SERVER_COMMAND[-1:]
     in_full_run: bool = True  # run when --configs is not given
-
-    @property
-    def predict_path(self) -> str:
-        """The model-alone timing that matches this configuration's predict calls."""
-        return "keras_predict" if self.env.get("PREDICT_METHOD") == "keras_predict" else "function"
 
 
 @dataclasses.dataclass(frozen=True)
 class Load:
     label: str
     users: int
-    think_s: tuple[float, float] = (0.0, 0.0)
-
-    @property
-    def closed_loop(self) -> bool:
-        return self.think_s == (0.0, 0.0)
+    think_s: tuple[float, float] = (0.0, 0.0)  # none: a closed loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +168,15 @@ class Server(LiveServer):
         super().__init__(log_path.parent, env, app=config.app, cwd=config.tree,
                          drop_env=SERVER_VARIABLES | LOCUST_VARIABLES, log_name=log_path.name)
         self.config = config
+
+    @contextmanager
+    def running(self, *, workers: int = 1, within_s: float = 300) -> Iterator[Server]:
+        """Started and ready, then stopped: also when it never became ready."""
+        try:
+            self.start(workers=workers, ready_within_s=within_s)
+            yield self
+        finally:
+            self.stop()
 
     def metrics(self) -> MetricSnapshot | None:
         """The batching figures of /metrics (all workers added up), or None where it cannot be read."""
@@ -218,12 +246,9 @@ def without_flags(argv: Sequence[str], flags: Sequence[str] = LOCAL_FLAGS) -> li
     """argv less these flags and their values (`--out DIR` and `--out=DIR`)."""
     shown, skip = [], False
     for part in argv:
-        if skip:
-            skip = False
-        elif part in flags:
-            skip = True
-        elif not part.startswith(tuple(f"{flag}=" for flag in flags)):
+        if not skip and part not in flags and not part.startswith(tuple(f"{flag}=" for flag in flags)):
             shown.append(part)
+        skip = not skip and part in flags  # the next part is this flag's value
     return shown
 
 
@@ -244,22 +269,15 @@ def run_scenario(args: Any, title: str, measure: Callable[[Path, dict[str, str]]
     and whether anything failed), the page; exit status 1 where anything failed."""
     started, clock = datetime.datetime.now(datetime.UTC), time.monotonic()
     machine = machine_facts()  # the load average at the start, before anything of this run
-    with working_folder(args.work_dir) as work_dir:
-        body, failed = measure(work_dir, machine)
+    if args.work_dir:
+        args.work_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.nullcontext(args.work_dir) if args.work_dir else tempfile.TemporaryDirectory(
+            prefix="benchmark-") as work_dir:
+        body, failed = measure(Path(work_dir), machine)
     page = write_page(args.out, title, scenario=args.scenario, argv=args.argv, started=started,
                       elapsed_s=time.monotonic() - clock, machine=machine, body=body)
     log(f"wrote {page}")
     return 1 if failed else 0
-
-
-@contextmanager
-def working_folder(path: Path | None) -> Iterator[Path]:
-    if path is not None:
-        path.mkdir(parents=True, exist_ok=True)
-        yield path
-        return
-    with tempfile.TemporaryDirectory(prefix="benchmark-") as folder:
-        yield Path(folder)
 
 
 @contextmanager
@@ -279,17 +297,18 @@ def baseline_tree(ref: str) -> Iterator[tuple[Path, str]]:
 
 
 def baseline_config(tree: Path, short_sha: str) -> Config:
-    return Config(f"baseline@{short_sha}", 1, {}, f"the server of commit {short_sha}: its defaults, 1 worker",
-                  True, tree)
+    return Config(f"baseline@{short_sha}", 1, {}, f"the server of commit {short_sha}: its defaults, 1 worker", tree)
 
 
 def run_child(function: str, log_path: Path, *, timeout_s: float = 900, **kwargs: Any) -> None:
     """`module:function(**kwargs)` in a child process, so that TensorFlow is never loaded in this one."""
     env = {key: value for key, value in os.environ.items() if key not in SERVER_VARIABLES}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    module, name = function.split(":")
+    code = f"import json, sys; from {module} import {name}; {name}(**json.loads(sys.argv[1]))"
     with open(log_path, "wb") as output:
-        subprocess.run([sys.executable, "-m", "scripts.benchmark", "_child", function, json.dumps(kwargs)], cwd=REPO,
-                       env=env, check=True, timeout=timeout_s, stdout=output, stderr=subprocess.STDOUT)
+        subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], cwd=REPO, env=env, check=True,
+                       timeout=timeout_s, stdout=output, stderr=subprocess.STDOUT)
 
 
 def save_wide_model(path: str) -> None:

@@ -9,6 +9,7 @@ server ran. --baseline-ref REF adds the server of commit REF.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -36,21 +37,19 @@ SERVER_BUCKETS = bucket_sizes(Settings().max_batch_size)
 # naive and unbatched-* use the server's benchmark-only settings (BATCHING, PREDICT_METHOD).
 CONFIGS = [
     Config("naive", 1, {"PREDICT_METHOD": "keras_predict", "BATCHING": "false"},
-           "Keras model.predict per request, no batching: the article's starting point", True),
-    Config("unbatched-1w", 1, {"BATCHING": "false"}, "our compiled predict path, one request per call, 1 worker", True),
-    Config("unbatched-2w", 2, {"BATCHING": "false"}, "our compiled predict path, one request per call, 2 workers",
-           True),
-    Config("timeout-500ms", 1, {"BATCH_TIMEOUT_MS": "500"}, "batching that waits up to 500 ms for a batch to fill",
-           True),
-    Config("timeout-20ms", 1, {"BATCH_TIMEOUT_MS": "20"}, "batching that waits up to 20 ms for a batch to fill", True),
+           "Keras model.predict per request, no batching: the article's starting point"),
+    Config("unbatched-1w", 1, {"BATCHING": "false"}, "our compiled predict path, one request per call, 1 worker"),
+    Config("unbatched-2w", 2, {"BATCHING": "false"}, "our compiled predict path, one request per call, 2 workers"),
+    Config("timeout-500ms", 1, {"BATCH_TIMEOUT_MS": "500"}, "batching that waits up to 500 ms for a batch to fill"),
+    Config("timeout-20ms", 1, {"BATCH_TIMEOUT_MS": "20"}, "batching that waits up to 20 ms for a batch to fill"),
     Config(REFERENCE, 1, {}, "the shipped default: batch as soon as the model is free, 1 worker"),
     Config("default-2w", 2, {}, "the shipped default with 2 workers"),
     Config("procs-2w", 2, {"MODEL_PROCESSES": "1"}, "1 model process, 2 workers", in_full_run=False),
     # Not servers: what Gunicorn and Flask cost around the same model (scripts/floor_app.py, fixed answers).
     Config("floor", 1, {"GRPC_BIND": ""}, "Gunicorn and Flask around the same model with a model thread of its "
-           "own, nothing of app/ in a request", True, app=FLOOR_APP, in_full_run=False),
+           "own, nothing of app/ in a request", app=FLOOR_APP, in_full_run=False),
     Config("floor-batcher", 1, {"GRPC_BIND": "", "FLOOR_BATCHER": "true"}, "the floor with the server's batching "
-           "engine as its model thread", True, app=FLOOR_APP, in_full_run=False),
+           "engine as its model thread", app=FLOOR_APP, in_full_run=False),
 ]
 CONFIGS_BY_NAME = {config.name: config for config in CONFIGS}
 
@@ -58,47 +57,39 @@ CONFIGS_BY_NAME = {config.name: config for config in CONFIGS}
 def _numbers(kind: type, *, one: bool = False) -> Any:
     """An argparse type: numbers above 0, separated by commas (one of them with `one`)."""
     def parse(text: str) -> Any:
-        try:
+        with contextlib.suppress(ValueError):
             values = [kind(part) for part in text.split(",") if part.strip()]
-        except ValueError:
-            values = []
-        if not values or not all(value > 0 and math.isfinite(value) for value in values) or (one and len(values) > 1):
-            raise argparse.ArgumentTypeError(f"expected {'a' if one else ''} {kind.__name__} above 0, got {text!r}")
-        return values[0] if one else values
+            if values and all(value > 0 and math.isfinite(value) for value in values) and not (one and len(values) > 1):
+                return values[0] if one else values
+        raise argparse.ArgumentTypeError(f"expected {'a' if one else ''} {kind.__name__} above 0, got {text!r}")
     return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, page: Path) -> None:
     add = parser.add_argument
     add("--quick", action="store_true", help="a smoke test of seconds: naive and default, 1 user, 2 s a load")
-    add("--out", type=Path, default=page, help="the page to write (default %(default)s)")
+    common.add_page_arguments(parser, page)
+    common.add_model_arguments(parser, default="default")
     add("--duration", type=_numbers(float, one=True), help="seconds per load point (default 30)")
     add("--configs", type=common.names(list(CONFIGS_BY_NAME)), help=f"of: {', '.join(CONFIGS_BY_NAME)}")
     add("--users", type=_numbers(int), help="user counts with 1-3 s think time (default 1,20)")
     add("--closed-loop-users", type=int, help="users of the closed loop, 0 to skip it (default 64)")
-    add("--model", choices=("default", "wide"), default="default",
-        help=f"the built-in default model, or the wide-input model ({common.WIDE_MODEL_NAME}), built from seeds")
-    add("--model-path", help="serve and time this model (any MODEL_PATH); wins over --model")
-    add("--baseline-ref", metavar="REF", help="also run the server of this git commit as baseline@<sha>")
     add("--rounds", type=_numbers(int, one=True), default=1,
         help="run every configuration this many times in alternating order; report each round's ratios' median")
     add("--spawn-rate", type=_numbers(float, one=True), help="users Locust starts a second (default: all at once)")
-    add("--work-dir", type=Path, help="keep Locust's output, the server logs and results.json here")
     add("--server-start-timeout", type=float, default=300)
 
 
-def resolve(args: argparse.Namespace, *, configs: list[str] | None = None) -> argparse.Namespace:
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Every default filled in, the quick run's where --quick is given."""
     quick = args.quick
     args.duration = args.duration or (2 if quick else 30)
-    args.configs = args.configs or configs or (["naive", REFERENCE] if quick else
-                                               [config.name for config in CONFIGS if config.in_full_run])
+    args.configs = args.configs or (["naive", REFERENCE] if quick else [c.name for c in CONFIGS if c.in_full_run])
     args.users = args.users or ([1] if quick else [1, 20])
-    if args.closed_loop_users is None:
+    if args.closed_loop_users is None:  # 0 skips the closed loop
         args.closed_loop_users = 4 if quick else 64
     args.batch_sizes = SERVER_BUCKETS  # every size the servers pad to, so that their batches can be timed alone
     args.idle_calls, args.call_budget = (2, 0.3) if quick else (8, 3.0)  # the model alone's calls after idling, s
-    args.model_path = str(Path(args.model_path).resolve()) if args.model_path else None
     return args
 
 
@@ -135,9 +126,9 @@ class ModelAlone:
                                 CallTiming(**row["keras_predict"]) if row.get("keras_predict") else None)
                     for row in data["batches"]], data["after_idle_ms"])
 
-    def timings(self, predict_path: str) -> dict[int, CallTiming]:
-        """Per batch size, the timing of one predict path (Config.predict_path), where it was timed."""
-        found = {row.batch: row.keras_predict if predict_path == "keras_predict" else row.function
+    def timings(self, method: str) -> dict[int, CallTiming]:
+        """Per batch size, the timing of the predict path a server's PREDICT_METHOD names, where it was timed."""
+        found = {row.batch: row.keras_predict if method == "keras_predict" else row.function
                  for row in self.batches}
         return {size: timing for size, timing in found.items() if timing is not None}
 
@@ -212,27 +203,21 @@ class ConfigResult:
 def run_config(config: Config, loads: Sequence[Load], args: argparse.Namespace, work_dir: Path, *,
                tag: str = "") -> ConfigResult:
     """Start the configuration's server, run every load point against it, stop it."""
-    import psutil
-
     server = Server(config, model_path=args.served_model_path, log_path=work_dir / f"gunicorn-{config.name}{tag}.log")
     result = ConfigResult(config.name)
     measure = functools.partial(measure_load, server, duration_s=args.duration, buckets=SERVER_BUCKETS,
                                 spawn_rate=args.spawn_rate)
+    started = time.monotonic()
     try:
-        started = time.monotonic()
-        server.start(workers=config.workers, ready_within_s=args.server_start_timeout)
-        start_s = time.monotonic() - started
-        assert server.proc is not None
-        result.cwd = psutil.Process(server.proc.pid).cwd()
-        log(f"{config.name}: ready in {start_s:.1f} s")
-        for load in loads:
-            name = f"{config.name}{tag}-{load.label.replace(' ', '_')}"
-            result.loads[load.label] = measure(load, prefix=work_dir / name, what=name)
+        with server.running(workers=config.workers, within_s=args.server_start_timeout):
+            log(f"{config.name}: ready in {time.monotonic() - started:.1f} s")
+            result.cwd = server.processes()[0].cwd()  # the master's
+            for load in loads:
+                name = f"{config.name}{tag}-{load.label.replace(' ', '_')}"
+                result.loads[load.label] = measure(load, prefix=work_dir / name, what=name)
     except Exception as exc:  # one configuration failing should not lose the others' numbers
         result.error = common.failure(exc, server)
         log(f"{config.name}: {result.error}")
-    finally:
-        server.stop()
     return result
 
 
@@ -296,13 +281,14 @@ class Run:
 
     @property
     def closed(self) -> Load | None:
-        return next((load for load in self.loads if load.closed_loop), None)
+        return next((load for load in self.loads if not any(load.think_s)), None)
 
     def ceiling(self, name: str, stats: LoadStats) -> Ceiling:
         if stats.server_batches is None or stats.server_cpu_s is None:
             return Ceiling()
-        return ceiling_figures(stats.server_batches, self.alone.timings(self.configs[name].predict_path),
-                               requests=stats.requests, rps=stats.rps, server_cpu_s=stats.server_cpu_s)
+        timings = self.alone.timings(self.configs[name].env.get("PREDICT_METHOD", ""))
+        return ceiling_figures(stats.server_batches, timings, requests=stats.requests, rps=stats.rps,
+                               server_cpu_s=stats.server_cpu_s)
 
 
 def load_name(label: str) -> str:
@@ -311,8 +297,7 @@ def load_name(label: str) -> str:
 
 def report_lines(run: Run) -> list[str]:
     args, closed = run.args, run.closed
-    model = (Path(args.model_path).name if args.model_path else f"the wide-input model ({common.WIDE_MODEL_NAME})"
-             if args.model == "wide" else "the built-in default model (4 → 4096 ×5 → 3 dense, ~268 MB of float32)")
+    model = common.model_name(args)
     spawning = f"users started {args.spawn_rate:g} a second" if args.spawn_rate else "all users started at once"
     lines = ["**A quick run**: a smoke test of the benchmark, not measurements.", ""] if args.quick else []
     lines += ["## Settings", "", f"Model: {model}. Each load point: {args.duration:g} s of headless Locust "
@@ -458,11 +443,11 @@ def measure(args: argparse.Namespace, work_dir: Path, stack: ExitStack) -> Run:
     if args.closed_loop_users:
         loads.append(Load(CLOSED_LOOP_LABEL, args.closed_loop_users))
     log(f"working folder {work_dir}; configurations {[c.name for c in configs]}; loads {[x.label for x in loads]}")
-    args.served_model_path = args.model_path or (common.build_wide_model(work_dir) if args.model == "wide" else None)
+    args.served_model_path = common.model_path(args, work_dir)
     log(f"model alone: batch sizes {args.batch_sizes}, then {args.idle_calls} calls after idling")
     common.run_child("scripts.benchmark.experiment:save_model_alone", work_dir / "model_alone.log",
-              out=str(work_dir / "model_alone.json"), model_path=args.served_model_path,
-              batch_sizes=args.batch_sizes, budget_s=args.call_budget, idle_calls=args.idle_calls)
+                     out=str(work_dir / "model_alone.json"), model_path=args.served_model_path,
+                     batch_sizes=args.batch_sizes, budget_s=args.call_budget, idle_calls=args.idle_calls)
     alone = ModelAlone.from_json(json.loads((work_dir / "model_alone.json").read_text()))
     rounds = run_rounds(configs, loads, args, work_dir)
     (work_dir / "results.json").write_text(json.dumps(

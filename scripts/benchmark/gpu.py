@@ -13,89 +13,93 @@ Writes gpu_jax.json under --out and prints a summary. `--small` sizes it for a C
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import functools
 import http.client
 import json
 import multiprocessing
 import os
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import requests
 
-REPO = Path(__file__).resolve().parents[2]
-WIDE = {"features": 1024, "depth": 3, "outputs": 1000}  # 1,024 -> 4 x 4,096 -> 1,000
-SMALL = {"features": 1024, "width": 256, "depth": 3, "outputs": 1000}
+from .common import WIDE_MODEL, Config, MetricSnapshot, Server, run_child
+from .layouts import LAYOUTS_BY_NAME, check_answer, infer_body, predict_body
+
+SMALL = WIDE_MODEL | {"width": 256}
+SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
 def check_rows() -> np.ndarray:
     return np.random.default_rng(0).normal(size=(3, 1024)).astype("float32")
 
 
-def model_alone(path: str, sizes: list[int], budget_s: float, *, small: bool) -> dict:
-    """Build and save the model, then time it: in a process of its own, so that its JAX client
+def save_model_alone(path: str, out: str, budget_s: float, small: bool) -> None:
+    """Build and save the model, then time it: run in a process of its own, so that its JAX client
     (and the GPU memory JAX takes by default) is gone before the server's starts."""
     from app.models import build_default_model, example_batch, load_model
 
-    build_default_model(**(SMALL if small else WIDE)).save(path)
+    from .experiment import time_calls
+
+    build_default_model(**(SMALL if small else WIDE_MODEL)).save(path)
     model = load_model(path, name="wide")
-    expected = model.predict({"features": check_rows()})["scores"]
     rows = []
-    for size in sizes:
+    for size in SIZES:
         batch = example_batch(model, size)
         batch["features"] = np.random.default_rng(size).normal(size=batch["features"].shape).astype("float32")
-        model.predict(batch)  # compiles this size
-        times: list[float] = []
-        until = time.perf_counter() + budget_s
-        while time.perf_counter() < until or len(times) < 5:
-            started = time.perf_counter()
-            model.predict(batch)
-            times.append(time.perf_counter() - started)
-        median = float(np.median(times))
-        rows.append({"batch": size, "calls": len(times), "median_ms": round(median * 1e3, 3),
-                     "rows_per_s": round(size / median)})
-    return {"timings": rows, "check": expected.tolist()}
+        timing = time_calls(functools.partial(model.predict, batch), budget_s=budget_s, batch_size=size,
+                            max_calls=10**6)
+        rows.append({"batch": size, "calls": timing.calls, "median_ms": round(timing.median_ms, 3),
+                     "rows_per_s": round(timing.items_per_s)})
+    expected = model.predict({"features": check_rows()})["scores"]
+    Path(out).write_text(json.dumps({"timings": rows, "check": expected.tolist()}))
 
 
 def _client(url: str, body: bytes, until: float, latencies: list[float], errors: list[str]) -> None:
     host, port = url.split("//")[1].split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    headers = {"Content-Type": "application/json"}
+    connection = None
     while time.perf_counter() < until:
         started = time.perf_counter()
         try:
-            connection.request("POST", "/v1/models/wide:predict", body, headers)
+            connection = connection or http.client.HTTPConnection(host, int(port), timeout=60)
+            connection.request("POST", "/v1/models/wide:predict", body, {"Content-Type": "application/json"})
             answer = connection.getresponse()
             answer.read()
-            if answer.status != 200:
-                errors.append(str(answer.status))
-                continue
         except (OSError, http.client.HTTPException) as exc:
             errors.append(type(exc).__name__)
-            connection = http.client.HTTPConnection(host, int(port), timeout=60)
+            connection = None  # a fresh connection for the next request
             continue
-        latencies.append(time.perf_counter() - started)
+        if answer.status == 200:
+            latencies.append(time.perf_counter() - started)
+        else:
+            errors.append(str(answer.status))
 
 
 def _generator_process(args: tuple) -> tuple[list[float], list[str]]:
     url, body, threads, until = args
     latencies: list[float] = []
     errors: list[str] = []
-    workers = [threading.Thread(target=_client, args=(url, body, until, latencies, errors)) for _ in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda _: _client(url, body, until, latencies, errors), range(threads)))
     return latencies, errors
+
+
+def _imported(started: Any) -> None:
+    """A generator process's first call: unpickling it imports this module, which must not eat into the load."""
+    started.wait()
 
 
 def load(url: str, body: bytes, clients: int, seconds: float, processes: int) -> dict:
     shares = [clients // processes + (index < clients % processes) for index in range(processes)]
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        pool.map(abs, range(processes))  # started and imported before the clock runs
+    context = multiprocessing.get_context("spawn")
+    started = context.Barrier(processes + 1)
+    with context.Pool(processes, initializer=_imported, initargs=(started,)) as pool:
+        started.wait()  # every process started and this module imported before the clock runs
         until = time.perf_counter() + seconds  # CLOCK_MONOTONIC: one clock for every process
         parts = pool.map(_generator_process, [(url, body, share, until) for share in shares if share])
     latencies = np.array([value for part, _ in parts for value in part])
@@ -104,15 +108,6 @@ def load(url: str, body: bytes, clients: int, seconds: float, processes: int) ->
             "req_per_s": round(len(latencies) / seconds, 1),
             "p50_ms": round(float(np.percentile(latencies, 50)) * 1e3, 2) if len(latencies) else None,
             "p99_ms": round(float(np.percentile(latencies, 99)) * 1e3, 2) if len(latencies) else None}
-
-
-def predict_calls(url: str) -> float:
-    """The model's predict calls so far: the count of the server's rows-per-call histogram."""
-    import requests
-
-    text = requests.get(url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("model_server_batch_size_rows_count") and 'model="wide"' in line)
 
 
 def gpu_memory() -> dict:
@@ -134,67 +129,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cap-mb", default="8192")
     parser.add_argument("--max-batch", default="128")
     parser.add_argument("--small", action="store_true", help="a narrow model and short runs: a CPU check")
-    parser.add_argument("--alone", help=argparse.SUPPRESS)  # the model-alone child: its model's path
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ["KERAS_BACKEND"] = "jax"
-    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    if args.alone:
-        print(json.dumps(model_alone(args.alone, sizes, 0.3 if args.small else 1.0, small=args.small)))
-        return 0
+    os.environ["KERAS_BACKEND"] = "jax"  # the model-alone child's too
     args.out.mkdir(parents=True, exist_ok=True)
-    path = str(Path(tempfile.mkdtemp(prefix="gpu-jax-")) / "wide.keras")
+    path, alone_path = str(Path(tempfile.mkdtemp(prefix="gpu-jax-")) / "wide.keras"), args.out / "model_alone.json"
     results: dict = {"model": "small" if args.small else "wide", "idle": gpu_memory()}
-    child = subprocess.run([sys.executable, "-m", "scripts.benchmark", "gpu", "--alone", path,
-                            *(["--small"] * args.small)], cwd=REPO, capture_output=True, text=True)
-    if child.returncode:
-        sys.exit(f"the model alone failed:\n{child.stderr[-4000:]}")
-    alone = json.loads(child.stdout.strip().splitlines()[-1])
+    run_child("scripts.benchmark.gpu:save_model_alone", args.out / "model_alone.log", path=path, out=str(alone_path),
+              budget_s=0.3 if args.small else 1.0, small=args.small)
+    alone = json.loads(alone_path.read_text())
     results["alone"], expected = alone["timings"], np.array(alone["check"], dtype=np.float32)
-
-    from scripts.live_server import LiveServer
-
     env = {"MODEL_PATH": path, "MODEL_NAME": "wide", "MODEL_PROCESSES": "1", "GRPC_BIND": "",
            "GPU_MEMORY_LIMIT_MB": args.cap_mb, "MAX_BATCH_SIZE": args.max_batch, "MAX_QUEUE_ROWS": "1024",
            "ACCESS_LOG": "false", "KERAS_BACKEND": "jax"}
-    server = LiveServer(args.out, env, log_name="server.log")
+    server = Server(Config("gpu", args.workers, env, "JAX"), model_path=None, log_path=args.out / "server.log")
     started = time.perf_counter()
-    server.start(workers=args.workers, ready_within_s=300)
-    results["server"] = {**env, "workers": args.workers, "ready_s": round(time.perf_counter() - started, 1)}
-    try:
-        import requests
-
-        rows = check_rows()
-        rest = requests.post(server.url + "/v1/models/wide:predict", json={"instances": rows.tolist()}, timeout=60)
-        v2 = requests.post(server.url + "/v2/models/wide/infer", timeout=60, json={"inputs": [
-            {"name": "features", "shape": [3, 1024], "datatype": "FP32", "data": rows.ravel().tolist()}]})
-        served = np.array(rest.json()["predictions"], dtype=np.float32)
-        from_v2 = np.array(v2.json()["outputs"][0]["data"], dtype=np.float32).reshape(served.shape)
+    with server.running(workers=args.workers):
+        results["server"] = {**env, "workers": args.workers, "ready_s": round(time.perf_counter() - started, 1)}
+        rows, json_type = check_rows(), {"Content-Type": "application/json"}
         results["readyz"] = requests.get(server.url + "/readyz", timeout=30).json().get("tensorflow")
-        results["check"] = {"rest_status": rest.status_code, "v2_status": v2.status_code,
-                            "rest_equals_v2": bool(np.array_equal(served, from_v2)),
-                            "max_abs_diff_to_alone": float(np.abs(served - expected).max())}
+        # Each answer against the model alone's: the largest difference; one past float32 rounding raises.
+        results["check"] = {name: check_answer(LAYOUTS_BY_NAME[layout], server.url + path, body, json_type, expected)
+                            for name, layout, path, body in (
+                                ("v1 max diff", "predict-1w", "/v1/models/wide:predict", predict_body(rows)),
+                                ("v2 max diff", "default-1w", "/v2/models/wide/infer", infer_body(rows)))}
         body = json.dumps({"instances": rows[:1].tolist()}).encode()
         results["load"] = []
         for clients in [int(count) for count in args.clients.split(",")]:
-            before = predict_calls(server.url)
+            before = (server.metrics() or MetricSnapshot()).calls
             level = load(server.url, body, clients, args.seconds, min(8, clients))
-            calls = predict_calls(server.url) - before
+            calls = (server.metrics() or MetricSnapshot()).calls - before
             level["rows_per_call"] = round(level["requests"] / calls, 2) if calls else None
             level["gpu"] = gpu_memory()
             results["load"].append(level)
-            print(json.dumps(level), flush=True)
-    finally:
-        server.stop()
+            print(f"{clients:>4} clients: {level['req_per_s']} req/s, p50 {level['p50_ms']} ms, p99 {level['p99_ms']} "
+                  f"ms, {level['rows_per_call']} rows/call, errors {level['errors']}, gpu "
+                  f"{level['gpu'].get('used_mib')}/{level['gpu'].get('total_mib')} MiB (cap {args.cap_mb})", flush=True)
     (args.out / "gpu_jax.json").write_text(json.dumps(results, indent=1))
     print("model alone (B, ms, rows/s):", [(row["batch"], row["median_ms"], row["rows_per_s"])
                                            for row in results["alone"]])
     print("check:", results["check"], "readyz:", results["readyz"])
     print(*[line for line in server.log().splitlines() if "configured in pid" in line or "JAX backend" in line],
           sep="\n")
-    for level in results["load"]:
-        print(f"{level['clients']:>4} clients: {level['req_per_s']} req/s, p50 {level['p50_ms']} ms, "
-              f"p99 {level['p99_ms']} ms, {level['rows_per_call']} rows/call, errors {level['errors']}, "
-              f"gpu {level['gpu'].get('used_mib')}/{level['gpu'].get('total_mib')} MiB (cap {args.cap_mb})")
     return 0

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import common
-from .common import DOCS, REPO, Config, Load, Server, fmt, log, markdown_table
+from .common import DOCS, Config, Load, Server, fmt, log, markdown_table
 from .experiment import CONFIGS_BY_NAME
 from .load import run_locust
 
@@ -76,7 +76,6 @@ NATIVE_THREADS = "threads without Python (TensorFlow's pools, gRPC's)"
 
 @dataclasses.dataclass
 class Profile:
-    label: str
     samples: collections.Counter  # stack -> count
     errors: int
     ticks: int  # sampling ticks over the recording (rate × seconds)
@@ -111,14 +110,11 @@ def record(pid: int, *, seconds: float, rate: int, out: Path) -> tuple[collectio
     command = [PY_SPY, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", str(rate),
                "--nonblocking", "--gil", "--format", "raw", "--output", str(out)]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 120)
-    errors = 0
-    for line in (finished.stdout + finished.stderr).splitlines():
-        # py-spy> Wrote raw flamegraph data to '...'. Samples: 306 Errors: 97
-        if "Errors:" in line:
-            errors = int(line.rsplit("Errors:", 1)[1].split()[0])
     if finished.returncode != 0 or not out.exists():
         raise RuntimeError(f"py-spy failed ({finished.returncode}): {finished.stderr[-2000:]}")
-    return read_raw(out), errors
+    # py-spy> Wrote raw flamegraph data to '...'. Samples: 306 Errors: 97
+    errors = re.findall(r"Errors: (\d+)", finished.stdout + finished.stderr)
+    return read_raw(out), int(errors[-1]) if errors else 0
 
 
 def thread_names(pid: int) -> dict[int, str]:
@@ -164,33 +160,22 @@ def cpu_by_kind(before: dict[int, float], after: dict[int, float], names: dict[i
 
 
 def gil_table(results: Sequence[dict[str, Any]]) -> list[str]:
-    stages = [stage for stage, _ in STAGES] + [OTHER_STAGE]
-    header = ["stage"]
-    per_result = []
+    columns = []  # per result: GIL samples by stage, their total, and GIL ms per request
     for result in results:
         profile: Profile = result["gil"]
-        total = sum(profile.samples.values()) or 1
         by_stage: collections.Counter = collections.Counter()
         for stack, count in profile.samples.items():
             by_stage[stage_of(stack)] += count
-        held_share = total / profile.ticks  # of wall time, the GIL was held
-        requests = result["gil_requests_in_window"] or 1
-        ms_per_request = held_share * result["seconds"] * 1000 / requests
-        per_result.append((by_stage, total, ms_per_request))
-        header += [f"{result['label']}: share of GIL samples", f"{result['label']}: GIL ms/request"]
-    rows = []
-    for stage in stages:
-        if not any(by_stage[stage] for by_stage, _, _ in per_result):
-            continue
-        row = [stage]
-        for by_stage, total, ms in per_result:
-            row += [f"{by_stage[stage] / total:.1%}", f"{by_stage[stage] / total * ms:.3f}"]
-        rows.append(row)
-    total_row = ["**all (GIL held)**"]
-    for _, _, ms in per_result:
-        total_row += ["100%", f"**{ms:.3f}**"]
-    rows.append(total_row)
-    return markdown_table(header, rows)
+        total = sum(by_stage.values()) or 1
+        # The share of wall time the GIL was held (samples ÷ ticks), over the requests answered meanwhile.
+        columns.append((by_stage, total, total / profile.ticks * result["seconds"] * 1000 / (
+            result["gil_requests_in_window"] or 1)))
+    rows = [[stage, *(cell for by_stage, total, ms in columns for cell in (
+        f"{by_stage[stage] / total:.1%}", f"{by_stage[stage] / total * ms:.3f}"))]
+            for stage in [*(stage for stage, _ in STAGES), OTHER_STAGE] if any(c[0][stage] for c in columns)]
+    rows.append(["**all (GIL held)**", *(cell for _, _, ms in columns for cell in ("100%", f"**{ms:.3f}**"))])
+    return markdown_table(["stage", *(f"{result['label']}: {what}" for result in results
+                                      for what in ("share of GIL samples", "GIL ms/request"))], rows)
 
 
 def cpu_table(results: Sequence[dict[str, Any]]) -> list[str]:
@@ -215,9 +200,7 @@ def profile_server(config: Config, args: argparse.Namespace, work: Path) -> dict
     server = Server(config, model_path=args.model_path, log_path=work / f"gunicorn-{label}.log")
     result: dict[str, Any] = {"label": label, "seconds": args.seconds}
     # py-spy records in this thread pool while Locust loads the server from this thread.
-    recorder = concurrent.futures.ThreadPoolExecutor(1)
-    try:
-        server.start(ready_within_s=300)
+    with server.running(), concurrent.futures.ThreadPoolExecutor(1) as recorder:
         workers = [process.pid for process in server.processes()[1:]]
         if len(workers) != 1:
             raise RuntimeError(f"expected one worker, found {workers}")
@@ -228,16 +211,13 @@ def profile_server(config: Config, args: argparse.Namespace, work: Path) -> dict
         spy = recorder.submit(record, pid, seconds=args.seconds, rate=args.rate, out=work / f"{label}-gil.txt")
         stats = run_locust(server.url, load, duration_s=int(args.seconds) + 4, prefix=work / f"{label}-gil")
         samples, errors = spy.result()
-        result["gil"] = Profile(label, samples, errors, int(args.rate * args.seconds))
+        result["gil"] = Profile(samples, errors, int(args.rate * args.seconds))
         result["gil_rps"], result["gil_requests_in_window"] = stats.rps, stats.rps * args.seconds
         log(f"{label} gil: {sum(samples.values())} samples, {errors} errors, {stats.rps:.0f} req/s")
         before = thread_cpu(pid)
         stats = run_locust(server.url, load, duration_s=int(args.seconds), prefix=work / f"{label}-cpu")
         result["cpu"] = cpu_by_kind(before, thread_cpu(pid), thread_names(pid))
         result["cpu_rps"], result["cpu_requests"] = stats.rps, stats.requests
-    finally:
-        recorder.shutdown(wait=True)
-        server.stop()
     return result
 
 
@@ -265,36 +245,24 @@ def report_lines(results: list[dict[str, Any]], args: argparse.Namespace) -> lis
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_model_arguments(parser, default="wide")
+    common.add_page_arguments(parser, PAGE)
     add = parser.add_argument
-    add("--model", choices=("default", "wide"), default="wide")
-    add("--model-path", help="profile with this MODEL_PATH instead")
-    add("--baseline-ref", help="also profile this commit (a temporary git worktree), first")
     add("--no-floor", dest="floor", action="store_false", help="leave out the floor and floor-batcher")
     add("--users", type=int, default=32)
     add("--seconds", type=float, default=20)
     add("--rate", type=int, default=100)
-    add("--out", type=Path, default=PAGE, help="the page to write (default %(default)s)")
-    add("--work-dir", type=Path)
 
 
 def run(args: argparse.Namespace) -> int:
     args.py_spy_version = metadata.version("py-spy")
 
     def measure_all(work: Path, machine: dict[str, str]) -> tuple[list[str], bool]:
-        if args.model_path:
-            args.model_name = Path(args.model_path).name
-        elif args.model == "wide":
-            args.model_path = common.build_wide_model(work)
-            args.model_name = f"the wide model ({common.WIDE_MODEL_NAME})"
-        else:
-            args.model_name = "the built-in default model"
+        args.model_name, args.model_path = common.model_name(args), common.model_path(args, work)
         with contextlib.ExitStack() as stack:
-            configs = []
-            if args.baseline_ref:
-                tree, short_sha = stack.enter_context(common.baseline_tree(args.baseline_ref))
-                configs.append(Config(f"baseline@{short_sha}", 1, {}, "one worker, defaults", tree=tree))
-            configs.append(Config("this tree", 1, {}, "one worker, defaults", tree=REPO))
-            configs += [FLOOR, FLOOR_BATCHER] if args.floor else []
+            configs = [common.baseline_config(*stack.enter_context(common.baseline_tree(args.baseline_ref)))
+                       ] if args.baseline_ref else []
+            configs += [Config("this tree", 1, {}, "one worker, defaults"), *([FLOOR, FLOOR_BATCHER] * args.floor)]
             results = [profile_server(config, args, work) for config in configs]
         return report_lines(results, args), False
 

@@ -17,9 +17,8 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from scripts.live_server import LiveServer
-
-from .common import DOCS, log, markdown_table, metric_totals, run_child, run_scenario
+from . import common
+from .common import DOCS, Config, Server, log, markdown_table, metric_totals, run_child, run_scenario
 from .load import run_wrk
 
 PAGE = DOCS / "variable-length-benchmark.md"
@@ -47,11 +46,13 @@ def save_text_model(path: str) -> None:
     build_text_model(vocab=VOCAB, width=64, hidden=256).save(path)
 
 
-def run_mode(model_path: Path, env: dict[str, str], *, clients: int, seconds: float, work_dir: Path) -> dict:
+def run_mode(model_path: Path, env: dict[str, str], *, clients: int, seconds: float, work_dir: Path,
+             log_path: Path) -> dict:
     from scripts.text_model import token_rows
 
-    server = LiveServer(work_dir, {"MODEL_PATH": str(model_path), "MAX_BATCH_SIZE": "32", **env}).start(workers=1)
-    try:
+    server = Server(Config("variable-length", 1, {"MAX_BATCH_SIZE": "32", **env}, "one worker"),
+                    model_path=str(model_path), log_path=log_path)
+    with server.running():
         url = server.url + "/v1/models/default:predict"
         bodies = [json.dumps({"instances": token_rows(int(n), seed=i, vocab=VOCAB).tolist()})
                   for i, n in enumerate(lengths(4096, seed=0))]
@@ -62,8 +63,6 @@ def run_mode(model_path: Path, env: dict[str, str], *, clients: int, seconds: fl
         load, _ = run_wrk(url, work_dir / "bodies.json", duration_s=seconds, threads=1, connections=clients)
         after, _ = metric_totals(requests.get(server.url + "/metrics", timeout=30).text)
         calls, real, padded = (after.get(name, 0.0) - before.get(name, 0.0) for name in (CALLS, REAL, PADDED))
-    finally:
-        server.stop()
     return {"requests": load.requests, "errors": load.errors, "rps": load.rps, "p50": load.p50_ms, "p99": load.p99_ms,
             "per_call": load.requests / calls if calls else float("nan"), "waste": padded / real if real else None}
 
@@ -71,8 +70,7 @@ def run_mode(model_path: Path, env: dict[str, str], *, clients: int, seconds: fl
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=20, help="seconds of load per mode (default 20)")
     parser.add_argument("--clients", type=int, default=16, help="wrk's connections (default 16)")
-    parser.add_argument("--out", type=Path, default=PAGE, help="the page to write (default %(default)s)")
-    parser.add_argument("--work-dir", type=Path)
+    common.add_page_arguments(parser, PAGE)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,8 +78,9 @@ def run(args: argparse.Namespace) -> int:
         model_path = work_dir / "text.keras"
         run_child("scripts.benchmark.variable_length:save_text_model", work_dir / "build.log", path=str(model_path))
         results = {}
-        for mode, env in MODES.items():
-            results[mode] = run_mode(model_path, env, clients=args.clients, seconds=args.seconds, work_dir=work_dir)
+        for number, (mode, env) in enumerate(MODES.items()):
+            results[mode] = run_mode(model_path, env, clients=args.clients, seconds=args.seconds, work_dir=work_dir,
+                                     log_path=work_dir / f"gunicorn-mode{number}.log")
             log(f"{mode}: {results[mode]}")
         rows = [(mode, f"{r['rps']:.1f}", f"{r['p50']:.0f}", f"{r['p99']:.0f}", f"{r['per_call']:.1f}",
                  "–" if r["waste"] is None else f"{r['waste']:.2f}", r["requests"], r["errors"] or 0)
