@@ -1,7 +1,7 @@
 """The images, built from the Dockerfile as committed, and run: the CPU server and Locust.
 
 Run by .ci/images, which installs buildah and makes the stand-in base image first
-(scripts/standin_base.sh); elsewhere it is skipped: set IMAGE_TESTS=1 with buildah installed
+(.ci/standin_base.sh); elsewhere it is skipped: set IMAGE_TESTS=1 with buildah installed
 and run as root. Builds use the layer cache, so a rerun after a code change takes seconds.
 
 Containers run as uid 10001 with `buildah run --isolation chroot`, in the host's network: the

@@ -4,7 +4,7 @@
 # registry (CI). Real builds use the official image; this one only has to look the same to
 # the Dockerfile:
 #
-#   sudo bash scripts/standin_base.sh          # then: buildah bud --pull=never ...
+#   sudo bash .ci/standin_base.sh          # then: buildah bud --pull=never ...
 #
 # A minbase Debian 12 root (what debian:bookworm-slim is), Debian's python3.11, and /usr/local
 # made a virtual environment of it: /usr/local/bin/python and pip, installing into
