@@ -31,7 +31,7 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def _starts_a_process(target, seen: set[int]) -> bool:
+def _starts_a_process(target, seen: set) -> bool:
     """Whether `target` (a function or class of tests/ or scripts/) can reach subprocess.Popen: a
     Gunicorn master, nginx, a tool's command. Read from the code, following the names it uses."""
     if id(target) in seen:
@@ -55,9 +55,13 @@ def _starts_a_process(target, seen: set[int]) -> bool:
     found = [function.__globals__.get(name, sys.modules.get(name)) for name in names]  # a local import too
     while found:
         value = found.pop()
-        if isinstance(value, types.ModuleType) and _ours(value) and id(value) not in seen:
-            seen.add(id(value))
-            found.extend(getattr(value, name) for name in names if hasattr(value, name))
+        if isinstance(value, types.ModuleType) and _ours(value):
+            # Each (module, name) once: a module reached again from another function is looked
+            # up for that function's names too, so the answer does not depend on the order names
+            # are visited in (a set's, which differs between processes: xdist's workers must agree).
+            lookups = {(id(value), name) for name in names if hasattr(value, name)} - seen
+            seen.update(lookups)
+            found.extend(getattr(value, name) for _, name in sorted(lookups, key=lambda pair: pair[1]))
         elif (inspect.isfunction(value) or isinstance(value, type)) and _ours(value) and \
                 _starts_a_process(value, seen):
             return True
