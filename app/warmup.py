@@ -39,7 +39,8 @@ MAX_RECORDS = 1000  # TF Serving's WarmupConsts::kMaxNumRecords
 
 
 class _Context:
-    """What the front door asks of a gRPC context: the time left, and whether its client waits."""
+    """What the front door asks of a gRPC context: the time left, whether its client waits, and
+    its metadata (none: a warm-up request runs at its model's default priority)."""
 
     def __init__(self, timeout_s: float) -> None:
         self._deadline = time.monotonic() + timeout_s
@@ -49,6 +50,9 @@ class _Context:
 
     def is_active(self) -> bool:
         return True
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
 
 
 def _unobserved(route: str, handler: Any) -> Any:
