@@ -200,7 +200,7 @@ def _repository_paths() -> dict[str, Any]:
     paths: dict[str, Any] = {"/v2/repository/index": {"post": index}}
     for action, summary in (("load", "Serve a model of MODEL_REPOSITORY, in every worker, before answering."),
                             ("unload", "Stop serving a model, in every worker, before answering.")):
-        operation = _operation(summary, {"description": "Done (an empty body)."}, (400, 405, 503, 504),
+        operation = _operation(summary, {"description": "Done (an empty body)."}, (400, 404, 405, 503, 504),
                                parameters=(_NAME,))
         paths[f"/v2/repository/models/{{name}}/{action}"] = {"post": operation}
     for path in paths.values():
