@@ -7,7 +7,6 @@ imported in a short-lived Python subprocess.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, Server
+from tests.conftest import REPO, Server, wait_for
 
 LOCUST_TIMEOUT_S = 90
 USERS = 5
@@ -30,17 +29,37 @@ def locust_env(**overrides: str) -> dict[str, str]:
     return env
 
 
-def aggregated_row(csv_prefix: Path) -> dict[str, str]:
-    with open(f"{csv_prefix}_stats.csv", newline="") as file:
-        return next(row for row in csv.DictReader(file) if row["Name"] == "Aggregated")
-
-
-def run_headless_locust(url: str, csv_prefix: Path, env: dict[str, str], *,
-                        seconds: int = 5, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def locust_until_served(url: str, csv_prefix: Path, env: dict[str, str], served, *,
+                        args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run headless Locust until `served()` (the server's own count) says enough was answered,
+    then stop it as a user would (SIGTERM: Locust writes its stats and exits with its own code).
+    No clock decides it: on a loaded machine a timed run can end before Locust has sent anything."""
     command = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py"), "--headless",
-               "-u", str(USERS), "-r", str(USERS), "-t", f"{seconds}s", "--host", url, "--csv", str(csv_prefix),
-               "--only-summary", *args]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=LOCUST_TIMEOUT_S)
+               "-u", str(USERS), "-r", str(USERS), "-t", f"{LOCUST_TIMEOUT_S}s", "--host", url,
+               "--json-file", str(csv_prefix), "--only-summary", *args]
+    locust = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: served() or locust.poll() is not None, within_s=LOCUST_TIMEOUT_S, what="enough answers")
+        locust.terminate()
+        output, _ = locust.communicate(timeout=LOCUST_TIMEOUT_S)
+    finally:
+        if locust.poll() is None:
+            locust.kill()
+            locust.wait()
+    return subprocess.CompletedProcess(command, locust.returncode, output, "")
+
+
+def json_totals(prefix: Path) -> dict[str, int]:
+    """Every request Locust finished, from the JSON file it writes once, at exit (its CSV is
+    rewritten once a second and may miss the last calls, or all of them in a short run)."""
+    entries = json.loads(prefix.with_suffix(".json").read_text())
+    return {key: sum(entry[key] for entry in entries) for key in ("num_requests", "num_failures")}
+
+
+def answered(server: Server, route: str, more_than: int, **labels: str):
+    """A predicate: the server has answered more than `more_than` requests on `route` since now."""
+    before = server.metric("model_server_requests_total", route=route, **labels)
+    return lambda: server.metric("model_server_requests_total", route=route, **labels) > before + more_than
 
 
 # Answers a fake server gives before its Locust run is stopped; no clock decides it (a timed run
@@ -114,12 +133,12 @@ def test_locust_run_sends_requests_and_none_fail(server, tmp_path):
     summary = tmp_path / "batches.json"
     env = locust_env(LOCUST_WAIT_MIN="0.01", LOCUST_WAIT_MAX="0.05", LOCUST_SUMMARY_FILE=str(summary))
 
-    run = run_headless_locust(server.url, tmp_path / "run", env)
+    run = locust_until_served(server.url, tmp_path / "run", env, answered(server, "/predict", 50 + USERS))
 
     assert run.returncode == 0, run.stdout + run.stderr
-    row = aggregated_row(tmp_path / "run")
-    assert int(row["Failure Count"]) == 0, run.stdout + run.stderr
-    assert int(row["Request Count"]) > 50, row
+    total = json_totals(tmp_path / "run")
+    assert total["num_failures"] == 0, run.stdout + run.stderr
+    assert total["num_requests"] > 50, total
     batches = json.loads(summary.read_text())
     assert batches["answers_with_batch_headers"] > 0
     assert batches["mean_batch_rows"] >= 1
@@ -193,11 +212,11 @@ def test_locust_counts_a_bad_answer_as_a_failure(fake_server, tmp_path, status, 
 def test_locust_sends_the_rows_asked_for(server, tmp_path):
     env = locust_env(LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1", LOCUST_ROWS="3")
 
-    run = run_headless_locust(server.url, tmp_path / "run", env, seconds=2)
+    run = locust_until_served(server.url, tmp_path / "run", env, answered(server, "/predict", USERS))
 
     assert run.returncode == 0, run.stdout + run.stderr
-    row = aggregated_row(tmp_path / "run")
-    assert int(row["Failure Count"]) == 0 and int(row["Request Count"]) > 0
+    total = json_totals(tmp_path / "run")
+    assert total["num_failures"] == 0 and total["num_requests"] > 0, total
 
 
 
@@ -216,8 +235,8 @@ def test_locust_rows_match_what_the_server_received(counted_server, tmp_path, pr
 
     # The JSON file is written once, at exit, with every call counted (the CSV is rewritten
     # once a second and may miss the last one).
-    run = run_headless_locust(host, tmp_path / "run", env, seconds=3,
-                              args=("--stop-timeout", "30", "--json-file", str(tmp_path / "run")))
+    run = locust_until_served(host, tmp_path / "run", env, answered(server, route, 10 + USERS, status=ok),
+                              args=("--stop-timeout", "30"))
 
     assert run.returncode == 0, run.stdout + run.stderr
     (entry,) = json.loads((tmp_path / "run.json").read_text())
