@@ -84,25 +84,11 @@ class Answers:
 
 
 def locust_until_answered(url: str, stats_path: Path, env: dict[str, str], answers: Answers) -> tuple[int, dict]:
-    """Run headless Locust against a fake server until it has answered FAKE_ANSWERS requests, then
-    stop it as a user would (SIGTERM: Locust writes its stats and exits with its own code).
+    """Run headless Locust against a fake server until it has answered FAKE_ANSWERS requests.
     Returns the exit code and the aggregated stats of every request Locust finished."""
-    command = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py"), "--headless",
-               "-u", str(USERS), "-r", str(USERS), "-t", f"{LOCUST_TIMEOUT_S}s", "--host", url,
-               "--json-file", str(stats_path), "--only-summary"]
-    locust = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        enough = answers.enough.wait(LOCUST_TIMEOUT_S)
-        locust.terminate()
-        output, _ = locust.communicate(timeout=LOCUST_TIMEOUT_S)
-    finally:
-        if locust.poll() is None:
-            locust.kill()
-            locust.wait()
-    assert enough, f"the fake server answered {answers.count} requests:\n{output}"
-    entries = json.loads(stats_path.with_suffix(".json").read_text())
-    total = {key: sum(entry[key] for entry in entries) for key in ("num_requests", "num_failures")}
-    return locust.returncode, total
+    run = locust_until_served(url, stats_path, env, answers.enough.is_set)
+    assert answers.enough.is_set(), f"the fake server answered {answers.count} requests:\n{run.stdout}"
+    return run.returncode, json_totals(stats_path)
 
 
 @pytest.fixture(scope="module")
