@@ -229,14 +229,20 @@ def run_wrk(url: str, body: Path, *, duration_s: float, threads: int, connection
                                     "headers": lines})
     command = ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration_s:g}s", "--latency",
                "--timeout", "30s", "-s", str(script), url]
+    output, cpu_s = run_generator(command, duration_s, log_path)
+    return parse_wrk(output), cpu_s
+
+
+def run_generator(command: list[str], duration_s: float, log_path: Path | None) -> tuple[str, float]:
+    """Run a load generator to its end: its output, and its own CPU seconds."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(command, capture_output=True, text=True, timeout=duration_s + 120)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if log_path is not None:
         log_path.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
-        raise RuntimeError(f"wrk exited with {done.returncode}:\n{done.stdout}{done.stderr}")
-    return parse_wrk(done.stdout), after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        raise RuntimeError(f"{command[0]} exited with {done.returncode}:\n{done.stdout}{done.stderr}")
+    return done.stdout, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 def parse_h2load(output: str) -> WrkResult:
@@ -257,11 +263,5 @@ def run_h2load(url: str, body: Path, *, duration_s: float, connections: int,
     Service/Method), as run_wrk. h2load cannot read gRPC's status trailers: the caller counts the rows served."""
     command = ["h2load", "-c", str(connections), "-m", "1", "-t", "1", "-D", f"{duration_s:g}", "-d", str(body),
                "-H", "content-type: application/grpc", "-H", "te: trailers", url]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=duration_s + 120)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if log_path is not None:
-        log_path.write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"h2load exited with {done.returncode}:\n{done.stdout}{done.stderr}")
-    return parse_h2load(done.stdout), after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    output, cpu_s = run_generator(command, duration_s, log_path)
+    return parse_h2load(output), cpu_s
