@@ -437,7 +437,8 @@ def test_grpc_health_and_metadata(grpc_client):
     assert grpc_client.is_model_ready("versioned", "stable")
     assert not grpc_client.is_model_ready("versioned", "3")
     assert not grpc_client.is_model_ready("nothing")
-    assert list(grpc_client.get_server_metadata().extensions) == ["binary_tensor_data", "statistics", "model_repository"]
+    assert list(grpc_client.get_server_metadata().extensions) == [
+        "binary_tensor_data", "statistics", "model_repository"]
     metadata = grpc_client.get_model_metadata("tss", as_json=True)
     assert metadata["inputs"][0] == {"name": "sensor", "datatype": "FP32", "shape": ["-1", "2", "2"]}
     assert metadata["outputs"][2] == {"name": "tag_length", "datatype": "INT32", "shape": ["-1"]}
