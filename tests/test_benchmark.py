@@ -361,8 +361,9 @@ def test_the_command_names_every_scenario():
 def quick_run(tmp_path_factory):
     """`experiment --quick` beside the server of HEAD (a second tree, its own server), seconds a load."""
     out, work = tmp_path_factory.mktemp("benchmark-out") / "page.md", tmp_path_factory.mktemp("benchmark-work")
-    command = [sys.executable, "-m", "scripts.benchmark", "experiment", "--quick", "--configs", "default",
-               "--baseline-ref", "HEAD", "--out", str(out), "--work-dir", str(work)]
+    # 6 s a load, not --quick's 2: one user thinking 1-3 s between requests sent none in 2 s now and then.
+    command = [sys.executable, "-m", "scripts.benchmark", "experiment", "--quick", "--duration", "6", "--configs",
+               "default", "--baseline-ref", "HEAD", "--out", str(out), "--work-dir", str(work)]
     env = {key: value for key, value in os.environ.items() if not key.startswith("LOCUST_")}
     # A session of its own, so that a timeout stops the servers and Locust it started as well.
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
