@@ -40,11 +40,13 @@ class LiveServer:
     """One Gunicorn master and its workers, in this process's group, its output in `log_dir`/`log_name`.
 
     `env` is laid over this process's environment less `drop_env`. Every server gets its own gRPC port
-    unless `env` names one: with SO_REUSEPORT, two servers on one port would share it."""
+    unless `env` names one: with SO_REUSEPORT, two servers on one port would share it. `python` is
+    the interpreter (another venv's: tests/test_jax.py)."""
 
     def __init__(self, log_dir: Path, env: Mapping[str, str] | None = None, *, args: Sequence[str] = (),
                  app: Sequence[str] = SERVER_COMMAND[-1:], cwd: Path = REPO,
-                 drop_env: Collection[str] = DROPPED_BY_DEFAULT, log_name: str | None = None) -> None:
+                 drop_env: Collection[str] = DROPPED_BY_DEFAULT, log_name: str | None = None,
+                 python: str = sys.executable) -> None:
         self.port, grpc_port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / (log_name or f"gunicorn-{self.port}.log")
@@ -56,11 +58,12 @@ class LiveServer:
         self.args = tuple(args)
         self.app = tuple(app)
         self.cwd = cwd
+        self.python = python
         self.proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
 
     def command(self, *, workers: int) -> list[str]:
-        return [sys.executable, "-m", *SERVER_COMMAND[:-1], *self.app, f"--workers={workers}", *self.args]
+        return [self.python, "-m", *SERVER_COMMAND[:-1], *self.app, f"--workers={workers}", *self.args]
 
     def start(self, *, workers: int = 1, ready_within_s: float = 180) -> LiveServer:
         self._log = open(self.log_path, "wb")

@@ -14,7 +14,8 @@
 #   requirements-pytriton.lock  PyTriton, its own venv (python -m scripts.benchmark.peers; not CI)
 # requirements-nodeps.txt is not locked: tensorflow-serving-api declares the full `tensorflow`
 # as a dependency, which would shadow tensorflow-cpu, so it is installed with --no-deps after
-# a lock; what it imports (grpcio, protobuf) is in the locks.
+# a lock; what it imports (grpcio, protobuf) is in the locks. requirements-tensorflow-cuda.txt
+# and requirements-jax.txt are exact pins for venvs beside the project's (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

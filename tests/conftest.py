@@ -154,8 +154,9 @@ def exact_model(exact_model_path):
 class Server(LiveServer):
     """A real `gunicorn -c gunicorn.conf.py wsgi:app` on a free loopback port, with a test's helpers."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
-        super().__init__(log_dir, env, args=args)
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = (),
+                 python: str = sys.executable) -> None:
+        super().__init__(log_dir, env, args=args, python=python)
 
     @property
     def model_processes(self) -> int:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -25,7 +25,12 @@ from tests.conftest import REPO, Server
 from tests.test_tf_serving import build_multi_io_model
 from tests.test_versions import save_half_plus
 
-pytest.importorskip("jax")
+# JAX lives in a venv of its own (.ci/run makes it: requirements-jax.txt and a .pth file onto the
+# project venv's site-packages): installed beside TensorFlow, `import tensorflow` imports it too,
+# and every server process the other tests start would pay for that (a third of the import).
+JAX_VENV = Path(os.environ.get("JAX_VENV", REPO / ".venv-jax"))
+JAX_PYTHON = str(JAX_VENV / "bin" / "python")
+pytestmark = pytest.mark.skipif(not Path(JAX_PYTHON).exists(), reason=f"no venv with JAX at {JAX_VENV}")
 
 TIMEOUT_S = 60
 # float32 through two compilers (XLA's and TensorFlow's kernels sum in different orders).
@@ -70,7 +75,8 @@ def servers(tmp_path_factory, model_root):
     logs = tmp_path_factory.mktemp("jax-logs")
     common = {"MODEL_CONFIG": str(model_root / "models.json")}
     started = {"tensorflow": Server(logs, {**common, "KERAS_BACKEND": "tensorflow"}),
-               "jax": Server(logs, {**common, "KERAS_BACKEND": "jax", "GPU_MEMORY_FRACTION": "0.25"})}
+               "jax": Server(logs, {**common, "KERAS_BACKEND": "jax", "GPU_MEMORY_FRACTION": "0.25"},
+                                 python=JAX_PYTHON)}
     try:
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda server: server.start(), started.values()))
@@ -263,7 +269,7 @@ def run_with_jax(code: str, *args: str, **env: str) -> subprocess.CompletedProce
     """`code` in a fresh interpreter on JAX, as a worker that holds its models (whatever MODEL_PROCESSES
     this run was given: that mode's workers hold none)."""
     inherited = {key: value for key, value in os.environ.items() if key != "MODEL_PROCESSES"}
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+    return subprocess.run([JAX_PYTHON, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**inherited, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "2", **env})
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SERVER_COMMAND, Server, integer_rows
+from tests.conftest import REPO, Server, integer_rows
 
 VENV = Path(os.environ.get("TENSORFLOW_CUDA_VENV", REPO / ".venv-tensorflow"))
 PYTHON = VENV / "bin" / "python"
@@ -33,14 +33,11 @@ def test_every_worker_line_is_json_with_tensorflows_cuda_build(tmp_path):
     version, imported_from = probe.stdout.split()
     assert version == "2.21.0" and imported_from.startswith(str(VENV)), probe.stdout
 
-    server = Server(tmp_path, {"LOG_FORMAT": "json"})
+    server = Server(tmp_path, {"LOG_FORMAT": "json"}, python=str(PYTHON))
     # TensorFlow's own default, not the tests' quiet one: every native line it prints must be caught.
     server.env.pop("TF_CPP_MIN_LOG_LEVEL")
-    command = [str(PYTHON), "-m", *SERVER_COMMAND[:1], *SERVER_COMMAND[1:], "--workers=1"]
-    server._log = open(server.log_path, "wb")
-    server.proc = subprocess.Popen(command, cwd=REPO, env=server.env, stdout=server._log, stderr=subprocess.STDOUT)
     try:
-        server.wait_ready(workers=1)
+        server.start()
         assert server.predict(integer_rows(3)).status_code == 200
     finally:
         assert server.stop(signum=signal.SIGTERM) == 0
