@@ -99,6 +99,16 @@ def validate_restriction(value: str) -> str:
     return f"{key}={secret}"
 
 
+def _shown_restriction(raw: str) -> str:
+    # The value is a credential: an error names the header but never what follows "=" (and all of
+    # it when there is no "=", since then it may be the secret alone).
+    key, equals, _ = raw.partition("=")
+    return repr(f"{key}=<hidden>") if equals else "<hidden>"
+
+
+validate_restriction.shown = _shown_restriction  # type: ignore[attr-defined]
+
+
 # Matched with fullmatch: "$" would also match before a final newline ("abc\n").
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -635,7 +645,8 @@ def parse(name: str, raw: str, validator: Callable[[str], Any]) -> Any:
     try:
         return validator(raw.strip())
     except (ValueError, TypeError):
-        raise SettingsError(f"{name}={raw!r} is not valid: expected {allowed(validator)}") from None
+        shown = getattr(validator, "shown", repr)(raw)
+        raise SettingsError(f"{name}={shown} is not valid: expected {allowed(validator)}") from None
 
 
 def documented() -> list[tuple[str, Any, str]]:

@@ -239,10 +239,10 @@ def test_a_served_config_reads_back_unchanged():
     ({"MODEL_CONTROL_MODE": "explicit", "MODEL_REPOSITORY": "/r", "MODEL_CONFIG_POLL_SECONDS": "5"},
      "MODEL_CONTROL_MODE='explicit' and MODEL_CONFIG_POLL_SECONDS=5 both change"),
     ({"MODEL_CONTROL_MODE": "poll"}, "MODEL_CONTROL_MODE='poll' is not valid"),
-    ({"RESTRICTED_MODEL_CONTROL": "admin-key"}, "RESTRICTED_MODEL_CONTROL='admin-key' is not valid"),
-    ({"RESTRICTED_MODEL_CONTROL": "grpc-x=1"}, "RESTRICTED_MODEL_CONTROL='grpc-x=1' is not valid"),
-    ({"RESTRICTED_MODEL_CONTROL": "key-bin=1"}, "RESTRICTED_MODEL_CONTROL='key-bin=1' is not valid"),
-    ({"RESTRICTED_MODEL_CONTROL": "key="}, "RESTRICTED_MODEL_CONTROL='key=' is not valid"),
+    ({"RESTRICTED_MODEL_CONTROL": "admin-key"}, "RESTRICTED_MODEL_CONTROL=<hidden> is not valid"),
+    ({"RESTRICTED_MODEL_CONTROL": "grpc-x=1"}, "RESTRICTED_MODEL_CONTROL='grpc-x=<hidden>' is not valid"),
+    ({"RESTRICTED_MODEL_CONTROL": "key-bin=1"}, "RESTRICTED_MODEL_CONTROL='key-bin=<hidden>' is not valid"),
+    ({"RESTRICTED_MODEL_CONTROL": "key="}, "RESTRICTED_MODEL_CONTROL='key=<hidden>' is not valid"),
 ])
 def test_bad_model_control_settings_stop_start_up(values, message):
     with pytest.raises(SettingsError, match="^" + message.replace("(", r"\(").replace("[", r"\[")):
