@@ -10,8 +10,9 @@ RunServer starts one server per model; here the tests that only read share one s
 from a model config file that names each of their models (`model_server`): TF Serving's
 'default' is half_plus_two, and each other test's model is served under a name of its own (no
 test depends on another model's absence). The config reload test polls its file, and so gets a
-server of its own. The tests of that suite that cannot pass here, and why, are listed in
-docs/tf-serving.md.
+server of its own. The same server also serves TF Serving's other test models, for the tests at
+the end that go beyond its suite (other export structures, signatures without inputs). The tests
+of that suite that cannot pass here, and why, are listed in docs/tf-serving.md.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import requests
 from tensorflow_serving.apis import (
@@ -42,7 +44,12 @@ from scripts.live_server import REPO, LiveServer, free_ports
 from tests.conftest import wait_for
 from tests.tfs_models import (
     HALF_PLUS_TWO_SIGNATURES,
+    UNKNOWN_RANK,
     VERSION,
+    assert_y,
+    dims,
+    predict_x,
+    signature_document,
     tfs_models,  # noqa: F401  (a fixture)
 )
 
@@ -98,6 +105,9 @@ SERVED = {
     "keras_sequential": "keras_sequential",
     "keras_sequential_mirrored": "keras_sequential_mirrored",
     "tf_text_regression": "tf_text_regression",
+    "half_plus_two_main_op": "half_plus_two_main_op",
+    "half_plus_two_2_versions": "half_plus_two_2_versions",
+    "counter": "counter",
 }
 
 
@@ -153,7 +163,7 @@ def keras_models(tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in ("keras_sequential", "keras_sequential_mirrored")}
 
 
-# -- the requests and checks of TF Serving's test base -------------------------------------------
+# -- the requests and checks of TF Serving's test base --------------------------------------------
 
 
 def prediction_stub(server: ModelServer) -> prediction_service_pb2_grpc.PredictionServiceStub:
@@ -210,7 +220,7 @@ def call_rest(server: ModelServer, path: str, body=None) -> dict:
     return answer.json()
 
 
-# -- RunServer('default', half_plus_two) --------------------------------------------------------
+# -- RunServer('default', half_plus_two) ----------------------------------------------------------
 
 
 def test_get_model_status(half_plus_two):
@@ -344,7 +354,7 @@ def worker_maps_tensorflow_text(server: ModelServer) -> bool:
     return any("tensorflow_text" in region.path for worker in workers for region in worker.memory_maps())
 
 
-# -- RunServer('default', half_plus_two_tf2) ----------------------------------------------------
+# -- RunServer('default', half_plus_two_tf2) ------------------------------------------------------
 
 
 def test_classify_tf2(half_plus_two_tf2):
@@ -359,7 +369,7 @@ def test_multi_inference_tf2(half_plus_two_tf2):
     multi_inference(half_plus_two_tf2, "half_plus_two_tf2")
 
 
-# -- --model_config_file ------------------------------------------------------------------------
+# -- --model_config_file --------------------------------------------------------------------------
 
 
 def test_good_model_config(model_server):
@@ -442,7 +452,7 @@ def test_model_config_reload(polled_server, polled_config, tfs_models):  # noqa:
              within_s=120, what="half_plus_two served again")
 
 
-# -- models saved by tf.saved_model.save --------------------------------------------------------
+# -- models saved by tf.saved_model.save ----------------------------------------------------------
 
 
 def test_tf_saved_model_save(model_server):
@@ -476,7 +486,114 @@ def test_tf_text(model_server):
     assert worker_maps_tensorflow_text(model_server)
 
 
-# -- what this server refuses -------------------------------------------------------------------
+# -- beyond TF Serving's suite: other export structures, served by the same server ----------------
+# (main_op, TF 1.0 shapes, two versions, TF2 metadata, signatures without inputs)
+
+
+@pytest.fixture(scope="module")
+def stub(model_server) -> Iterator[prediction_service_pb2_grpc.PredictionServiceStub]:
+    with grpc.insecure_channel(model_server.grpc_target) as channel:
+        yield prediction_service_pb2_grpc.PredictionServiceStub(channel)
+
+
+def post(server: ModelServer, path: str, body) -> requests.Response:
+    return requests.post(server.url + path, data=json.dumps(body), timeout=TIMEOUT_S)
+
+
+def test_main_op_export_loads_and_answers(stub, model_server):
+    """The asset-based init op given as main_op instead of legacy_init_op."""
+    assert_y(stub.Predict(predict_x("half_plus_two_main_op", 2.0), TIMEOUT_S), 3.0, model="half_plus_two_main_op")
+    assert post(model_server, "/v1/models/half_plus_two_main_op:regress",
+                {"signature_name": "regress_x_to_y2", "examples": [{"x": 1.0}, {"x": 7.0}]}).json() == {
+        "results": [3.5, 6.5]}
+    assert post(model_server, "/v1/models/half_plus_two_main_op:predict",
+                {"signature_name": "regress_x2_to_y3", "instances": [[1.0], [0.0]]}).json() == {
+        "predictions": [[3.5], [3.0]]}
+
+
+def test_half_plus_three_with_tf_1_0_scalar_shapes_answers_api_rest_curl_lines(model_server, stub):
+    """Its signatures declare scalars although they carry batches; TF Serving feeds what it gets."""
+    assert post(model_server, "/v1/models/half_plus_three:predict", {"instances": [1.0, 2.0, 5.0]}).json() == {
+        "predictions": [3.5, 4.0, 5.5]}
+    assert post(model_server, "/v1/models/half_plus_three:regress", {"signature_name": "tensorflow/serving/regress",
+                                                                "examples": [{"x": 1.0}, {"x": 2.0}]}).json() == {
+        "results": [3.5, 4.0]}
+    assert_y(stub.Predict(predict_x("half_plus_three", 2.0), TIMEOUT_S), 4.0, model="half_plus_three")
+    metadata = requests.get(model_server.url + "/v1/models/half_plus_three/metadata", timeout=TIMEOUT_S).json()
+    x = metadata["metadata"]["signature_def"]["signature_def"]["serving_default"]["inputs"]["x"]
+    assert x == {"dtype": "DT_FLOAT", "tensor_shape": {"dim": [], "unknown_rank": False}, "name": "x:0"}
+
+
+def test_two_versions_serve_the_newest_as_tf_servings_default_policy(model_server, stub):
+    status = requests.get(model_server.url + "/v1/models/half_plus_two_2_versions", timeout=TIMEOUT_S).json()
+    assert [entry["version"] for entry in status["model_version_status"]] == [str(VERSION + 1)]
+    assert_y(stub.Predict(predict_x("half_plus_two_2_versions", 2.0), TIMEOUT_S), 3.0,
+             model="half_plus_two_2_versions", version=VERSION + 1)
+
+
+# -- TF2 exports, and signatures without inputs ---------------------------------------------------
+
+
+def test_tf2_half_plus_two_predicts_over_its_fixed_shape_signature(stub, model_server):
+    """Its serving_default takes shape [1] (no batch dimension), as TF Serving's TF2 model does."""
+    assert_y(stub.Predict(predict_x("half_plus_two_tf2", 2.0), TIMEOUT_S), 3.0, model="half_plus_two_tf2")
+    metadata = requests.get(model_server.url + "/v1/models/half_plus_two_tf2/metadata", timeout=TIMEOUT_S).json()
+    signatures = metadata["metadata"]["signature_def"]["signature_def"]
+    assert signatures["serving_default"]["inputs"] == {"x": {"dtype": "DT_FLOAT", "tensor_shape": dims(1),
+                                                             "name": "serving_default_x:0"}}
+    assert signatures["regress_x_to_y"]["inputs"]["inputs"] == {"dtype": "DT_STRING", "tensor_shape": dims(-1),
+                                                                "name": "regress_x_to_y_inputs:0"}
+    assert sorted(signatures) == ["classify_x2_to_y3", "classify_x_to_y", "regress_x2_to_y3", "regress_x_to_y",
+                                  "regress_x_to_y2", "serving_default"]
+
+
+def test_counter_signatures_without_inputs(model_server):
+    """export_counter.py's model: stateful signatures that take no input and answer a scalar."""
+    def call(signature: str, inputs: dict | None = None) -> float:
+        answer = post(model_server, "/v1/models/counter:predict", {"signature_name": signature, "inputs": inputs or {}})
+        return answer.json()["outputs"]
+
+    assert call("reset_counter") == 0.0
+    assert call("incr_counter") == 1.0
+    assert call("incr_counter_by", {"delta": 3.0}) == 4.0
+    assert call("get_counter") == 4.0
+
+
+def test_readyz_names_the_signatures_served_unbatched(model_server):
+    """Signatures without a batch dimension on every input and output run one request per call."""
+    served = requests.get(model_server.url + "/readyz", timeout=TIMEOUT_S).json()["models"]
+    assert served["counter"]["unbatched_signatures"] == ["get_counter", "incr_counter", "incr_counter_by",
+                                                         "reset_counter"]
+    assert served["multiple_signatures"]["unbatched_signatures"] == ["custom_signature_key", "serving_default"]
+    # Over serialized tf.Examples of unknown rank: no batch dimension to stack on.
+    assert served["default"]["unbatched_signatures"] == ["classify_x_to_y", "regress_x_to_y", "regress_x_to_y2"]
+
+
+def test_counter_and_scalar_signatures_load_and_are_described(model_server):
+    """They load and are described as the SignatureDef declares them. The
+    output fetches a reference variable: TF Serving's metadata copies DT_FLOAT_REF from the
+    SignatureDef; this model_server names the dtype the answer has."""
+    counter = requests.get(model_server.url + "/v1/models/counter/metadata", timeout=TIMEOUT_S).json()
+    signatures = counter["metadata"]["signature_def"]["signature_def"]
+    assert signatures["incr_counter_by"] == signature_document(
+        "predict", {"delta": ("DT_FLOAT", UNKNOWN_RANK, "delta:0")},
+        {"output": ("DT_FLOAT", dims(), "incr_counter_by_op/AssignAdd:0")})
+    assert signatures["get_counter"]["inputs"] == {}
+
+
+def test_rows_of_one_value_for_an_input_declared_minus_one_by_one_are_rows(stub):
+    """gRPC used to refuse x of shape [3] for x declared [-1, 1] ('must have shape [1]; the tensor
+    has shape [3]'); TF Serving feeds it. The answer keeps the rows, one value each."""
+    request = predict_x("default", 0.0)
+    del request.inputs["x"].float_val[:]
+    request.inputs["x"].float_val.extend([2.0, 3.0, 4.0])
+    request.inputs["x"].tensor_shape.dim[0].size = 3
+    response = stub.Predict(request, TIMEOUT_S)
+    assert list(response.outputs["y"].float_val) == [3.0, 3.5, 4.0]
+    np.testing.assert_array_equal([dim.size for dim in response.outputs["y"].tensor_shape.dim], [3, 1])
+
+
+# -- what this server refuses ---------------------------------------------------------------------
 
 
 def test_tflite_models_are_refused_at_start(tfs_models, tmp_path):  # noqa: F811
