@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import REPO, Server, build_exact_model, integer_rows
+from tests.conftest import REPO, Server, build_exact_model, integer_rows, wait_for
 
 TIMEOUT_S = 60
 
@@ -83,7 +84,10 @@ def build_multi_io_model():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, exact_model_path):
+    from scripts.export_saved_model import export
+
     root = tmp_path_factory.mktemp("tfs")
+    export(str(exact_model_path), root / "swap", 1)  # the version swap's model: version 2 comes later
     save_half_plus_two(root / "half_plus_two" / "1")
     save_tag_signal_sensor(root / "example")
     save_bytes_echo(root / "echo")
@@ -96,6 +100,7 @@ def model_dir(tmp_path_factory, exact_model_path):
             {"name": "example", "path": str(root / "example")},
             {"name": "echo", "path": str(root / "echo")},
             {"name": "multi", "path": str(root / "multi.keras")},
+            {"name": "swap", "path": str(root / "swap")},
         ],
     }
     (root / "models.json").write_text(json.dumps(config))
@@ -104,7 +109,9 @@ def model_dir(tmp_path_factory, exact_model_path):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir):
-    running = Server(tmp_path_factory.mktemp("tfs-logs"), {"MODEL_CONFIG": str(model_dir / "models.json")}).start()
+    # Polled often: the version swap waits for its new version to be found.
+    running = Server(tmp_path_factory.mktemp("tfs-logs"), {"MODEL_CONFIG": str(model_dir / "models.json"),
+                                                          "MODEL_POLL_SECONDS": "0.2"}).start()
     yield running
     running.stop()
 
@@ -203,7 +210,7 @@ def test_model_status_as_tf_serving_reports_it(server):
 
 def test_each_model_is_batched_separately_with_its_own_settings(server, exact_model):
     status = requests.get(server.url + "/readyz", timeout=TIMEOUT_S).json()["models"]
-    assert sorted(status) == ["echo", "exact", "example", "half_plus_two", "multi"]
+    assert sorted(status) == ["echo", "exact", "example", "half_plus_two", "multi", "swap"]
     assert (status["exact"]["max_batch_size"], status["exact"]["batch_timeout_ms"]) == (8, 1000)
     assert (status["half_plus_two"]["max_batch_size"], status["half_plus_two"]["batch_timeout_ms"]) == (4, 0)
     # "exact" waits up to 1 s for a batch of 8: six requests to it and six to half_plus_two
@@ -248,17 +255,19 @@ def test_exported_saved_model_serves_the_keras_models_own_output(in_process_app,
     np.testing.assert_array_equal(np.asarray(answer.json["predictions"], np.float32), exact_model(rows).numpy())
 
 
-def test_new_version_is_swapped_in_under_load_without_a_failed_request(start_server, exact_model_path, tmp_path):
+def test_new_version_is_swapped_in_under_load_without_a_failed_request(server, model_dir, exact_model_path,
+                                                                       tmp_path):
     # The command's own function, in this process: the command is the test above's, the swap
-    # is this one's (two more TensorFlow imports in subprocesses cost about 10 s).
+    # is this one's (two more TensorFlow imports in subprocesses cost about 10 s). The model
+    # 'swap' of the module's server is version 1 of the exact model; version 2 is exported
+    # under load, and removed again at the end, so that the server is left as it was found.
     from scripts.export_saved_model import export
 
-    base = tmp_path / "base"
-    export(str(exact_model_path), base, 1)
+    base = model_dir / "swap"
     second = build_exact_model(seed=8)
     second.save(tmp_path / "second.keras")
     expected = {"1": build_exact_model(), "2": second}
-    server = start_server({"MODEL_PATH": str(base), "MODEL_POLL_SECONDS": "0.2"})
+    url = server.url + "/v1/models/swap:predict"
 
     stop = threading.Event()
     answers: list[tuple[np.ndarray, requests.Response]] = []
@@ -270,29 +279,35 @@ def test_new_version_is_swapped_in_under_load_without_a_failed_request(start_ser
                 if stop.is_set() or time.monotonic() > give_up:
                     return
                 rows = integer_rows(1 + i % 3, seed=seed * 10_000 + i)
-                answers.append((rows, session.post(server.url + "/predict", json={"instances": rows.tolist()},
-                                                   timeout=TIMEOUT_S)))
+                answers.append((rows, session.post(url, json={"instances": rows.tolist()}, timeout=TIMEOUT_S)))
 
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        clients = [pool.submit(load, seed) for seed in range(4)]
-        export(str(tmp_path / "second.keras"), base, 2)
-        deadline = time.monotonic() + 120
-        while sum(answer.headers.get("X-Model-Version") == "2" for _, answer in list(answers)) < 50:
-            assert time.monotonic() < deadline, "v2 never served"
+    def swap_version() -> int:
+        return requests.get(server.url + "/readyz", timeout=TIMEOUT_S).json()["models"]["swap"]["version"]
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            clients = [pool.submit(load, seed) for seed in range(4)]
+            export(str(tmp_path / "second.keras"), base, 2)
+            deadline = time.monotonic() + 120
+            while sum(answer.headers.get("X-Model-Version") == "2" for _, answer in list(answers)) < 50:
+                assert time.monotonic() < deadline, "v2 never served"
+                for client in clients:
+                    if client.done():
+                        client.result()  # a client that ended early raised: show why
+                time.sleep(0.05)  # the clients' answers are the signal; nothing to block on
+            stop.set()
             for client in clients:
-                if client.done():
-                    client.result()  # a client that ended early raised: show why
-            time.sleep(0.05)  # the clients' answers are the signal; nothing to block on
-        stop.set()
-        for client in clients:
-            client.result(TIMEOUT_S)
+                client.result(TIMEOUT_S)
 
-    versions = [answer.headers.get("X-Model-Version") for _, answer in answers]
-    assert [answer.status_code for _, answer in answers] == [200] * len(answers)
-    assert set(versions) == {"1", "2"}
-    # Every answer is exactly the output of the version that says it answered.
-    for rows, answer in answers:
-        version = answer.headers["X-Model-Version"]
-        assert answer.json()["predictions"] == expected[version](rows).numpy().tolist()
-    status = requests.get(server.url + "/readyz", timeout=TIMEOUT_S).json()["models"]["default"]
-    assert status["version"] == 2
+        versions = [answer.headers.get("X-Model-Version") for _, answer in answers]
+        assert [answer.status_code for _, answer in answers] == [200] * len(answers)
+        assert set(versions) == {"1", "2"}
+        # Every answer is exactly the output of the version that says it answered.
+        for rows, answer in answers:
+            version = answer.headers["X-Model-Version"]
+            assert answer.json()["predictions"] == expected[version](rows).numpy().tolist()
+        assert swap_version() == 2
+    finally:
+        stop.set()
+        shutil.rmtree(base / "2", ignore_errors=True)
+    wait_for(lambda: swap_version() == 1, what="version 1 of 'swap' served again")

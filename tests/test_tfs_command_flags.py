@@ -26,8 +26,11 @@ from tensorflow_serving.apis import prediction_service_pb2_grpc
 
 from tests.conftest import REPO, Server, free_port, wait_for
 from tests.test_tfs_flags import SICARA_BATCHING
-from tests.test_tfs_models import assert_y, predict_x
-from tests.tfs_models import tfs_models  # noqa: F401  (a fixture)
+from tests.tfs_models import (
+    assert_y,
+    predict_x,
+    tfs_models,  # noqa: F401  (a fixture)
+)
 
 # TF Serving's testdata/monitoring_config.txt, as written.
 MONITORING_CONFIG = 'prometheus_config: {\n  enable: true,\n  path: "/monitoring/prometheus/metrics"\n}\n'

@@ -42,6 +42,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tensorflow_serving.apis import predict_pb2
 
 VERSION = 123
 
@@ -361,6 +362,35 @@ def build_all(root: Path) -> dict[str, Path]:
 def tfs_models(tmp_path_factory) -> dict[str, Path]:
     """Built once per test session (a few seconds of TensorFlow graph building)."""
     return build_all(tmp_path_factory.mktemp("tfs_models"))
+
+
+# -- the requests and checks of TF Serving's VerifyPredictRequest ------------------------------
+
+
+def predict_x(model: str, value: float, *, signature_name: str = "serving_default", output_filter: bool = True,
+              batch_input: bool = False) -> predict_pb2.PredictRequest:
+    """As TF Serving's VerifyPredictRequest writes it: x = [value] in float_val, shape [1] (or [1, 1])."""
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = model
+    request.model_spec.signature_name = signature_name
+    tensor = request.inputs["x"]
+    tensor.dtype = 1  # DT_FLOAT
+    tensor.float_val.append(value)
+    tensor.tensor_shape.dim.add().size = 1
+    if batch_input:
+        tensor.tensor_shape.dim.add().size = 1
+    if output_filter:
+        request.output_filter.append("y")
+    return request
+
+
+def assert_y(response, expected: float, *, model: str, version: int = VERSION,
+             signature_name: str = "serving_default") -> None:
+    """VerifyPredictRequest's checks: y is DT_FLOAT with one value in float_val, and the model spec."""
+    y = response.outputs["y"]
+    assert (y.dtype, list(y.float_val), y.tensor_content) == (1, [expected], b"")
+    assert (response.model_spec.name, response.model_spec.version.value, response.model_spec.signature_name) == (
+        model, version, signature_name)
 
 
 # -- the metadata TF Serving's testdata/half_plus_two_model_metadata.json holds ----------------
