@@ -12,6 +12,7 @@ import re
 import socket
 import string
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -36,24 +37,25 @@ DERIVED_LIMIT = MAX_ROWS * (FEATURES * 32 + len("features") + 8) + 64 * 1024
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, exact_model_path):
-    running = Server(tmp_path_factory.mktemp("hostile"), {
-        "MODEL_PATH": str(exact_model_path),
+def guarded_model_path(tmp_path_factory) -> Path:
+    # A model whose signature raises on an input at or above POISON.
+    return save_guarded_model(tmp_path_factory.mktemp("guarded") / "model")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, exact_model_path, guarded_model_path):
+    """The exact model (the default), and beside it the guarded model as "guarded". Both take
+    one input "features" of 4 float32 a row, so the derived body limit is the exact model's."""
+    folder = tmp_path_factory.mktemp("hostile")
+    config = folder / "models.json"
+    config.write_text(json.dumps({"models": [{"name": "default", "path": str(exact_model_path)},
+                                             {"name": "guarded", "path": str(guarded_model_path)}]}))
+    running = Server(folder, {
+        "MODEL_CONFIG": str(config),
         "READYZ_DETAIL": "false",
         "LARGE_BODY_BYTES": str(LARGE_BODY_BYTES),
         "LARGE_BODY_SLOTS": "1",
         "REQUEST_TIMEOUT_MS": str(REQUEST_TIMEOUT_MS),
-    }).start()
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def guarded_server(tmp_path_factory):
-    # A model whose signature raises on an input at or above POISON; /readyz in detail.
-    path = save_guarded_model(tmp_path_factory.mktemp("guarded") / "model")
-    running = Server(tmp_path_factory.mktemp("hostile-guarded"), {
-        "MODEL_PATH": str(path), "READYZ_DETAIL": "true",
     }).start()
     yield running
     running.stop()
@@ -282,10 +284,11 @@ def test_framing_errors_answer_400_json(server, headers, rest, shut_write, words
 
 # -- item 3: nothing leaked --------------------------------------------------------------
 
-def test_model_error_answers_class_and_first_line_and_logs_the_rest(guarded_server):
+def test_model_error_answers_class_and_first_line_and_logs_the_rest(server):
+    guarded_server, path = server, "/v1/models/guarded:predict"
     rows = integer_rows(1, seed=16)
     rows[0, 1] = POISON
-    answer = requests.post(guarded_server.url + "/predict", json={"instances": rows.tolist()}, timeout=30,
+    answer = requests.post(guarded_server.url + path, json={"instances": rows.tolist()}, timeout=30,
                            headers={"X-Request-ID": "poisoned-request-42"})
     assert answer.status_code == 500
     error = answer.json()["error"]
@@ -298,7 +301,7 @@ def test_model_error_answers_class_and_first_line_and_logs_the_rest(guarded_serv
         assert time.monotonic() < deadline, guarded_server.log()[-3000:]
     logged = guarded_server.log().split("predict failed, request_id=poisoned-request-42: ", 1)[1]
     assert len(logged.splitlines()) > 1 and logged.startswith("InvalidArgumentError: ")
-    good = requests.post(guarded_server.url + "/predict", json={"instances": integer_rows(2).tolist()}, timeout=30)
+    good = requests.post(guarded_server.url + path, json={"instances": integer_rows(2).tolist()}, timeout=30)
     assert good.json()["predictions"] == expected_scores(integer_rows(2)).tolist()
 
 
@@ -332,12 +335,15 @@ def test_random_methods_and_paths_add_no_label_values(server):
     assert set(after) - set(before) <= {("other", "other"), ("GET", "/metrics")}
 
 
-def test_readyz_shows_no_paths_or_pid_unless_asked(server, guarded_server, exact_model_path):
+def test_readyz_shows_no_paths_or_pid_unless_asked(server, exact_model_path, guarded_model_path, in_process_app):
     plain = requests.get(server.url + "/readyz", timeout=10)
     assert plain.status_code == 200
     assert "pid" not in plain.json()
     assert "source" not in plain.json()["models"]["default"]
-    assert str(exact_model_path) not in plain.text and str(exact_model_path.parent) not in plain.text
-    detailed = readyz(guarded_server)
+    assert "source" not in plain.json()["models"]["guarded"]
+    for path in (exact_model_path, guarded_model_path):
+        assert str(path) not in plain.text and str(path.parent) not in plain.text
+    # Asked for: in-process, as what /readyz shows is the app's alone, not Gunicorn's.
+    detailed = in_process_app(model_path=str(guarded_model_path), readyz_detail=True).test_client().get("/readyz").json
     assert isinstance(detailed["pid"], int)
     assert detailed["models"]["default"]["source"].endswith("model")

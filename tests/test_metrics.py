@@ -42,9 +42,19 @@ def send_spread(server, bodies) -> list[requests.Response]:
 
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory, exact_model_path):
-    """The exact model on two workers, with a metrics folder the tests can look into."""
+    """The exact model on two workers, logging JSON, with a metrics folder the tests can look into.
+
+    The same file is also served as "windowed": a 300 ms batch window and buckets up to 8 rows.
+    One server for both: every test reads what it added (or the series of its own model).
+    """
     folder = tmp_path_factory.mktemp("metrics-two-workers")
-    running = Server(folder, {"MODEL_PATH": str(exact_model_path), "PROMETHEUS_MULTIPROC_DIR": str(folder / "metrics")})
+    config = folder / "models.json"
+    config.write_text(json.dumps({"models": [
+        {"name": "default", "path": str(exact_model_path)},
+        {"name": "windowed", "path": str(exact_model_path), "max_batch_size": 8, "batch_timeout_ms": 300},
+    ]}))
+    running = Server(folder, {"MODEL_CONFIG": str(config), "PROMETHEUS_MULTIPROC_DIR": str(folder / "metrics"),
+                              "LOG_FORMAT": "json"})
     yield running.start(workers=2)
     running.stop()
 
@@ -118,22 +128,13 @@ def test_http_answers_are_counted_by_the_rule_they_matched(in_process_app, exact
     assert value(found, "model_server_requests_in_flight") == 1
 
 
-@pytest.fixture(scope="module")
-def windowed(tmp_path_factory, exact_model_path):
-    """The exact model with a 300 ms batch window and buckets up to 8 rows, logging JSON."""
-    running = Server(tmp_path_factory.mktemp("metrics-windowed"), {
-        "MODEL_PATH": str(exact_model_path), "MAX_BATCH_SIZE": "8", "BATCH_TIMEOUT_MS": "300", "LOG_FORMAT": "json"})
-    yield running.start()
-    running.stop()
-
-
 def access_lines(server) -> dict[str, dict]:
     lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
     return {line["request_id"]: line for line in lines if line["logger"] == "app.access"}
 
 
-def test_access_log_line_carries_request_id_rows_and_batch(windowed):
-    server = windowed
+def test_access_log_line_carries_request_id_rows_and_batch(two_workers):
+    server = two_workers
     given = server.predict(integer_rows(3), headers={"X-Request-ID": "trace-42"})
     generated = server.predict(integer_rows(1), headers={"X-Request-ID": "bad id\twith spaces"})
     assert given.headers["X-Request-ID"] == "trace-42"
@@ -242,20 +243,20 @@ def test_real_prometheus_scrapes_request_and_batch_series_from_two_workers(two_w
         query(prometheus_url, expr.replace("$__rate_interval", "1m"))
 
 
-def test_padding_and_queue_wait_read_from_a_live_server_are_exact(windowed):
+def test_padding_and_queue_wait_read_from_a_live_server_are_exact(two_workers):
     # One request of 3 rows, alone in its 300 ms batch window: it waits out the window (the
     # batch thread times its wait, so at least 0.3 s) and runs padded to the 4-row bucket.
-    server = windowed
+    server = two_workers
     before = samples(server)
-    assert server.predict(integer_rows(3)).status_code == 200
+    assert server.predict(integer_rows(3), path="/v1/models/windowed:predict").status_code == 200
     found = samples(server)
-    assert counted(before, found, "model_server_padding_rows_total", model="default") == 1
-    assert counted(before, found, "model_server_batch_size_rows_sum", model="default") == 3
-    assert counted(before, found, "model_server_queue_wait_seconds_count", model="default") == 1
-    assert counted(before, found, "model_server_queue_wait_seconds_sum", model="default") >= 0.3
-    assert counted(before, found, "model_server_queue_wait_seconds_bucket", model="default", le="0.25") == 0
-    assert counted(before, found, "model_server_queue_wait_seconds_bucket", model="default", le="+Inf") == 1
-    assert value(found, "model_server_queue_rows", model="default") == 0
+    assert counted(before, found, "model_server_padding_rows_total", model="windowed") == 1
+    assert counted(before, found, "model_server_batch_size_rows_sum", model="windowed") == 3
+    assert counted(before, found, "model_server_queue_wait_seconds_count", model="windowed") == 1
+    assert counted(before, found, "model_server_queue_wait_seconds_sum", model="windowed") >= 0.3
+    assert counted(before, found, "model_server_queue_wait_seconds_bucket", model="windowed", le="0.25") == 0
+    assert counted(before, found, "model_server_queue_wait_seconds_bucket", model="windowed", le="+Inf") == 1
+    assert value(found, "model_server_queue_rows", model="windowed") == 0
 
 
 def test_queue_rows_of_a_model_add_up_over_its_batchers():
