@@ -111,32 +111,18 @@ def held_in_window(pool: concurrent.futures.Executor, server, rows) -> concurren
     return waiting
 
 
-def test_sigterm_answers_a_request_held_in_its_batch_window_at_once(start_server, exact_model_path, exact_model):
+def test_sigterm_answers_at_once_a_request_held_in_its_window_and_one_read_after_the_stop(
+        start_server, exact_model_path, exact_model):
     """SIGTERM to the master is Gunicorn's graceful stop: gthread waits for its open connections
     before worker_exit drains the batchers, so a request held in its batch window would wait out
     the whole window (5 minutes here, far past the client's timeout). The worker's when_stopping
     flush runs the forming batch as soon as the stop arrives.
-    """
-    server = start_server({"MODEL_PATH": str(exact_model_path), "BATCH_TIMEOUT_MS": "300000",
-                           "GRACEFUL_TIMEOUT": "600", "REQUEST_TIMEOUT_MS": "600000", "MAX_BATCH_SIZE": "8"})
-    rows = integer_rows(2, seed=4)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        waiting = held_in_window(pool, server, rows)
-        stopped_at = time.monotonic()
-        server.send(signal.SIGTERM)
-        answer = waiting.result(CLIENT_TIMEOUT_S)
-    answered_s = time.monotonic() - stopped_at
-    assert exact(answer, rows, exact_model), (answer.status_code, answer.text)
-    assert answer.headers["X-Batch-Requests"] == "1"
-    assert server.proc.wait(CLIENT_TIMEOUT_S) == 0
-    print(f"SIGTERM: the request held in its 300 s window answered {answered_s:.2f} s after the stop")
 
-
-def test_a_request_read_after_sigterm_waits_for_no_batch_window(start_server, exact_model_path, exact_model):
-    """A stopping worker still answers the connections it has. A request whose body was still
+    A stopping worker still answers the connections it has. A request whose body was still
     arriving when SIGTERM came reaches its batcher after the stop: it runs at once too, not
-    after its window (300 s, far past the client's timeout). A first request, held in its window
-    over the stop, is the witness: once it is answered, the stop's flush has run.
+    after its window. The held request is the witness: once it is answered, the stop's flush
+    has run. Both cases need a stop of their own server, and the first is all in the held
+    request, so one server shows both.
     """
     # Every body here is "large" and holds one of two slots while it is read and answered: /readyz
     # counts them, which shows when the worker is inside the late request, reading its body.
@@ -156,11 +142,16 @@ def test_a_request_read_after_sigterm_waits_for_no_batch_window(start_server, ex
         late.endheaders(body[:1])
         wait_for(lambda: readyz(server).json()["large_bodies_in_flight"] == 2,
                  within_s=CLIENT_TIMEOUT_S, what="the worker reading the late request's body")
+        stopped_at = time.monotonic()
         server.send(signal.SIGTERM)
-        assert exact(held.result(CLIENT_TIMEOUT_S), held_rows, exact_model)
+        held_answer = held.result(CLIENT_TIMEOUT_S)
+        answered_s = time.monotonic() - stopped_at
+        assert exact(held_answer, held_rows, exact_model), (held_answer.status_code, held_answer.text)
+        assert held_answer.headers["X-Batch-Requests"] == "1"
         late.send(body[1:])
         answer = late.getresponse()
         assert answer.status == 200, answer.read()
         assert json.loads(answer.read())["predictions"] == exact_model(late_rows).numpy().tolist()
         assert answer.getheader("X-Batch-Requests") == "1"
     assert server.proc.wait(CLIENT_TIMEOUT_S) == 0
+    print(f"SIGTERM: the request held in its 300 s window answered {answered_s:.2f} s after the stop")
