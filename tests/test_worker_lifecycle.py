@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import psutil
+import pytest
 import requests
 
 from tests.conftest import integer_rows, wait_for
@@ -31,12 +32,41 @@ def exact(answer: requests.Response, rows: np.ndarray, model) -> bool:
     return answer.status_code == 200 and answer.json()["predictions"] == model(rows).numpy().tolist()
 
 
-def test_worker_whose_batch_thread_dies_answers_everyone_and_is_replaced(start_server, exact_model_path,
-                                                                          exact_model):
-    server = start_server({"MODEL_PATH": str(exact_model_path), "REQUEST_TIMEOUT_MS": "10000",
-                           "HOLD_REPLACEMENT": "1"}, args=TEST_HOOKS)
+# A batch of this many rows goes at once; fewer wait for the window (BATCH_TIMEOUT_MS) below.
+FULL_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def _windowed_servers() -> list:
+    servers: list = []
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def windowed_server(_windowed_servers, tmp_path_factory, exact_model_path):
+    """One worker with a 20 s batch window and the test hooks: one server for the batch thread's
+    death and the quick shutdown, in that order. The death ends with a fresh replacement worker,
+    serving as the first did; the quick shutdown stops the server, last. A test that finds it
+    stopped (run alone, or in another order) starts another."""
+    from tests.conftest import Server
+
+    if not _windowed_servers or _windowed_servers[-1].proc.poll() is not None:
+        server = Server(tmp_path_factory.mktemp("windowed-server"), {
+            "MODEL_PATH": str(exact_model_path), "BATCH_TIMEOUT_MS": "20000", "GRACEFUL_TIMEOUT": "60",
+            "REQUEST_TIMEOUT_MS": "10000", "MAX_BATCH_SIZE": str(FULL_BATCH), "HOLD_REPLACEMENT": "1"},
+            args=TEST_HOOKS)
+        _windowed_servers.append(server.start())
+    return _windowed_servers[-1]
+
+
+def test_worker_whose_batch_thread_dies_answers_everyone_and_is_replaced(windowed_server, exact_model):
+    server = windowed_server
     first_pid = readyz(server).json()["pid"]
-    assert exact(server.predict(integer_rows(2)), integer_rows(2), exact_model)
+    # Full batches wherever the worker serves: they wait for no window.
+    rows = integer_rows(FULL_BATCH)
+    assert exact(server.predict(rows), rows, exact_model)
 
     psutil.Process(first_pid).send_signal(signal.SIGUSR2)
     # The next request wakes the batch thread, which dies at once: every request it holds,
@@ -75,20 +105,19 @@ def test_worker_whose_batch_thread_dies_answers_everyone_and_is_replaced(start_s
     assert first_pid not in new_pids
     assert requests.get(server.url + "/healthz", timeout=CLIENT_TIMEOUT_S).status_code == 200
     for seed in range(5):
-        rows = integer_rows(1 + seed, seed=100 + seed)
+        rows = integer_rows(FULL_BATCH, seed=100 + seed)
         assert exact(server.predict(rows), rows, exact_model)
     assert "batch thread of model 'default' died" in server.log()
 
 
-def test_quick_shutdown_answers_a_request_held_in_its_batch_window(start_server, exact_model_path, exact_model):
+def test_quick_shutdown_answers_a_request_held_in_its_batch_window(windowed_server, exact_model):
     """SIGINT to the master is Gunicorn's quick shutdown: each worker gets SIGQUIT and exits at
     once, without the graceful wait for open connections. Only the app's own drain, in
     worker_exit, can answer the request that sits in its batch window: closing the batcher
     runs the forming batch at once. Without that drain the request would wait for its window
     (20 s), past its deadline (10 s), and get 504.
     """
-    server = start_server({"MODEL_PATH": str(exact_model_path), "BATCH_TIMEOUT_MS": "20000",
-                           "GRACEFUL_TIMEOUT": "60", "REQUEST_TIMEOUT_MS": "10000", "MAX_BATCH_SIZE": "8"})
+    server = windowed_server
     rows = integer_rows(2, seed=3)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = held_in_window(pool, server, rows)
