@@ -84,16 +84,29 @@ def paths(tfs_models):  # noqa: F811
     return {"two": str(tfs_models["half_plus_two_2_versions"]), "three": str(tfs_models["half_plus_three"])}
 
 
+def started_config(paths) -> str:
+    return config_text([("a", paths["two"], [VERSION], {"stable": VERSION})])
+
+
 @pytest.fixture(scope="module")
-def reload_server(tmp_path_factory, paths):
-    """Two model processes, three workers; no polling, so only the reload itself can change what is served."""
+def model_process_server(tmp_path_factory, paths):
+    """Two model processes, three workers; no polling, so only the reload itself can change what
+    is served. Shared by the reload tests, then ended by the killed master's."""
     config = tmp_path_factory.mktemp("mp-reload") / "models.config"
-    config.write_text(config_text([("a", paths["two"], [VERSION], {"stable": VERSION})]))
+    config.write_text(started_config(paths))
     running = Server(tmp_path_factory.mktemp("mp-reload-logs"), {
         "MODEL_CONFIG": str(config), "MODEL_PROCESSES": "2", "MODEL_POLL_SECONDS": "0",
         "GRPC_TENSOR_CONTENT": "true", "LOG_FORMAT": "json"}).start(workers=3)
     yield running
     running.stop()
+
+
+@pytest.fixture
+def reload_server(model_process_server, paths):
+    """The shared server; a reload test leaves it serving the config it started with."""
+    yield model_process_server
+    with grpc.insecure_channel(model_process_server.grpc_target) as channel:
+        assert reload(channel, started_config(paths), timeout_s=None).status.error_code == 0
 
 
 def test_a_reload_is_applied_by_every_model_process_and_worker_before_it_answers(reload_server, paths):
@@ -365,8 +378,11 @@ def test_a_batch_thread_that_dies_stops_its_model_process_and_a_new_one_serves(s
 # -- Gunicorn's master dies ------------------------------------------------------------------------
 
 
-def test_a_killed_master_leaves_no_supervisor_or_model_process_running(start_server, exact_model_path):
-    server = start_server({"MODEL_PATH": str(exact_model_path), "MODEL_PROCESSES": "2"}, workers=2)
+def test_a_killed_master_leaves_no_supervisor_or_model_process_running(model_process_server):
+    """On the reload tests' server (two model processes, three workers), which it ends: so it
+    comes last in this file, and a start of its own is saved."""
+    server = model_process_server
+    wait_for(lambda: len(model_processes(server)) == 2, within_s=CLIENT_TIMEOUT_S, what="two model processes")
     everything = psutil.Process(server.proc.pid).children(recursive=True)
     supervisors = [p for p in everything if "app.model_process.supervisor" in p.cmdline()]
     assert len(supervisors) == 1 and len(model_processes(server)) == 2
