@@ -36,6 +36,8 @@ from app.errors import BadRequest, Unavailable
 from app.serving import Answer, get_layer
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+# Its WSGI name: read from the environ as request.headers would read it.
+_HEADER_LENGTH_KEY = "HTTP_" + HEADER_LENGTH.upper().replace("-", "_")
 
 bp = Blueprint("v2", __name__, url_prefix="/v2")
 
@@ -91,8 +93,8 @@ bp.add_url_rule("/models/<model_name:name>/versions/<version>/stats", "model_sta
 @bp.post("/models/<model_name:name>/infer")
 @bp.post("/models/<model_name:name>/versions/<version>/infer")
 def infer(name: str, version: str | None = None) -> Response:
-    layer = get_layer(current_app)
-    body, tensors, booleans = _split(limits.body(), request.headers.get(HEADER_LENGTH))
+    layer, environ = get_layer(current_app), request.environ
+    body, tensors, booleans = _split(limits.body(), environ.get(_HEADER_LENGTH_KEY))
     parameters = _parameters(body, "the request")
     request_id = _text(body["id"], "id") if "id" in body else None
     every_binary = _flag(parameters.get("binary_data_output", False), "the parameter 'binary_data_output'")
@@ -100,7 +102,7 @@ def infer(name: str, version: str | None = None) -> Response:
     if not isinstance(signature_name, str):
         raise BadRequest(v2_tensors.SIGNATURE_NAME_ERROR)
     wanted = _requested_outputs(body)
-    call = layer.http_call(request.environ, v2_tensors.model_spec(name, version), signature_name,
+    call = layer.http_call(environ, v2_tensors.model_spec(name, version), signature_name,
                            tuple(output for output, _ in wanted), _timeout_s(parameters),
                            priority.from_v2_rest(parameters))
     answer = layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(

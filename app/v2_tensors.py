@@ -16,6 +16,7 @@ reshape error.
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -121,7 +122,7 @@ def _check(tensor: Tensor, spec: TensorInfo, max_rows: int) -> None:
 
 
 def _count(shape: Sequence[int]) -> int:
-    return int(np.prod(shape, dtype=object))
+    return math.prod(shape)  # Python ints: exact, however large
 
 
 def _array(tensor: Tensor, spec: TensorInfo) -> np.ndarray:
