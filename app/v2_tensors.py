@@ -23,6 +23,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+import orjson
 
 from app import codec
 from app.batching import check_rows
@@ -214,6 +215,15 @@ def _read_whole(data: Any, dtype: np.dtype, count: int, where: str) -> np.ndarra
     None where only that item-by-item walk can say what is wrong (or read it at all)."""
     if not isinstance(data, list):
         return None
+    if count > codec.MAX_SCAN:
+        # One string among millions of numbers makes numpy write every number as text first
+        # (ten times its read): orjson writes the values back at C speed, and a '"' there is a
+        # string or an object among them, for the walk to find.
+        try:
+            if b'"' in orjson.dumps(data):
+                return None
+        except orjson.JSONEncodeError:  # nested past orjson's limit, or an integer past 64 bits
+            return None
     try:
         inferred = np.array(data)
     except (ValueError, TypeError, OverflowError):  # ragged, or a value numpy cannot hold

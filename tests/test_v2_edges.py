@@ -267,3 +267,20 @@ def test_a_route_without_a_description_stops_start_up():
     with pytest.raises(RuntimeError, match=r"not described \[\('/v2/secret', 'get'\)\], described but not "
                                            r"served \[\]"):
         openapi.init_app(probe)
+
+
+def test_a_string_among_many_numbers_is_found_without_numpy_writing_them_as_text(monkeypatch):
+    # numpy reads one string among a million numbers by writing every number as text (0.4 s):
+    # past MAX_SCAN values the string is looked for first, and the item-by-item walk words it.
+    reads = []
+    real_array = np.array
+    monkeypatch.setattr(np, "array", lambda *args, **kwargs: reads.append(kwargs) or real_array(*args, **kwargs))
+    numbers = [[0.5, 1.5]] * (v2_tensors.codec.MAX_SCAN // 2 + 1)
+    fp32 = v2_tensors.DATATYPES["FP32"]
+
+    with pytest.raises(v2_tensors.InvalidInput, match="^x: FP32 data must be numbers$"):
+        v2_tensors._from_json([*numbers, ["a", 1.5]], fp32, len(numbers) * 2 + 2, "x", booleans=False)
+    assert reads == []
+    read = v2_tensors._from_json(numbers, fp32, len(numbers) * 2, "x", booleans=False)
+    assert reads == [{}]  # numpy read the numbers at once
+    np.testing.assert_array_equal(read, real_array(numbers, dtype=np.float32).ravel())
