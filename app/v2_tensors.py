@@ -284,10 +284,14 @@ def to_json(array: np.ndarray, name: str) -> Any:
     NaN and infinities as the tokens NaN, Infinity and -Infinity, as Triton writes them."""
     if array.dtype != STRING:
         flat = array.ravel()
-        # As float64, every float datatype (BF16 too) writes as tolist() would write it.
-        if flat.dtype.kind in "fV" and (fragment := codec.non_finite_fragment(flat.astype(np.float64))) is not None:
-            return fragment
-        return flat.tolist()
+        if flat.dtype.kind in "fV":
+            # As float64, every float datatype (BF16 too) writes as tolist() would write it.
+            flat = flat.astype(np.float64)
+            if (fragment := codec.non_finite_fragment(flat)) is not None:
+                return fragment
+        # orjson writes the array's numbers in the text it writes their Python values in,
+        # without making a Python object of each.
+        return orjson.Fragment(orjson.dumps(flat, option=orjson.OPT_SERIALIZE_NUMPY))
     try:
         return [item.decode() if isinstance(item, bytes) else str(item) for item in array.flat]
     except UnicodeDecodeError:

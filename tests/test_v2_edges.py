@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import orjson
 import pytest
 
 from app import create_app, openapi, shutdown_app, v2_tensors
@@ -284,3 +285,30 @@ def test_a_string_among_many_numbers_is_found_without_numpy_writing_them_as_text
     read = v2_tensors._from_json(numbers, fp32, len(numbers) * 2, "x", booleans=False)
     assert reads == [{}]  # numpy read the numbers at once
     np.testing.assert_array_equal(read, real_array(numbers, dtype=np.float32).ravel())
+
+
+@pytest.mark.parametrize("name", [name for name in v2_tensors.DATATYPES if name != "BYTES"])
+def test_an_outputs_json_is_the_text_of_its_python_values(name):
+    # orjson writes the array straight from numpy: the same text as the values' tolist() (floats
+    # as their float64), at every edge of the range, and NaN and infinities as tokens.
+    dtype = v2_tensors.DATATYPES[name]
+    rng = np.random.default_rng(5)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        array = np.concatenate([rng.integers(info.min, info.max, 60, dtype=dtype, endpoint=True),
+                                np.array([info.min, info.max, 0], dtype=dtype)])
+    elif dtype.kind == "b":
+        array = np.array([True, False, True])
+    else:
+        with np.errstate(over="ignore"):
+            array = (rng.standard_normal(60) * 10.0 ** rng.integers(-40, 40, 60)).astype(dtype)
+        array[~np.isfinite(array.astype(np.float64))] = 1  # past FP16's range: the tokens are below
+    array = array.reshape(-1, 3)
+
+    written = orjson.dumps({"data": v2_tensors.to_json(array, "out")})
+
+    values = array.astype(np.float64) if dtype.kind in "fV" else array
+    assert written == orjson.dumps({"data": values.ravel().tolist()})
+    if dtype.kind in "fV":
+        tokens = np.array([np.nan, np.inf, -np.inf, 1.5], dtype=dtype)
+        assert orjson.dumps({"data": v2_tensors.to_json(tokens, "out")}) == b'{"data":[NaN,Infinity,-Infinity,1.5]}'
