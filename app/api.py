@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+from typing import Any
 
 import orjson
 from flask import Blueprint, Flask, Response, current_app, request
@@ -40,7 +41,7 @@ def _json(body: bytes, status: int = 200, headers: list[tuple[str, str]] | None 
 
 def _predict(spec: ModelSpec) -> Response:
     """Parse, queue, wait, answer: the request thread never touches TensorFlow."""
-    layer = get_layer(current_app)
+    layer, environ = get_layer(current_app), request.environ
     # Like TensorFlow Serving, the body is JSON whatever its Content-Type says.
     parsed = codec.parse_request(limits.body())
 
@@ -48,14 +49,14 @@ def _predict(spec: ModelSpec) -> Response:
         check_rows(parsed.rows, max_rows)  # before any array is built
         return codec.decode_inputs(parsed, signature)
 
-    answer = layer.infer(layer.http_call(request.environ, spec, parsed.signature_name, priority=_priority()), decode)
+    answer = layer.infer(layer.http_call(environ, spec, parsed.signature_name, priority=_priority(environ)), decode)
     return _answer(answer, codec.encode_response(answer.outputs, answer.signature, parsed))
 
 
 def _classify_or_regress(spec: ModelSpec, method: str) -> Response:
-    layer = get_layer(current_app)
+    layer, environ = get_layer(current_app), request.environ
     signature_name, examples = classify.parse(limits.body(), method)
-    call = layer.http_call(request.environ, spec, signature_name, priority=_priority())
+    call = layer.http_call(environ, spec, signature_name, priority=_priority(environ))
     decode = examples_decode(examples)
     if method == CLASSIFY:
         answer, classes = layer.classify(call, decode)
@@ -165,6 +166,10 @@ def init_app(app: Flask) -> None:
     app.register_blueprint(bp)
 
 
-def _priority() -> int:
+# The WSGI name of the X-Priority header: read from the environ as request.headers would read it.
+_PRIORITY_KEY = "HTTP_" + priority.HEADER.upper().replace("-", "_")
+
+
+def _priority(environ: dict[str, Any]) -> int:
     """The TF Serving REST request's priority level, from its X-Priority header (0: the model's default)."""
-    return priority.from_header(request.headers.get(priority.HEADER))
+    return priority.from_header(environ.get(_PRIORITY_KEY))

@@ -140,10 +140,11 @@ def parse_request(body: bytes, *, max_rows: int | None = None) -> ParsedRequest:
             f"the request holds {rows} rows; this model takes at most {max_rows} rows per request (MAX_REQUEST_ROWS)"
         )
     return ParsedRequest(value, ROW if has_rows else COLUMNAR, signature_name or DEFAULT_SIGNATURE, rows,
-                         booleans=_may_hold_booleans(body))
+                         booleans=may_hold_booleans(body))
 
 
-def _may_hold_booleans(body: bytes) -> bool:
+def may_hold_booleans(body: bytes) -> bool:
+    """False only if the JSON text `body` holds no `true` or `false` (outside strings or in)."""
     # One-byte searches (memchr) first: most bodies hold neither a 'u' nor an 'l', and a
     # four-byte search reads all of a large body (about as long as numpy takes to read it).
     return (b"u" in body and b"true" in body) or (b"l" in body and b"false" in body)

@@ -246,12 +246,14 @@ def _framing_message(exc: BaseException) -> str:
 
 def body() -> bytes:
     """The current request's body: what BodyLimits read, or (no layer, no length) Werkzeug's reading."""
-    encoding = request.headers.get("Content-Encoding", "").strip()
+    # From the environ, as request.headers would read it, without building Werkzeug's view of it.
+    environ = request.environ
+    encoding = environ.get("HTTP_CONTENT_ENCODING", "").strip()
     if encoding.lower() not in ("", "identity"):
         # Read as it is, a compressed body would fail as malformed JSON, and an uncompressed one
         # labelled so would be served: neither says what the server does not do.
         raise UnsupportedEncoding(f"Content-Encoding {encoding!r} is not supported: send the body uncompressed")
-    read = request.environ.get(BODY_KEY)
+    read = environ.get(BODY_KEY)
     return read if read is not None else request.get_data(cache=False)
 
 

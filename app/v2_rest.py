@@ -36,6 +36,8 @@ from app.errors import BadRequest, Unavailable
 from app.serving import Answer, get_layer
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+# Its WSGI name: read from the environ as request.headers would read it.
+_HEADER_LENGTH_KEY = "HTTP_" + HEADER_LENGTH.upper().replace("-", "_")
 
 bp = Blueprint("v2", __name__, url_prefix="/v2")
 
@@ -91,8 +93,8 @@ bp.add_url_rule("/models/<model_name:name>/versions/<version>/stats", "model_sta
 @bp.post("/models/<model_name:name>/infer")
 @bp.post("/models/<model_name:name>/versions/<version>/infer")
 def infer(name: str, version: str | None = None) -> Response:
-    layer = get_layer(current_app)
-    body, tensors = _split(limits.body(), request.headers.get(HEADER_LENGTH))
+    layer, environ = get_layer(current_app), request.environ
+    body, tensors, booleans = _split(limits.body(), environ.get(_HEADER_LENGTH_KEY))
     parameters = _parameters(body, "the request")
     request_id = _text(body["id"], "id") if "id" in body else None
     every_binary = _flag(parameters.get("binary_data_output", False), "the parameter 'binary_data_output'")
@@ -100,11 +102,11 @@ def infer(name: str, version: str | None = None) -> Response:
     if not isinstance(signature_name, str):
         raise BadRequest(v2_tensors.SIGNATURE_NAME_ERROR)
     wanted = _requested_outputs(body)
-    call = layer.http_call(request.environ, v2_tensors.model_spec(name, version), signature_name,
+    call = layer.http_call(environ, v2_tensors.model_spec(name, version), signature_name,
                            tuple(output for output, _ in wanted), _timeout_s(parameters),
                            priority.from_v2_rest(parameters))
     answer = layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
-        _inputs(body, tensors), signature, max_rows=max_rows))
+        _inputs(body, tensors, booleans), signature, max_rows=max_rows))
     binary = {output_name: every_binary if choice is None else choice for output_name, choice in wanted}
     header: dict[str, Any] = {"model_name": answer.servable.model.name,
                               "model_version": str(answer.servable.model.version)}
@@ -132,8 +134,9 @@ def _answer(answer: Answer, header: bytes, chunks: list[bytes]) -> Response:
     return Response(b"".join([header, *chunks]), content_type="application/octet-stream", headers=headers)
 
 
-def _split(data: bytes, header_length: str | None) -> tuple[dict[str, Any], memoryview]:
-    """The JSON request and the binary data after it (none without Inference-Header-Content-Length)."""
+def _split(data: bytes, header_length: str | None) -> tuple[dict[str, Any], memoryview, bool]:
+    """The JSON request and the binary data after it (none without Inference-Header-Content-Length),
+    and whether the JSON may hold a boolean."""
     if header_length is None:
         length = len(data)
     else:
@@ -143,10 +146,11 @@ def _split(data: bytes, header_length: str | None) -> tuple[dict[str, Any], memo
             raise BadRequest(f"{HEADER_LENGTH} must be a number of bytes within the body's {len(data)}; "
                              f"got {header_length!r}")
         length = int(text)
-    body = codec.loads(memoryview(data)[:length])
+    json_text = data if length == len(data) else data[:length]
+    body = codec.loads(json_text)
     if not isinstance(body, dict):
         raise BadRequest("the request must be a JSON object with 'inputs'")
-    return body, memoryview(data)[length:]
+    return body, memoryview(data)[length:], codec.may_hold_booleans(json_text)
 
 
 def _parameters(value: dict[str, Any], where: str) -> dict[str, Any]:
@@ -198,8 +202,9 @@ def _requested_outputs(body: dict[str, Any]) -> list[tuple[str, bool | None]]:
     return wanted
 
 
-def _inputs(body: dict[str, Any], data: memoryview) -> list[v2_tensors.Tensor]:
-    """The inputs, each with its JSON data or its slice of the binary data, in the order listed."""
+def _inputs(body: dict[str, Any], data: memoryview, booleans: bool = True) -> list[v2_tensors.Tensor]:
+    """The inputs, each with its JSON data or its slice of the binary data, in the order listed
+    (`booleans`: whether the JSON may hold a boolean)."""
     inputs = body.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise BadRequest("'inputs' must be a JSON array of at least one tensor")
@@ -217,7 +222,7 @@ def _inputs(body: dict[str, Any], data: memoryview) -> list[v2_tensors.Tensor]:
         if size is None:
             if "data" not in value:
                 raise BadRequest(f"{where}: input '{name}' has neither 'data' nor a binary_data_size parameter")
-            tensors.append(v2_tensors.Tensor(name, datatype, tuple(shape), data=value["data"]))
+            tensors.append(v2_tensors.Tensor(name, datatype, tuple(shape), data=value["data"], booleans=booleans))
             continue
         if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(data):
             raise BadRequest(f"{where}: binary_data_size {size!r} does not fit the {len(data) - offset} bytes "

@@ -16,12 +16,14 @@ reshape error.
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+import orjson
 
 from app import codec
 from app.batching import check_rows
@@ -91,6 +93,9 @@ class Tensor:
     data: Any = None
     raw: bytes | memoryview | None = None
     values: Sequence[Any] | None = None
+    # False only where the JSON text `data` came from holds no `true` or `false`: numpy, which
+    # reads [true, 2] as [1, 2], may then read `data` at once (see _from_json).
+    booleans: bool = True
 
 
 def decode_inputs(tensors: list[Tensor], signature: Signature, *, max_rows: int) -> dict[str, np.ndarray]:
@@ -118,7 +123,7 @@ def _check(tensor: Tensor, spec: TensorInfo, max_rows: int) -> None:
 
 
 def _count(shape: Sequence[int]) -> int:
-    return int(np.prod(shape, dtype=object))
+    return math.prod(shape)  # Python ints: exact, however large
 
 
 def _array(tensor: Tensor, spec: TensorInfo) -> np.ndarray:
@@ -129,7 +134,7 @@ def _array(tensor: Tensor, spec: TensorInfo) -> np.ndarray:
     elif tensor.values is not None:
         flat = _from_values(tensor.values, spec.dtype, count, where)
     else:
-        flat = _from_json(tensor.data, spec.dtype, count, where)
+        flat = _from_json(tensor.data, spec.dtype, count, where, booleans=tensor.booleans)
     return flat.reshape(tensor.shape)
 
 
@@ -192,7 +197,55 @@ def _flatten(data: Any, where: str) -> list[Any]:
     return flat
 
 
-def _from_json(data: Any, dtype: np.dtype, count: int, where: str) -> np.ndarray:
+def _from_json(data: Any, dtype: np.dtype, count: int, where: str, *, booleans: bool = True) -> np.ndarray:
+    if dtype != STRING and not (booleans and dtype.kind != "b"):
+        flat = _read_whole(data, dtype, count, where)
+        if flat is not None:
+            return flat
+    return _from_json_by_item(data, dtype, count, where)
+
+
+# The kinds of array numpy makes of JSON values each kind of datatype takes (its rules for
+# mixing them: ints alone are i or u, with a float f; booleans alone are b).
+_INFERRED_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "V": "iuf"}
+
+
+def _read_whole(data: Any, dtype: np.dtype, count: int, where: str) -> np.ndarray | None:
+    """`data` read by numpy in one call, flat: the same array _from_json_by_item builds, or
+    None where only that item-by-item walk can say what is wrong (or read it at all)."""
+    if not isinstance(data, list):
+        return None
+    if count > codec.MAX_SCAN:
+        # One string among millions of numbers makes numpy write every number as text first
+        # (ten times its read): orjson writes the values back at C speed, and a '"' there is a
+        # string or an object among them, for the walk to find.
+        try:
+            if b'"' in orjson.dumps(data):
+                return None
+        except orjson.JSONEncodeError:  # nested past orjson's limit, or an integer past 64 bits
+            return None
+    try:
+        inferred = np.array(data)
+    except (ValueError, TypeError, OverflowError):  # ragged, or a value numpy cannot hold
+        return None
+    if inferred.dtype.kind not in _INFERRED_KINDS[dtype.kind]:
+        return None  # a string, null, object or a value of the wrong type: the walk words it
+    if inferred.size != count:
+        raise InvalidInput(f"{where}: 'data' holds {inferred.size} values; its shape holds {count}")
+    flat = inferred.reshape(-1)
+    if dtype.kind in "iu":
+        # numpy's cast wraps where np.array(values, dtype) refuses; the range is checked first.
+        limits = np.iinfo(dtype)
+        if flat.size and (flat.min() < limits.min or flat.max() > limits.max):
+            raise InvalidInput(f"{where}: a value is outside the range of {_NAMES[dtype]}")
+    elif dtype.kind != "b" and inferred.dtype.kind != "f":
+        # A whole number becomes a float through float64, as Python's int does (2**60 + 2**36 + 1
+        # rounds differently straight to float32).
+        flat = flat.astype(np.float64)
+    return flat.astype(dtype, copy=False)
+
+
+def _from_json_by_item(data: Any, dtype: np.dtype, count: int, where: str) -> np.ndarray:
     flat = _flatten(data, where)
     if len(flat) != count:
         raise InvalidInput(f"{where}: 'data' holds {len(flat)} values; its shape holds {count}")
@@ -231,10 +284,14 @@ def to_json(array: np.ndarray, name: str) -> Any:
     NaN and infinities as the tokens NaN, Infinity and -Infinity, as Triton writes them."""
     if array.dtype != STRING:
         flat = array.ravel()
-        # As float64, every float datatype (BF16 too) writes as tolist() would write it.
-        if flat.dtype.kind in "fV" and (fragment := codec.non_finite_fragment(flat.astype(np.float64))) is not None:
-            return fragment
-        return flat.tolist()
+        if flat.dtype.kind in "fV":
+            # As float64, every float datatype (BF16 too) writes as tolist() would write it.
+            flat = flat.astype(np.float64)
+            if (fragment := codec.non_finite_fragment(flat)) is not None:
+                return fragment
+        # orjson writes the array's numbers in the text it writes their Python values in,
+        # without making a Python object of each.
+        return orjson.Fragment(orjson.dumps(flat, option=orjson.OPT_SERIALIZE_NUMPY))
     try:
         return [item.decode() if isinstance(item, bytes) else str(item) for item in array.flat]
     except UnicodeDecodeError:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import orjson
 import pytest
 
-from app import create_app, openapi, shutdown_app
+from app import create_app, openapi, shutdown_app, v2_tensors
 from app.settings import Settings, SettingsError, model_configs, parse, validate_pos_int
 from app.tfs_flags import FlagError, parse_flags
 from tests.conftest import integer_rows
-from tests.test_v2 import save_dtype_echo
+from tests.test_v2 import DTYPES, dtype_values, save_dtype_echo
 
 INFER = "/v2/models/exact/infer"
 
@@ -149,6 +150,95 @@ def test_a_number_too_big_for_a_double_is_still_malformed(client):
     assert answer.json == {"error": "malformed JSON: number 1e400 is too big for a double"}
 
 
+# -- 9. JSON data read by numpy at once, or item by item where it must be -------------------
+
+
+def echo_request(client, data: dict[str, list]):
+    """The echo model's answer to one row of each datatype: `data` where it names one, else the
+    edges of its range; BOOL as binary data, so that the JSON holds no boolean (unless `data`
+    gives BOOL's as JSON) and numpy may read each input's data whole."""
+    inputs = []
+    for name in DTYPES:
+        tensor = {"name": f"in_{name.lower()}", "datatype": name, "shape": [1, 2]}
+        if name in data or name != "BOOL":
+            tensor["data"] = data.get(name, dtype_values(name, 1).tolist() if name != "BYTES" else ["a", "b"])
+        else:
+            tensor["parameters"] = {"binary_data_size": 2}
+        inputs.append(tensor)
+    header = json.dumps({"inputs": inputs, "outputs": [{"name": f"out_{name.lower()}"} for name in DTYPES]}).encode()
+    binary = b"" if "BOOL" in data else b"\x01\x00"
+    return client.post("/v2/models/echo/infer", data=header + binary,
+                       headers={"Inference-Header-Content-Length": str(len(header))})
+
+
+def test_every_datatype_at_the_edges_of_its_range_read_at_once_comes_back_unchanged(client):
+    answer = echo_request(client, {"FP32": [[2 ** 60 + 2 ** 36 + 1], [0.5]], "FP64": [[1e300, -2]]})
+
+    assert answer.status_code == 200, answer.text
+    outputs = {output["name"]: output["data"] for output in answer.json["outputs"]}
+    for name in DTYPES:
+        if name not in ("BOOL", "BYTES", "FP32", "FP64"):
+            assert outputs[f"out_{name.lower()}"] == dtype_values(name, 1).ravel().tolist(), name
+    assert outputs["out_bool"] == [True, False]
+    # A whole number becomes FP32 through a double, as Python's float() rounds it: 2**60, not 2**60 + 2**37.
+    assert outputs["out_fp32"] == [float(np.float32(float(2 ** 60 + 2 ** 36 + 1))), 0.5] == [2.0 ** 60, 0.5]
+    assert outputs["out_fp64"] == [1e300, -2.0]
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"INT8": [300, 1]}, "input 'in_int8': a value is outside the range of INT8"),
+    ({"UINT8": [-1, 1]}, "input 'in_uint8': a value is outside the range of UINT8"),
+    ({"INT64": [2 ** 63, 1]}, "input 'in_int64': a value is outside the range of INT64"),
+    ({"UINT64": [2 ** 64 - 1, -1]}, "input 'in_uint64': a value is outside the range of UINT64"),
+    ({"INT32": [1.5, 2]}, "input 'in_int32': INT32 data must be numbers"),
+    ({"FP32": ["1.5", 2]}, "input 'in_fp32': FP32 data must be numbers"),
+    ({"FP32": [None, 2]}, "input 'in_fp32': FP32 data must be numbers"),
+    ({"FP32": [True, 2]}, "input 'in_fp32': FP32 data must be numbers"),
+    ({"INT16": [1, False]}, "input 'in_int16': INT16 data must be numbers"),
+    ({"BOOL": [1, 0]}, "input 'in_bool': BOOL data must be booleans"),
+    ({"FP16": [[1], [2, 3]]}, "input 'in_fp16': 'data' holds 3 values; its shape holds 2"),
+    ({"FP64": [[1, 2], [3, 4]]}, "input 'in_fp64': 'data' holds 4 values; its shape holds 2"),
+    ({"UINT16": 7}, "input 'in_uint16': 'data' must be a JSON array"),
+], ids=["INT8 300", "UINT8 -1", "INT64 2**63", "2**64-1 beside -1", "a float for INT32", "a string", "null",
+        "true for FP32", "false for INT16", "numbers for BOOL", "ragged", "too many", "not an array"])
+def test_json_data_numpy_would_misread_is_refused_in_the_item_by_item_words(client, data, message):
+    answer = echo_request(client, data)
+
+    assert answer.status_code == 400, answer.text
+    assert answer.json == {"error": message}
+
+
+VALUES = [0, 1, -1, 255, 256, -129, 2 ** 31, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, -2 ** 63, 10 ** 30, 1.5, -0.0,
+          1e300, float("nan"), float("inf"), 2 ** 60 + 2 ** 36 + 1, 65504.0, 1e-45, "1", None]
+
+
+@pytest.mark.parametrize("name", [name for name in v2_tensors.DATATYPES if name != "BYTES"])
+def test_json_data_read_at_once_is_what_the_item_by_item_reading_makes(name):
+    # Every pair of values, flat and nested, counted right and wrong: the same array or the same words.
+    dtype = v2_tensors.DATATYPES[name]
+
+    def read(reader, *args, **kwargs):
+        try:
+            array = reader(*args, **kwargs)
+        except v2_tensors.InvalidInput as exc:
+            return str(exc)
+        except TypeError:  # ml_dtypes takes no Python int past int64: BF16's item-by-item reading fails
+            return TypeError
+        return array.dtype, array.shape, array.tobytes()
+
+    compared = 0
+    for first in VALUES:
+        for second in VALUES:
+            for data in ([first, second], [[first], [second]], [[first], [second, second]]):
+                for count in (2, 3):
+                    by_item = read(v2_tensors._from_json_by_item, data, dtype, count, "x")
+                    if by_item is TypeError:
+                        continue
+                    assert read(v2_tensors._from_json, data, dtype, count, "x", booleans=False) == by_item, data
+                    compared += 1
+    assert compared > len(VALUES) ** 2 * 5
+
+
 # -- 6. the OpenAPI document and the routes served ------------------------------------------
 
 
@@ -178,3 +268,47 @@ def test_a_route_without_a_description_stops_start_up():
     with pytest.raises(RuntimeError, match=r"not described \[\('/v2/secret', 'get'\)\], described but not "
                                            r"served \[\]"):
         openapi.init_app(probe)
+
+
+def test_a_string_among_many_numbers_is_found_without_numpy_writing_them_as_text(monkeypatch):
+    # numpy reads one string among a million numbers by writing every number as text (0.4 s):
+    # past MAX_SCAN values the string is looked for first, and the item-by-item walk words it.
+    reads = []
+    real_array = np.array
+    monkeypatch.setattr(np, "array", lambda *args, **kwargs: reads.append(kwargs) or real_array(*args, **kwargs))
+    numbers = [[0.5, 1.5]] * (v2_tensors.codec.MAX_SCAN // 2 + 1)
+    fp32 = v2_tensors.DATATYPES["FP32"]
+
+    with pytest.raises(v2_tensors.InvalidInput, match="^x: FP32 data must be numbers$"):
+        v2_tensors._from_json([*numbers, ["a", 1.5]], fp32, len(numbers) * 2 + 2, "x", booleans=False)
+    assert reads == []
+    read = v2_tensors._from_json(numbers, fp32, len(numbers) * 2, "x", booleans=False)
+    assert reads == [{}]  # numpy read the numbers at once
+    np.testing.assert_array_equal(read, real_array(numbers, dtype=np.float32).ravel())
+
+
+@pytest.mark.parametrize("name", [name for name in v2_tensors.DATATYPES if name != "BYTES"])
+def test_an_outputs_json_is_the_text_of_its_python_values(name):
+    # orjson writes the array straight from numpy: the same text as the values' tolist() (floats
+    # as their float64), at every edge of the range, and NaN and infinities as tokens.
+    dtype = v2_tensors.DATATYPES[name]
+    rng = np.random.default_rng(5)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        array = np.concatenate([rng.integers(info.min, info.max, 60, dtype=dtype, endpoint=True),
+                                np.array([info.min, info.max, 0], dtype=dtype)])
+    elif dtype.kind == "b":
+        array = np.array([True, False, True])
+    else:
+        with np.errstate(over="ignore"):
+            array = (rng.standard_normal(60) * 10.0 ** rng.integers(-40, 40, 60)).astype(dtype)
+        array[~np.isfinite(array.astype(np.float64))] = 1  # past FP16's range: the tokens are below
+    array = array.reshape(-1, 3)
+
+    written = orjson.dumps({"data": v2_tensors.to_json(array, "out")})
+
+    values = array.astype(np.float64) if dtype.kind in "fV" else array
+    assert written == orjson.dumps({"data": values.ravel().tolist()})
+    if dtype.kind in "fV":
+        tokens = np.array([np.nan, np.inf, -np.inf, 1.5], dtype=dtype)
+        assert orjson.dumps({"data": v2_tensors.to_json(tokens, "out")}) == b'{"data":[NaN,Infinity,-Infinity,1.5]}'
