@@ -261,6 +261,10 @@ def _from_json_by_item(data: Any, dtype: np.dtype, count: int, where: str) -> np
         name = _NAMES.get(dtype, str(dtype))
         raise InvalidInput(f"{where}: {name} data must be {'booleans' if bool in allowed else 'numbers'}")
     try:
+        if dtype.kind == "V":
+            # ml_dtypes' bfloat16 takes no Python int past int64 (a TypeError, which was a 500):
+            # through a double, as float() would read it.
+            return np.array(flat, dtype=np.float64).astype(dtype)
         return np.array(flat, dtype=dtype)
     except OverflowError:
         raise InvalidInput(f"{where}: a value is outside the range of {_NAMES[dtype]}") from None
