@@ -180,6 +180,22 @@ def test_a_max_batch_size_off_the_powers_of_two_pads_to_itself(monkeypatch):
     assert load.batch_delta(empty, after, bucket_sizes(48)).calls_per_bucket == {48: 1, 32: 1}
 
 
+def test_locust_figures_come_from_its_json_written_at_exit_alone(tmp_path):
+    """Its CSV is rewritten once a second and misses a short run's last second: none is read. Percentiles
+    as Locust reckons them, over its rounded response times of every endpoint."""
+    (tmp_path / "run.json").write_text(json.dumps([
+        {"num_requests": 6, "num_failures": 1, "total_response_time": 330.0,
+         "response_times": {"10": 2, "20": 1, "100": 3}},
+        {"num_requests": 4, "num_failures": 0, "total_response_time": 70.0, "response_times": {"10": 3, "40": 1}}]))
+    (tmp_path / "run_stats.csv").write_text("Type,Name,Request Count\n,Aggregated,0\n")
+    stats = load.parse_locust_stats(tmp_path / "run")
+    assert (stats.requests, stats.failures, stats.mean_ms) == (10, 1, 40.0)
+    # 10 rounded times: 10 ms x5, 20, 40, 100 ms x3. Locust's pN is the largest time with no more than
+    # int(N% of 10) requests below it: p50 20 ms (5 below), p95 and p99 100 ms (7 below).
+    assert (stats.p50_ms, stats.p95_ms, stats.p99_ms) == (20.0, 100.0, 100.0)
+    assert load.parse_locust_stats(tmp_path / "none") == load.LoadStats()
+
+
 TIMINGS = {1: timing(10.0, 8.0), 4: timing(20.0, 16.0), 8: timing(40.0, 30.0)}
 
 
@@ -361,7 +377,8 @@ def test_the_command_names_every_scenario():
 def quick_run(tmp_path_factory):
     """`experiment --quick` beside the server of HEAD (a second tree, its own server), seconds a load."""
     out, work = tmp_path_factory.mktemp("benchmark-out") / "page.md", tmp_path_factory.mktemp("benchmark-work")
-    # 6 s a load, not --quick's 2: one user thinking 1-3 s between requests sent none in 2 s now and then.
+    # 6 s a load, not --quick's 2: on a loaded machine Locust's first request came after 2 s now and then, and
+    # a point had none. Both trees and both kinds of load stay: the run fails if any of them breaks.
     command = [sys.executable, "-m", "scripts.benchmark", "experiment", "--quick", "--duration", "6", "--configs",
                "default", "--baseline-ref", "HEAD", "--out", str(out), "--work-dir", str(work)]
     env = {key: value for key, value in os.environ.items() if not key.startswith("LOCUST_")}

@@ -62,41 +62,40 @@ def answered(server: Server, route: str, more_than: int, **labels: str):
     return lambda: server.metric("model_server_requests_total", route=route, **labels) > before + more_than
 
 
-# Answers a fake server gives before its Locust run is stopped; no clock decides it (a timed run
-# on a loaded machine could end before Locust had sent anything). A user sends its next request
-# only once it has counted the last one, so of these at least 5 have been counted by then.
-FAKE_ANSWERS = USERS + 5
+# Answers of each kind a fake server gives before its Locust run is stopped; no clock decides it
+# (a timed run on a loaded machine could end before Locust had sent anything). A user sends its
+# next request only once it has counted the last one, so at most USERS answers go uncounted:
+# of each kind's USERS + 1, Locust has counted at least one.
+ANSWERS_PER_KIND = USERS + 1
 
 
 class Answers:
-    """How many answers a fake server gave; `enough` is set at the FAKE_ANSWERS-th."""
+    """The fake server's bad answers, taken in turn; `enough` is set once each was given ANSWERS_PER_KIND times.
+    One Locust run then shows how it counts every kind: one counted as a success would make
+    num_failures fall short of num_requests."""
 
-    def __init__(self) -> None:
+    def __init__(self, kinds: int) -> None:
+        self.kinds = kinds
         self.count = 0
         self.enough = threading.Event()
         self._lock = threading.Lock()
 
-    def one(self) -> None:
+    def next_kind(self) -> int:
+        """The kind of the answer about to be given (counted as given)."""
         with self._lock:
+            kind = self.count % self.kinds
             self.count += 1
-            if self.count >= FAKE_ANSWERS:
+            if self.count >= self.kinds * ANSWERS_PER_KIND:
                 self.enough.set()
+            return kind
 
 
 def locust_until_answered(url: str, stats_path: Path, env: dict[str, str], answers: Answers) -> tuple[int, dict]:
-    """Run headless Locust against a fake server until it has answered FAKE_ANSWERS requests.
+    """Run headless Locust against a fake server until it has given each kind of answer ANSWERS_PER_KIND times.
     Returns the exit code and the aggregated stats of every request Locust finished."""
     run = locust_until_served(url, stats_path, env, answers.enough.is_set)
     assert answers.enough.is_set(), f"the fake server answered {answers.count} requests:\n{run.stdout}"
     return run.returncode, json_totals(stats_path)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, exact_model_path):
-    """The exact model, for the load tests that count only what Locust saw."""
-    running = Server(tmp_path_factory.mktemp("locust-server"), {"MODEL_PATH": str(exact_model_path)}).start()
-    yield running
-    running.stop()
 
 
 PROTOCOLS = ("http", "grpc", "v2", "v2-grpc")
@@ -115,29 +114,14 @@ def counted_server(tmp_path_factory, exact_model_path):
     running.stop()
 
 
-def test_locust_run_sends_requests_and_none_fail(server, tmp_path):
-    summary = tmp_path / "batches.json"
-    env = locust_env(LOCUST_WAIT_MIN="0.01", LOCUST_WAIT_MAX="0.05", LOCUST_SUMMARY_FILE=str(summary))
-
-    run = locust_until_served(server.url, tmp_path / "run", env, answered(server, "/predict", 50 + USERS))
-
-    assert run.returncode == 0, run.stdout + run.stderr
-    total = json_totals(tmp_path / "run")
-    assert total["num_failures"] == 0, run.stdout + run.stderr
-    assert total["num_requests"] > 50, total
-    batches = json.loads(summary.read_text())
-    assert batches["answers_with_batch_headers"] > 0
-    assert batches["mean_batch_rows"] >= 1
-
-
 class FakeServer(ThreadingHTTPServer):
-    """Serves the default model's metadata and a canned answer to every predict."""
+    """Serves the default model's metadata, and to the predicts each canned answer in turn."""
 
-    def __init__(self, status: int, body: dict) -> None:
+    def __init__(self, canned: list[tuple[int, dict]]) -> None:
         super().__init__(("127.0.0.1", 0), FakeHandler)
-        self.status, self.body = status, body
+        self.canned = canned
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        self.answers = Answers()
+        self.answers = Answers(len(canned))
 
 
 class FakeHandler(BaseHTTPRequestHandler):
@@ -149,8 +133,7 @@ class FakeHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
-        self.answer(self.server.status, self.server.body)
-        self.server.answers.one()
+        self.answer(*self.server.canned[self.server.answers.next_kind()])
 
     def answer(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -168,8 +151,8 @@ class FakeHandler(BaseHTTPRequestHandler):
 def fake_server():
     servers = []
 
-    def start(status: int, body: dict) -> FakeServer:
-        server = FakeServer(status, body)
+    def start(canned: list[tuple[int, dict]]) -> FakeServer:
+        server = FakeServer(canned)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
         return server
@@ -180,13 +163,12 @@ def fake_server():
         server.server_close()
 
 
-@pytest.mark.parametrize("status, body", [
-    (200, {"predictions": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]}),  # two predictions for one row
-    (200, {"outputs": [[1.0, 2.0, 3.0]]}),                          # no predictions at all
-    (503, {"error": "queue full"}),
-], ids=["wrong-count", "no-predictions", "status-503"])
-def test_locust_counts_a_bad_answer_as_a_failure(fake_server, tmp_path, status, body):
-    server = fake_server(status, body)
+def test_locust_counts_every_bad_answer_as_a_failure(fake_server, tmp_path):
+    server = fake_server([
+        (200, {"predictions": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]}),  # two predictions for one row
+        (200, {"outputs": [[1.0, 2.0, 3.0]]}),                          # no predictions at all
+        (503, {"error": "queue full"}),
+    ])
     env = locust_env(LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1")
 
     returncode, total = locust_until_answered(server.url, tmp_path / "run", env, server.answers)
@@ -195,39 +177,35 @@ def test_locust_counts_a_bad_answer_as_a_failure(fake_server, tmp_path, status, 
     assert total["num_failures"] == total["num_requests"] > 0, total
 
 
-def test_locust_sends_the_rows_asked_for(server, tmp_path):
-    env = locust_env(LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1", LOCUST_ROWS="3")
-
-    run = locust_until_served(server.url, tmp_path / "run", env, answered(server, "/predict", USERS))
-
-    assert run.returncode == 0, run.stdout + run.stderr
-    total = json_totals(tmp_path / "run")
-    assert total["num_failures"] == 0 and total["num_requests"] > 0, total
-
-
-
-
-@pytest.mark.parametrize("protocol, route, ok", [
-    ("http", "/predict", "200"),
-    ("grpc", "/tensorflow.serving.PredictionService/Predict", "OK"),
-    ("v2", "/v2/models/<model_name:name>/infer", "200"),
-    ("v2-grpc", "/inference.GRPCInferenceService/ModelInfer", "OK"),
+# Per protocol one Locust run, checked for all it shows: it ran, none failed, every call held the
+# rows asked for, and the HTTP doors' batch headers were tallied into the summary file.
+@pytest.mark.parametrize("protocol, route, ok, batch_headers", [
+    ("http", "/predict", "200", True),
+    ("grpc", "/tensorflow.serving.PredictionService/Predict", "OK", False),
+    ("v2", "/v2/models/<model_name:name>/infer", "200", True),
+    ("v2-grpc", "/inference.GRPCInferenceService/ModelInfer", "OK", False),
 ])
-def test_locust_rows_match_what_the_server_received(counted_server, tmp_path, protocol, route, ok):
+def test_locust_rows_match_what_the_server_received(counted_server, tmp_path, protocol, route, ok, batch_headers):
     server = counted_server
     host = f"grpc://{server.grpc_target}" if protocol in ("grpc", "v2-grpc") else server.url
+    summary = tmp_path / "batches.json"
     env = locust_env(LOCUST_PROTOCOL=protocol, LOCUST_MODEL=protocol, LOCUST_ROWS="3", LOCUST_WAIT_MIN="0.01",
-                     LOCUST_WAIT_MAX="0.05")
+                     LOCUST_WAIT_MAX="0.05", LOCUST_SUMMARY_FILE=str(summary))
 
     # The JSON file is written once, at exit, with every call counted (the CSV is rewritten
     # once a second and may miss the last one).
-    run = locust_until_served(host, tmp_path / "run", env, answered(server, route, 10 + USERS, status=ok),
+    run = locust_until_served(host, tmp_path / "run", env, answered(server, route, 50 + USERS, status=ok),
                               args=("--stop-timeout", "30"))
 
     assert run.returncode == 0, run.stdout + run.stderr
     (entry,) = json.loads((tmp_path / "run.json").read_text())
     counted = entry["num_requests"]
-    assert entry["num_failures"] == 0 and counted > 10, entry
+    assert entry["num_failures"] == 0 and counted > 50, entry
+    batches = json.loads(summary.read_text())
+    if batch_headers:  # every answer came from a batch of at least its own 3 rows
+        assert batches["answers_with_batch_headers"] > 0 and batches["mean_batch_rows"] >= 3, batches
+    else:
+        assert batches["answers_with_batch_headers"] == 0, batches
     received = server.metric("model_server_requests_total", route=route, status=ok)
     # A call cut off as Locust stops its users can reach the server uncounted: one per user at most.
     assert counted <= received <= counted + USERS
@@ -240,16 +218,17 @@ def test_locust_rows_match_what_the_server_received(counted_server, tmp_path, pr
 
 
 class FakePredictionService:
-    """A gRPC server answering GetModelMetadata with the default model's inputs, and Predict with a canned answer."""
+    """A gRPC server answering GetModelMetadata with the default model's inputs, and Predict with each canned
+    answer in turn: that many rows, or RESOURCE_EXHAUSTED for None."""
 
-    def __init__(self, answer_rows: int | None) -> None:
+    def __init__(self, answer_rows: list[int | None]) -> None:
         from concurrent import futures
 
         import grpc
         from tensorflow_serving.apis import prediction_service_pb2_grpc
 
         self.answer_rows = answer_rows
-        self.answers = Answers()
+        self.answers = Answers(len(answer_rows))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         servicer = prediction_service_pb2_grpc.PredictionServiceServicer()
         servicer.GetModelMetadata = self.metadata
@@ -276,17 +255,16 @@ class FakePredictionService:
         import tensorflow as tf
         from tensorflow_serving.apis import predict_pb2
 
-        self.answers.one()  # counted before it is sent: Locust stops once it has had them
-        if self.answer_rows is None:
+        rows = self.answer_rows[self.answers.next_kind()]  # counted before it is sent, as Locust may stop
+        if rows is None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
         response = predict_pb2.PredictResponse()
-        response.outputs["scores"].CopyFrom(tf.make_tensor_proto(np.zeros((self.answer_rows, 3), np.float32)))
+        response.outputs["scores"].CopyFrom(tf.make_tensor_proto(np.zeros((rows, 3), np.float32)))
         return response
 
 
-@pytest.mark.parametrize("answer_rows", [2, None], ids=["wrong-count", "resource-exhausted"])
-def test_locust_grpc_user_counts_a_bad_answer_as_a_failure(tmp_path, answer_rows):
-    fake = FakePredictionService(answer_rows)
+def test_locust_grpc_user_counts_every_bad_answer_as_a_failure(tmp_path):
+    fake = FakePredictionService([2, None])  # two rows for one, and RESOURCE_EXHAUSTED
     env = locust_env(LOCUST_PROTOCOL="grpc", LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1")
     try:
         returncode, total = locust_until_answered(f"grpc://{fake.target}", tmp_path / "run", env, fake.answers)
@@ -298,16 +276,17 @@ def test_locust_grpc_user_counts_a_bad_answer_as_a_failure(tmp_path, answer_rows
 
 
 class FakeInferenceService:
-    """A v2 gRPC server answering ModelMetadata with one FP32 input, and ModelInfer with a canned answer."""
+    """A v2 gRPC server answering ModelMetadata with one FP32 input, and ModelInfer with each canned answer in
+    turn: that many rows, or RESOURCE_EXHAUSTED for None."""
 
-    def __init__(self, answer_rows: int | None) -> None:
+    def __init__(self, answer_rows: list[int | None]) -> None:
         from concurrent import futures
 
         import grpc
         from tritonclient.grpc import service_pb2_grpc
 
         self.answer_rows = answer_rows
-        self.answers = Answers()
+        self.answers = Answers(len(answer_rows))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         servicer = service_pb2_grpc.GRPCInferenceServiceServicer()
         servicer.ModelMetadata = self.metadata
@@ -327,18 +306,17 @@ class FakeInferenceService:
         import grpc
         from tritonclient.grpc import service_pb2
 
-        self.answers.one()  # counted before it is sent: Locust stops once it has had them
-        if self.answer_rows is None:
+        rows = self.answer_rows[self.answers.next_kind()]  # counted before it is sent, as Locust may stop
+        if rows is None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
         response = service_pb2.ModelInferResponse(model_name=request.model_name)
-        response.outputs.add(name="scores", datatype="FP32", shape=[self.answer_rows, 3])
-        response.raw_output_contents.append(bytes(4 * 3 * self.answer_rows))
+        response.outputs.add(name="scores", datatype="FP32", shape=[rows, 3])
+        response.raw_output_contents.append(bytes(4 * 3 * rows))
         return response
 
 
-@pytest.mark.parametrize("answer_rows", [2, None], ids=["wrong-count", "resource-exhausted"])
-def test_locust_v2_grpc_user_counts_a_bad_answer_as_a_failure(tmp_path, answer_rows):
-    fake = FakeInferenceService(answer_rows)
+def test_locust_v2_grpc_user_counts_every_bad_answer_as_a_failure(tmp_path):
+    fake = FakeInferenceService([2, None])  # two rows for one, and RESOURCE_EXHAUSTED
     env = locust_env(LOCUST_PROTOCOL="v2-grpc", LOCUST_WAIT_MIN="0.05", LOCUST_WAIT_MAX="0.1")
     try:
         returncode, total = locust_until_answered(f"grpc://{fake.target}", tmp_path / "run", env, fake.answers)
@@ -349,16 +327,69 @@ def test_locust_v2_grpc_user_counts_a_bad_answer_as_a_failure(tmp_path, answer_r
     assert total["num_failures"] == total["num_requests"] > 0, total
 
 
-def test_v2_grpc_request_carries_every_input_raw(tmp_path):
-    sent = shape_script(
+# What the locustfile computes, checked below: each snippet runs with it imported as `lf` and sets
+# `value`. Importing Locust costs seconds (gevent patches the standard library as it loads), so
+# all snippets share one Python per LOCUST_SHAPE (read at import), not one each.
+SNIPPETS = {
+    "v2_grpc_request": (
         "import numpy as np\n"
         "specs = {'features': ((2, 3), 'FP32'), 'ids': ((1,), 'INT64'), 'text': ((2,), 'BYTES')}\n"
         "request = lf.v2_grpc_request(specs, 4, np.random.default_rng(0))\n"
-        "print(json.dumps({'model': request.model_name,\n"
+        "value = {'model': request.model_name,\n"
         "    'inputs': [[t.name, t.datatype, list(t.shape)] for t in request.inputs],\n"
         "    'sizes': [len(raw) for raw in request.raw_input_contents],\n"
-        "    'text': request.raw_input_contents[2][:13].decode('latin-1')}))",
-        env={"LOCUST_PROTOCOL": "v2-grpc"})
+        "    'text': request.raw_input_contents[2][:13].decode('latin-1')}"),
+    "step_ticks": (
+        "shape = lf.StepShape(step_seconds=10, max_users=3, hold_seconds=5)\n"
+        "value = {}\n"
+        "for t in (0, 9.9, 10, 19.9, 20, 29.9, 30, 34.9, 35, 100):\n"
+        "    shape.get_run_time = lambda t=t: t\n"
+        "    value[str(t)] = shape.tick()"),
+    "step_settings": (
+        "shape = lf.StepShape()\n"
+        "value = [shape.step_seconds, shape.max_users, shape.hold_seconds]"),
+    # Locust runs the first non-abstract shape class it finds in the locustfile.
+    "shape_seen": (
+        "from locust.util.load_locustfile import is_shape_class\n"
+        "value = is_shape_class(lf.StepShape)"),
+    "random_instances": (
+        "import numpy as np\n"
+        "metadata = {'metadata': {'signature_def': {'signature_def': {'serving_default': {'inputs': {\n"
+        "    'features': {'dtype': 'DT_FLOAT', 'tensor_shape': {'dim': [{'size': '-1'}, {'size': '6'}]}},\n"
+        "    'ids': {'dtype': 'DT_INT64', 'tensor_shape': {'dim': [{'size': '-1'}, {'size': '-1'}]}}}}}}}}\n"
+        "specs = lf.input_specs(metadata)\n"
+        "value = lf.random_instances(specs, 2, np.random.default_rng(0))"),
+}
+SNIPPET_RUNNER = """\
+import json, sys
+import locustfile as lf
+values = {}
+for name, body in json.loads(sys.argv[1]).items():
+    scope = {"lf": lf, "json": json}
+    exec(body, scope)
+    values[name] = scope["value"]
+print(json.dumps(values))
+"""
+SNIPPET_ENV = {"LOCUST_PROTOCOL": "v2-grpc", "LOCUST_STEP_SECONDS": "2.5", "LOCUST_STEP_USERS_MAX": "7"}
+
+
+@pytest.fixture(scope="module")
+def locustfile_values() -> dict[str, dict]:
+    """Each snippet's value by LOCUST_SHAPE ("" and "step"), from two Pythons run side by side."""
+    runs = {shape: subprocess.Popen([sys.executable, "-c", SNIPPET_RUNNER, json.dumps(SNIPPETS)], cwd=REPO,
+                                    env=locust_env(**SNIPPET_ENV, LOCUST_SHAPE=shape), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            for shape in ("", "step")}
+    values = {}
+    for shape, run in runs.items():
+        output, errors = run.communicate(timeout=60)
+        assert run.returncode == 0, errors
+        values[shape] = json.loads(output.strip().splitlines()[-1])
+    return values
+
+
+def test_v2_grpc_request_carries_every_input_raw(locustfile_values):
+    sent = locustfile_values[""]["v2_grpc_request"]
     assert sent["model"] == "default"
     assert sent["inputs"] == [["features", "FP32", [4, 2, 3]], ["ids", "INT64", [4, 1]], ["text", "BYTES", [4, 2]]]
     # 4 x 2 x 3 floats; 4 int64s; 8 strings, each a 4-byte length and "load-test".
@@ -366,59 +397,25 @@ def test_v2_grpc_request_carries_every_input_raw(tmp_path):
     assert sent["text"] == "\t\x00\x00\x00load-test"
 
 
-def shape_script(body: str, env: dict[str, str] | None = None) -> dict:
-    """Run `body` with locustfile imported as `lf`; it prints one JSON value."""
-    code = f"import json, locustfile as lf\n{body}"
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=locust_env(**(env or {})),
-                         capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-def test_step_shape_adds_one_user_per_step_then_holds_then_stops():
-    ticks = shape_script(
-        "shape = lf.StepShape(step_seconds=10, max_users=3, hold_seconds=5)\n"
-        "out = {}\n"
-        "for t in (0, 9.9, 10, 19.9, 20, 29.9, 30, 34.9, 35, 100):\n"
-        "    shape.get_run_time = lambda t=t: t\n"
-        "    out[str(t)] = shape.tick()\n"
-        "print(json.dumps(out))"
-    )
-    assert ticks == {
+def test_step_shape_adds_one_user_per_step_then_holds_then_stops(locustfile_values):
+    assert locustfile_values[""]["step_ticks"] == {
         "0": [1, 3.0], "9.9": [1, 3.0], "10": [2, 3.0], "19.9": [2, 3.0], "20": [3, 3.0],
         "29.9": [3, 3.0], "30": [3, 3.0], "34.9": [3, 3.0], "35": None, "100": None,
     }
 
 
-def test_step_shape_reads_its_settings_from_the_environment():
-    settings = shape_script(
-        "shape = lf.StepShape()\n"
-        "print(json.dumps([shape.step_seconds, shape.max_users, shape.hold_seconds]))",
-        env={"LOCUST_STEP_SECONDS": "2.5", "LOCUST_STEP_USERS_MAX": "7"},
-    )
-    assert settings == [2.5, 7, 2.5]
+def test_step_shape_reads_its_settings_from_the_environment(locustfile_values):
+    # LOCUST_STEP_SECONDS=2.5 and LOCUST_STEP_USERS_MAX=7 (SNIPPET_ENV); the hold defaults to a step.
+    assert locustfile_values[""]["step_settings"] == [2.5, 7, 2.5]
 
 
 @pytest.mark.parametrize("shape, locust_sees_it", [("", False), ("step", True)])
-def test_step_shape_takes_over_only_when_asked(shape, locust_sees_it):
-    # Locust runs the first non-abstract shape class it finds in the locustfile.
-    seen = shape_script(
-        "from locust.util.load_locustfile import is_shape_class\n"
-        "print(json.dumps(is_shape_class(lf.StepShape)))",
-        env={"LOCUST_SHAPE": shape},
-    )
-    assert seen is locust_sees_it
+def test_step_shape_takes_over_only_when_asked(locustfile_values, shape, locust_sees_it):
+    assert locustfile_values[shape]["shape_seen"] is locust_sees_it
 
 
-def test_random_instances_follow_the_metadata():
-    body = shape_script(
-        "import numpy as np\n"
-        "metadata = {'metadata': {'signature_def': {'signature_def': {'serving_default': {'inputs': {\n"
-        "    'features': {'dtype': 'DT_FLOAT', 'tensor_shape': {'dim': [{'size': '-1'}, {'size': '6'}]}},\n"
-        "    'ids': {'dtype': 'DT_INT64', 'tensor_shape': {'dim': [{'size': '-1'}, {'size': '-1'}]}}}}}}}}\n"
-        "specs = lf.input_specs(metadata)\n"
-        "print(json.dumps(lf.random_instances(specs, 2, np.random.default_rng(0))))"
-    )
+def test_random_instances_follow_the_metadata(locustfile_values):
+    body = locustfile_values[""]["random_instances"]
     assert len(body) == 2
     for row in body:
         assert set(row) == {"features", "ids"}

@@ -30,6 +30,8 @@ from .common import FLOOR_APP, Config, Load, Server, fmt, log, markdown_table, r
 from .load import BatchDelta, LoadStats, measure_load
 
 THINK_TIME_S = (1.0, 3.0)
+# A smoke run's user thinks briefly: a 2 s point gets several requests, where 1-3 s could leave none.
+QUICK_THINK_TIME_S = (0.05, 0.2)
 CLOSED_LOOP_LABEL = "closed loop"
 REFERENCE = "default"
 # The batch bucket sizes every configuration pads to (the server's default MAX_BATCH_SIZE).
@@ -67,7 +69,7 @@ def _numbers(kind: type, *, one: bool = False) -> Any:
 
 def add_arguments(parser: argparse.ArgumentParser, *, page: Path) -> None:
     add = parser.add_argument
-    add("--quick", action="store_true", help="a smoke test of seconds: naive and default, 1 user, 2 s a load")
+    add("--quick", action="store_true", help="smoke test: naive and default, 1 user thinking 0.05-0.2 s, 2 s a load")
     common.add_page_arguments(parser, page)
     common.add_model_arguments(parser, default="default")
     add("--duration", type=_numbers(float, one=True), help="seconds per load point (default 30)")
@@ -90,6 +92,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.closed_loop_users = 4 if quick else 64
     args.batch_sizes = SERVER_BUCKETS  # every size the servers pad to, so that their batches can be timed alone
     args.idle_calls, args.call_budget = (2, 0.3) if quick else (8, 3.0)  # the model alone's calls after idling, s
+    args.think_s = QUICK_THINK_TIME_S if quick else THINK_TIME_S  # also the model alone's idle pause
     return args
 
 
@@ -151,7 +154,7 @@ def time_calls(call: Callable[[], Any], *, budget_s: float, batch_size: int, max
 
 
 def save_model_alone(out: str, model_path: str | None, batch_sizes: list[int], budget_s: float,
-                     idle_calls: int) -> None:
+                     idle_calls: int, idle_pause_s: tuple[float, float] = THINK_TIME_S) -> None:
     """The child's side: both predict paths timed per batch size, then batch-1 calls after idling."""
     import numpy as np
 
@@ -183,7 +186,7 @@ def save_model_alone(out: str, model_path: str | None, batch_sizes: list[int], b
     after_idle = []
     for _ in range(idle_calls):
         # After an idle second the weights may have left the caches: what one user with think time gets.
-        time.sleep(pauses.uniform(*THINK_TIME_S))
+        time.sleep(pauses.uniform(*idle_pause_s))
         started = time.perf_counter()
         model.predict(one_row)
         after_idle.append((time.perf_counter() - started) * 1000)
@@ -301,13 +304,13 @@ def report_lines(run: Run) -> list[str]:
     spawning = f"users started {args.spawn_rate:g} a second" if args.spawn_rate else "all users started at once"
     lines = ["**A quick run**: a smoke test of the benchmark, not measurements.", ""] if args.quick else []
     lines += ["## Settings", "", f"Model: {model}. Each load point: {args.duration:g} s of headless Locust "
-              f"(`locustfile.py`, one process), {spawning}, one random row per request, {THINK_TIME_S[0]:g}–"
-              f"{THINK_TIME_S[1]:g} s think time" + (f"; then a closed loop of {closed.users} users" if closed else "")
+              f"(`locustfile.py`, one process), {spawning}, one random row per request, {args.think_s[0]:g}–"
+              f"{args.think_s[1]:g} s think time" + (f"; then a closed loop of {closed.users} users" if closed else "")
               + ". Server CPU: user + system time of the server's processes over each load point.", "",
               *markdown_table(["configuration", "workers", "environment", "what it is"], [
                   (f"`{name}`", config.workers, " ".join(f"{k}={v}" for k, v in config.env.items()) or "(defaults)",
                    config.what) for name in run.by_config if (config := run.configs[name])]), ""]
-    lines += ["## The model alone", ""] + model_alone_lines(run.alone) + [""]
+    lines += ["## The model alone", ""] + model_alone_lines(run.alone, args.think_s) + [""]
     lines += ["## Servers under load", ""] + load_lines(run.by_config) + [""]
     lines += ["## Ratios", ""] + ratio_lines(run) + [""]
     lines += ["## Against the model's own ceiling", ""] + ceiling_lines(run) + [""]
@@ -316,7 +319,7 @@ def report_lines(run: Run) -> list[str]:
     return lines
 
 
-def model_alone_lines(alone: ModelAlone) -> list[str]:
+def model_alone_lines(alone: ModelAlone, idle_pause_s: tuple[float, float]) -> list[str]:
     lines = ["One process, no server: median wall time per call, rows per second, and CPU time (all threads) of "
              "Keras' `model.predict` and of the server's predict path (the compiled `tf.function` the batcher "
              "calls), TensorFlow's thread pools sized as in one worker.", ""]
@@ -330,7 +333,7 @@ def model_alone_lines(alone: ModelAlone) -> list[str]:
     if alone.batches:
         best = max(alone.batches, key=lambda row: row.function.items_per_s)
         lines += [f"Ceiling: **{best.function.items_per_s:,.0f} rows/s** at batch {best.batch}.", ""]
-    return lines + [f"After idling {THINK_TIME_S[0]:g}–{THINK_TIME_S[1]:g} s, a batch-1 call took "
+    return lines + [f"After idling {idle_pause_s[0]:g}–{idle_pause_s[1]:g} s, a batch-1 call took "
                     f"**{fmt(alone.after_idle_mean_ms, 2)} ms** on average ({len(alone.after_idle_ms)} calls)."]
 
 
@@ -439,7 +442,7 @@ def measure(args: argparse.Namespace, work_dir: Path, stack: ExitStack) -> Run:
     configs = [CONFIGS_BY_NAME[name] for name in args.configs]
     if args.baseline_ref:
         configs.insert(0, common.baseline_config(*stack.enter_context(common.baseline_tree(args.baseline_ref))))
-    loads = [Load(str(users), users, THINK_TIME_S) for users in args.users]
+    loads = [Load(str(users), users, args.think_s) for users in args.users]
     if args.closed_loop_users:
         loads.append(Load(CLOSED_LOOP_LABEL, args.closed_loop_users))
     log(f"working folder {work_dir}; configurations {[c.name for c in configs]}; loads {[x.label for x in loads]}")
@@ -447,7 +450,8 @@ def measure(args: argparse.Namespace, work_dir: Path, stack: ExitStack) -> Run:
     log(f"model alone: batch sizes {args.batch_sizes}, then {args.idle_calls} calls after idling")
     common.run_child("scripts.benchmark.experiment:save_model_alone", work_dir / "model_alone.log",
                      out=str(work_dir / "model_alone.json"), model_path=args.served_model_path,
-                     batch_sizes=args.batch_sizes, budget_s=args.call_budget, idle_calls=args.idle_calls)
+                     batch_sizes=args.batch_sizes, budget_s=args.call_budget, idle_calls=args.idle_calls,
+                     idle_pause_s=args.think_s)
     alone = ModelAlone.from_json(json.loads((work_dir / "model_alone.json").read_text()))
     rounds = run_rounds(configs, loads, args, work_dir)
     (work_dir / "results.json").write_text(json.dumps(

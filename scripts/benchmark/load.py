@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import csv
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -87,17 +87,9 @@ def run_locust(url: str, load: Load, *, duration_s: float, prefix: Path, protoco
 
 
 def parse_locust_stats(prefix: Path) -> LoadStats:
-    """Percentiles from the Aggregated row of <prefix>_stats.csv; counts and mean from the JSON, written once
-    at exit with every request (the CSV, rewritten once a second, may miss the last second's)."""
+    """Counts, mean and percentiles from the JSON Locust writes once, at exit, with every request (its CSV,
+    rewritten once a second, misses the last second's: a 2 s run's percentiles, now and then all of them)."""
     stats: dict[str, Any] = {}
-    csv_path = Path(f"{prefix}_stats.csv")
-    if csv_path.exists():
-        with open(csv_path, newline="") as file:
-            for row in csv.DictReader(file):
-                if row["Name"] == "Aggregated":
-                    stats.update(requests=int(row["Request Count"]), failures=int(row["Failure Count"]),
-                                 mean_ms=float(row["Average Response Time"]), p50_ms=_number(row["50%"]),
-                                 p95_ms=_number(row["95%"]), p99_ms=_number(row["99%"]))
     json_path = Path(f"{prefix}.json")
     if json_path.exists():
         entries = json.loads(json_path.read_text())
@@ -105,11 +97,19 @@ def parse_locust_stats(prefix: Path) -> LoadStats:
         stats["failures"] = sum(entry["num_failures"] for entry in entries)
         if stats["requests"]:
             stats["mean_ms"] = sum(entry["total_response_time"] for entry in entries) / stats["requests"]
+            times: dict[float, int] = {}  # Locust's rounded response times (ms) -> requests, over every entry
+            for entry in entries:
+                for ms, count in entry["response_times"].items():
+                    times[float(ms)] = times.get(float(ms), 0) + count
+            stats.update({f"p{share}_ms": _percentile(times, share / 100) for share in (50, 95, 99)})
     return LoadStats(**stats)
 
 
-def _number(text: str) -> float | None:
-    return None if text in ("", "N/A") else float(text)
+def _percentile(times: dict[float, int], share: float) -> float:
+    """Locust's own percentile (its CSV's): the largest time with more than `share` of the requests below it."""
+    total, ordered = sum(times.values()), sorted(times, reverse=True)
+    above = itertools.accumulate(times[ms] for ms in ordered)  # requests at or above each time
+    return next(ms for ms, count in zip(ordered, above, strict=True) if total - count <= int(total * share))
 
 
 def locust_host(server: Server, protocol: str) -> str:
