@@ -45,6 +45,8 @@ SOCKET_TIMEOUT_S = 10
 IDLE_S = 2
 # Bounds on waits for what nginx must do; never timings the test asserts.
 WITHIN_S = 30
+# Past client_body_timeout (5 s), short of grpc_send_timeout (10 s), which also ends a silent call.
+BODY_TIMEOUT_BOUND_S = 8
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -295,12 +297,14 @@ def test_a_silent_call_and_an_idle_connection_are_ended_by_nginx(nginx, same_wor
     try:
         stream = caller.headers_only()
         caller.flush()
+        sent = time.monotonic()
         # The idle one sent the preface and SETTINGS, then nothing: nginx sends GOAWAY and closes.
         assert idle.read_until(goaway), f"closed without a GOAWAY; events {idle.events}"
         assert goaway(idle.events).error_code == h2.errors.ErrorCodes.NO_ERROR
-        # The call's headers, then no message: client_body_timeout (5 s) ends it; the worker's
-        # own receive timeout is a minute here.
+        # The call's headers, then no message: client_body_timeout (5 s) ends it, before
+        # grpc_send_timeout (10 s) would; the worker's own receive timeout is a minute here.
         assert caller.read_until(ended(stream))
+        assert time.monotonic() - sent < BODY_TIMEOUT_BOUND_S
     finally:
         caller.close()
         idle.close()
