@@ -54,16 +54,29 @@ def gunicorn(tmp_path_factory, exact_model_path):
 
 
 @pytest.fixture(scope="module")
-def nginx(tmp_path_factory, gunicorn):
+def fronted(tmp_path_factory, gunicorn):
+    """nginx, and a header that never ends sent to it as it starts (see HeaderThatNeverEnds)."""
     front = Nginx(tmp_path_factory.mktemp("nginx-limits"), upstream_port=gunicorn.port).start()
-    yield front
+    never_ends = HeaderThatNeverEnds(front.port)
+    yield front, never_ends
+    never_ends.close()
     front.stop()
+
+
+@pytest.fixture(scope="module")
+def nginx(fronted) -> Nginx:
+    return fronted[0]
+
+
+@pytest.fixture(scope="module")
+def header_that_never_ends(fronted) -> HeaderThatNeverEnds:
+    return fronted[1]
 
 
 class HeaderThatNeverEnds:
     """A connection that sends a request header without its end, then waits: a thread reads
-    what nginx does with it, from the module's start, so that client_header_timeout (5 s)
-    passes while the other tests run rather than before one of its own."""
+    what nginx does with it from the moment nginx starts, so that client_header_timeout (5 s)
+    passes while the other tests run rather than in a test of its own."""
 
     # Past client_header_timeout (5 s); the former 10 s would time the read out.
     WITHIN_S = 8
@@ -90,14 +103,6 @@ class HeaderThatNeverEnds:
 
     def close(self) -> None:
         self.sock.close()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def header_that_never_ends(nginx):
-    """Started with the module (autouse), for the reason its class gives."""
-    held = HeaderThatNeverEnds(nginx.port)
-    yield held
-    held.close()
 
 
 def connect_from(address: str, port: int) -> socket.socket:
