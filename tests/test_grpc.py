@@ -18,10 +18,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -340,22 +337,6 @@ def test_a_full_queue_is_resource_exhausted_at_once_and_the_server_caps_the_dead
     assert "no result from model 'held' within 4000 ms" in expired.value.details()
 
 
-def test_the_clients_deadline_becomes_the_requests(served, stub):
-    wait_for(lambda: served.metric("model_server_queue_rows", model="held") == 0, within_s=HELD_WINDOW_MS / 500,
-             what="an empty queue")
-    request_id = f"deadline-{uuid.uuid4().hex}"
-
-    with pytest.raises(grpc.RpcError) as raised:
-        stub.Predict(predict_request("held", integer_rows(1)), timeout=0.5, metadata=[("x-request-id", request_id)])
-
-    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    # The server itself gave up at the client's deadline: without it the request would have
-    # waited out the 6 s window (and REQUEST_TIMEOUT_MS) and been answered OK, to nobody.
-    line = access_line(served, request_id)
-    assert line["status"] == "DEADLINE_EXCEEDED"
-    assert line["latency_ms"] < REQUEST_TIMEOUT_MS
-
-
 # -- metadata, status, metrics, logs ------------------------------------------------------------
 
 
@@ -633,50 +614,30 @@ def test_every_serving_error_has_its_status_code():
 # -- the server in-process: readiness lost, shutting down --------------------------------------
 
 
-NOT_SERVING_PROBE = """
-import json, sys
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
-import tensorflow as tf
-from app import create_app, grpc_server
-from app.settings import Settings
+def test_health_turns_not_serving_and_predict_unavailable_once_the_batchers_stop(in_process_app, exact_model_path):
+    # In this process: the batchers of a Gunicorn worker only stop as it exits, and
+    # in_process_app's can be stopped while its gRPC server still answers.
+    from app import grpc_server
+    from app.registry import get_registry
+    from tests.conftest import free_port
 
-app = create_app(Settings(model_path=sys.argv[1], access_log=False, model_poll_seconds=0))
-request = predict_pb2.PredictRequest()
-request.model_spec.name = "default"
-request.inputs["features"].CopyFrom(tf.make_tensor_proto([[1.0, 2.0, 3.0, 4.0]]))
-seen = []
-with grpc_server.serving(app, bind=sys.argv[2]), grpc.insecure_channel(sys.argv[2]) as channel:
-    health = health_pb2_grpc.HealthStub(channel)
-    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
-    for _ in range(2):
-        status = health.Check(health_pb2.HealthCheckRequest(), timeout=30).status
-        try:
-            stub.Predict(request, timeout=30)
-            code = "OK"
-        except grpc.RpcError as exc:
-            code = f"{exc.code().name}: {exc.details()}"
-        seen.append([health_pb2.HealthCheckResponse.ServingStatus.Name(status), code])
-        app.extensions["models"].close(drain=True)
-print(json.dumps(seen))
-"""
+    app = in_process_app(model_path=str(exact_model_path))
+    target = f"127.0.0.1:{free_port()}"
+    seen = []
+    with grpc_server.serving(app, bind=target), grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        for _ in range(2):
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=30).status
+            try:
+                stub.Predict(predict_request("default", integer_rows(1)), timeout=30)
+                code = "OK"
+            except grpc.RpcError as exc:
+                code = f"{exc.code().name}: {exc.details()}"
+            seen.append([health_pb2.HealthCheckResponse.ServingStatus.Name(status), code])
+            get_registry(app).close(drain=True)
 
-
-# It serves gRPC from a process of its own, through a command the mark's code reading cannot see.
-@pytest.mark.server
-def test_health_turns_not_serving_and_predict_unavailable_once_the_batchers_stop(exact_model_path):
-    # In a process of its own: TensorFlow's runtime is set up once per process (see
-    # test_reliability), and the batchers of a Gunicorn worker only stop as it exits.
-    from tests.conftest import REPO, free_port
-
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    done = subprocess.run([sys.executable, "-c", NOT_SERVING_PROBE, str(exact_model_path), f"127.0.0.1:{free_port()}"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [
-        ["SERVING", "OK"], ["NOT_SERVING", "UNAVAILABLE: the server is shutting down"]]
+    assert seen == [["SERVING", "OK"], ["NOT_SERVING", "UNAVAILABLE: the server is shutting down"]]
 
 
 # -- several workers, and SIGTERM ---------------------------------------------------------------
@@ -905,3 +866,21 @@ def test_classify_and_regress_refuse_as_tensorflow_serving_does(stub, method, si
 
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert expected in raised.value.details()
+
+
+# Last, so that the rows the full-queue test left in the held model's 6 s window are gone by
+# now, not waited out; nothing after it uses that model, whose window its own row waits in.
+def test_the_clients_deadline_becomes_the_requests(served, stub):
+    wait_for(lambda: served.metric("model_server_queue_rows", model="held") == 0, within_s=HELD_WINDOW_MS / 500,
+             what="an empty queue")
+    request_id = f"deadline-{uuid.uuid4().hex}"
+
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Predict(predict_request("held", integer_rows(1)), timeout=0.5, metadata=[("x-request-id", request_id)])
+
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The server itself gave up at the client's deadline: without it the request would have
+    # waited out the 6 s window (and REQUEST_TIMEOUT_MS) and been answered OK, to nobody.
+    line = access_line(served, request_id)
+    assert line["status"] == "DEADLINE_EXCEEDED"
+    assert line["latency_ms"] < REQUEST_TIMEOUT_MS

@@ -23,6 +23,7 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.settings
+import hpack
 import numpy as np
 import pytest
 import requests
@@ -109,6 +110,15 @@ def open_server_side(sockets: list[socket.socket]) -> int:
     return alive
 
 
+class PlainEncoder(hpack.Encoder):
+    """HPACK with literal strings only: hpack's Huffman coding, in pure Python, spent seconds of
+    CPU on the 4 MiB of metadata below; the server reads either, and its limits count decoded
+    bytes."""
+
+    def encode(self, headers, huffman: bool = False) -> bytes:
+        return super().encode(headers, huffman=False)
+
+
 class RawH2:
     """One raw HTTP/2 client connection, speaking gRPC's framing by hand."""
 
@@ -116,6 +126,7 @@ class RawH2:
         host, port = target.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT_S)
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.conn.encoder = PlainEncoder()
         self.conn.initiate_connection()
         self.sock.sendall(self.conn.data_to_send())
         self.events: list = []
@@ -165,12 +176,38 @@ class RawH2:
         self.sock.close()
 
 
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory, exact_model_path):
+    """The defaults: no per-connection stream limit, and GRPC_MAX_CONNECTIONS derived from the
+    descriptor limit. Started as `ulimit -Sn 512 -Hn 1024` would leave it: the master raises the
+    soft limit to the hard one, so the worker derives 1024 // 4 connections, not 512 // 4."""
+    server = LimitedServer(tmp_path_factory.mktemp("grpc-defaults"), {"MODEL_PATH": str(exact_model_path), **SMALL},
+                           fd_limits=(LOW_FD_LIMIT // 2, LOW_FD_LIMIT))
+    yield server.start()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory, exact_model_path):
+    # Under a low descriptor limit, with a gRPC connection limit above it: held connections can
+    # take every descriptor (the last test here); no other test here opens more than a few.
+    server = LimitedServer(tmp_path_factory.mktemp("hostile-grpc"), {
+        "MODEL_PATH": str(exact_model_path), "GRPC_RECEIVE_TIMEOUT_MS": str(RECEIVE_TIMEOUT_MS),
+        "GRPC_MAX_CONNECTIONS": "5000", **SMALL, **STREAMS}, fd_limits=(LOW_FD_LIMIT, LOW_FD_LIMIT))
+    yield server.start()
+    server.stop()
+
+
 # -- connections: descriptors, idle connections, the accept loop ---------------------------
 
-def test_idle_prefaces_under_a_low_descriptor_limit_leave_rest_and_grpc_serving(tmp_path, exact_model_path,
-                                                                              exact_model):
-    server = LimitedServer(tmp_path, {"MODEL_PATH": str(exact_model_path)}, fd_limits=(LOW_FD_LIMIT, LOW_FD_LIMIT))
-    server.start()
+def test_the_soft_descriptor_limit_is_raised_to_the_hard_one(default_server):
+    limits = open(f"/proc/{worker_pid(default_server)}/limits").read()
+    [line] = [line for line in limits.splitlines() if line.startswith("Max open files")]
+    assert line.split()[3:5] == [str(LOW_FD_LIMIT), str(LOW_FD_LIMIT)]
+
+
+def test_idle_prefaces_under_a_low_descriptor_limit_leave_rest_and_grpc_serving(default_server, exact_model):
+    server = default_server
     held: list[socket.socket] = []
     try:
         # The siege's channel connects before the attack, as a kept channel's would.
@@ -193,88 +230,25 @@ def test_idle_prefaces_under_a_low_descriptor_limit_leave_rest_and_grpc_serving(
     finally:
         for sock in held:
             sock.close()
-        server.stop()
     assert "Too many open files" not in server.log()
-
-
-def test_out_of_descriptors_the_worker_backs_off_and_stays(tmp_path, exact_model_path, exact_model):
-    # A gRPC connection limit above the descriptor limit: the held connections take every descriptor.
-    server = LimitedServer(tmp_path, {"MODEL_PATH": str(exact_model_path), "GRPC_MAX_CONNECTIONS": "5000"},
-                           fd_limits=(LOW_FD_LIMIT, LOW_FD_LIMIT))
-    server.start()
-    held: list[socket.socket] = []
-    try:
-        with siege(server, exact_model) as watch:
-            port = int(server.grpc_target.rsplit(":", 1)[1])
-            held = hold_prefaces(port, IDLE_CONNECTIONS + 100)
-            wait_for(lambda: len(os.listdir(f"/proc/{watch.pid}/fd")) >= LOW_FD_LIMIT - 1, within_s=30,
-                     what="the worker out of descriptors")
-            # Health on a connection made before needs no descriptor. A Predict now ended the
-            # worker in a run: a C++ std::random_device found no descriptor for /dev/urandom, and
-            # the process aborted (docs/reliability.md); it is asked once descriptors are back.
-            watch.serving(predict=False)
-            # A REST connection the worker cannot accept now: it waits in the backlog.
-            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as waiting:
-                waiting.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-                wait_for(lambda: "accept failed (Too many open files)" in server.log(), within_s=30,
-                         what="the worker backing off")
-                for sock in held:
-                    sock.close()
-                held = []
-                # Descriptors come back: the waiting connection is accepted and answered.
-                answer = waiting.recv(65536)
-            assert answer.startswith(b"HTTP/1.1 200 ")
-            watch.serving()
-            rows = integer_rows(2, seed=32)
-            assert predict(server, rows) == exact_model(rows).numpy().tolist()
-            watch.got(PREDICT, grpc.StatusCode.OK)
-    finally:
-        for sock in held:
-            sock.close()
-        server.stop()
-    # One worker for the whole run: none exited and was replaced.
-    assert server.log().count("Booting worker") == 1
-
-
-def test_the_soft_descriptor_limit_is_raised_to_the_hard_one(tmp_path, exact_model_path):
-    server = LimitedServer(tmp_path, {"MODEL_PATH": str(exact_model_path)}, fd_limits=(512, 2048))
-    server.start()
-    try:
-        limits = open(f"/proc/{worker_pid(server)}/limits").read()
-    finally:
-        server.stop()
-    [line] = [line for line in limits.splitlines() if line.startswith("Max open files")]
-    assert line.split()[3:5] == ["2048", "2048"]
+    # The server is shared: the next test's connections must not meet a cap still held by these.
+    wait_for(lambda: server.metric("model_server_connections", protocol="grpc") == 0, within_s=30,
+             what="the held connections closed")
 
 
 # -- streams: headers without a message, Health's own capacity -------------------------------
 
-@pytest.fixture(scope="module")
-def small_server(tmp_path_factory, exact_model_path):
-    server = Server(tmp_path_factory.mktemp("hostile-grpc"), {
-        "MODEL_PATH": str(exact_model_path), "GRPC_RECEIVE_TIMEOUT_MS": str(RECEIVE_TIMEOUT_MS), **SMALL, **STREAMS})
-    yield server.start()
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def default_streams_server(tmp_path_factory, exact_model_path):
-    server = Server(tmp_path_factory.mktemp("grpc-default-streams"), {"MODEL_PATH": str(exact_model_path), **SMALL})
-    yield server.start()
-    server.stop()
-
-
-def test_by_default_a_connection_serves_call_after_call(default_streams_server, exact_model):
+def test_by_default_a_connection_serves_call_after_call(default_server, exact_model):
     """With a per-connection stream limit set by default, grpc 1.85 refused every call of a
     connection after a few (RST_STREAM REFUSED_STREAM): closed-loop clients saw 99 % errors."""
-    client = RawH2(default_streams_server.grpc_target)
+    client = RawH2(default_server.grpc_target)
     try:
         assert h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS not in client.settings
     finally:
         client.close()
     rows = integer_rows(2, seed=34)
     expected = exact_model(rows).numpy().tolist()
-    with grpc.insecure_channel(default_streams_server.grpc_target) as channel:
+    with grpc.insecure_channel(default_server.grpc_target) as channel:
         answers = [predict_on(channel, rows) for _ in range(40)]
     assert answers == [expected] * 40
 
@@ -427,8 +401,6 @@ def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
 def reset_storm(target: str, count: int, *, within_s: float) -> int:
     """Open and reset `count` Predict streams, HEADERS then RST_STREAM(CANCEL), on as many
     connections as the server leaves open; the number sent within `within_s`."""
-    import hpack
-
     host, port = target.rsplit(":", 1)
     block = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", PREDICT),
                                     (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
@@ -463,11 +435,50 @@ def _drain(sock: socket.socket) -> None:
         pass
 
 
-def test_rapid_resets_leave_the_worker_serving(default_streams_server, exact_model):
+def test_rapid_resets_leave_the_worker_serving(default_server, exact_model):
     # Calls reset before or after they reach the server's code: no client can count them.
-    with siege(default_streams_server, exact_model, ledger=False) as watch:
-        sent = reset_storm(default_streams_server.grpc_target, RAPID_RESETS, within_s=RAPID_RESET_WITHIN_S)
+    with siege(default_server, exact_model, ledger=False) as watch:
+        sent = reset_storm(default_server.grpc_target, RAPID_RESETS, within_s=RAPID_RESET_WITHIN_S)
         # Health answers at once. grpc-core refuses new calls (CANCELLED, RESOURCE_EXHAUSTED)
         # until the server has worked through the calls the storm left queued: seconds.
         watch.serving(recover_within_s=RAPID_RESET_RECOVERY_S)
     assert sent == RAPID_RESETS
+
+
+# -- descriptors run out -----------------------------------------------------------------------
+
+def test_out_of_descriptors_the_worker_backs_off_and_stays(small_server, exact_model):
+    # A gRPC connection limit above the descriptor limit: the held connections take every descriptor.
+    # Last of the module: should the worker not survive, no other test reads its server.
+    server = small_server
+    held: list[socket.socket] = []
+    try:
+        with siege(server, exact_model) as watch:
+            port = int(server.grpc_target.rsplit(":", 1)[1])
+            held = hold_prefaces(port, IDLE_CONNECTIONS + 100)
+            wait_for(lambda: len(os.listdir(f"/proc/{watch.pid}/fd")) >= LOW_FD_LIMIT - 1, within_s=30,
+                     what="the worker out of descriptors")
+            # Health on a connection made before needs no descriptor. A Predict now ended the
+            # worker in a run: a C++ std::random_device found no descriptor for /dev/urandom, and
+            # the process aborted (docs/reliability.md); it is asked once descriptors are back.
+            watch.serving(predict=False)
+            # A REST connection the worker cannot accept now: it waits in the backlog.
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as waiting:
+                waiting.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                wait_for(lambda: "accept failed (Too many open files)" in server.log(), within_s=30,
+                         what="the worker backing off")
+                for sock in held:
+                    sock.close()
+                held = []
+                # Descriptors come back: the waiting connection is accepted and answered.
+                answer = waiting.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            watch.serving()
+            rows = integer_rows(2, seed=32)
+            assert predict(server, rows) == exact_model(rows).numpy().tolist()
+            watch.got(PREDICT, grpc.StatusCode.OK)
+    finally:
+        for sock in held:
+            sock.close()
+    # One worker for the server's whole run: none exited and was replaced.
+    assert server.log().count("Booting worker") == 1
