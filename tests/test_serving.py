@@ -358,7 +358,9 @@ def test_a_regress_answer_of_the_wrong_size_is_refused():
 # -- one record: access line and metrics ----------------------------------------------------
 
 
-def test_one_record_feeds_the_access_line_and_the_request_metrics(metrics, caplog):
+def test_one_record_feeds_the_access_line_and_the_request_metrics(metrics, caplog, monkeypatch):
+    # An app built in this process with ACCESS_LOG off turns the logger off process-wide.
+    monkeypatch.setattr(logs.access_log, "disabled", False)
     requests = serving.Requests(metrics)
     record = requests.start("GRPC", "/tensorflow.serving.PredictionService/Predict", "rid-1")
     assert metrics.registry.get_sample_value("model_server_requests_in_flight") == 1

@@ -13,7 +13,7 @@ import numpy as np
 import orjson
 import pytest
 
-from app import create_app, openapi, shutdown_app, v2_tensors
+from app import create_app, logs, openapi, shutdown_app, v2_tensors
 from app.settings import Settings, SettingsError, model_configs, parse, validate_pos_int
 from app.tfs_flags import FlagError, parse_flags
 from tests.conftest import integer_rows
@@ -29,9 +29,11 @@ def app(tmp_path_factory, exact_model_path):
     config = folder / "models.json"
     config.write_text(json.dumps({"default": "exact", "models": [
         {"name": "exact", "path": str(exact_model_path)}, {"name": "echo", "path": str(folder / "echo")}]}))
+    access_off = logs.access_log.disabled
     served = create_app(Settings(model_config=str(config), access_log=False, model_poll_seconds=0))
     yield served
     shutdown_app(served, timeout_s=30)
+    logs.access_log.disabled = access_off  # create_app set it for the whole process
 
 
 @pytest.fixture(scope="module")
