@@ -911,6 +911,8 @@ def test_lock_script_writes_every_lock_and_ci_installs_the_dev_lock():
         assert f"requirements-{lock}.lock" in script
     assert "uv==" in (REPO / "requirements-dev.txt").read_text()
     ci = (REPO / ".ci" / "run").read_text()
-    assert '"$uv" pip install -q --python .venv/bin/python -r requirements-dev.lock' in ci
-    assert '"$uv" pip install -q --python .venv/bin/python --no-deps -r requirements-nodeps.txt' in ci
+    # With .pyc written at install: where PYTHONDONTWRITEBYTECODE is set, nothing writes them later.
+    assert '"$uv" pip install -q --compile-bytecode --python .venv/bin/python -r requirements-dev.lock' in ci
+    assert ('"$uv" pip install -q --compile-bytecode --python .venv/bin/python --no-deps '
+            '-r requirements-nodeps.txt') in ci
     assert "nginx" in ci and "promtool" in ci
