@@ -20,6 +20,15 @@ tests/test_patches.py fails when the installed or pinned version differs: then r
   interpreter to another request thread. The body-limits layer (app/limits.py) reads every
   body to its end, so a body known to be read to its last byte skips the drain. Anything
   else (a chunked body, a body left unread, a failed read) takes Gunicorn's own path.
+- `NextRequestInPlace` (Gunicorn's gthread worker): after a keep-alive response gthread hands
+  the connection back to its main thread, which registers it with its poller, wakes when the
+  next request arrives, unregisters it and queues it for a request thread: two wake-ups of
+  the main thread, each needing the GIL, and a thread hand-off, for every request. The main
+  thread serves every connection, so under load requests queue behind it. Here the thread
+  that answered waits up to `NEXT_REQUEST_WAIT_S` on the connection itself and answers the
+  next request at once; a client that does not send within it goes back to the poller as
+  before. It does not wait while requests wait for a thread. A request read so during a stop is
+  answered with "Connection: close", as gthread answers one on a kept-alive connection then.
 - `batched_writes` (logging): access lines reach each plain StreamHandler's stream in a
   few large writes instead of one write and flush per line (app/logs.py's access writer).
 - `request_environ` (Flask): the current request's WSGI environ from Flask's own context
@@ -92,6 +101,34 @@ class KeepAliveWithoutDrain:
             # What the drain would find and return: nothing left, so the connection is reusable.
             return True
         return super()._keepalive_after(conn, keepalive)  # type: ignore[misc]
+
+
+# A client in a closed loop sends its next request within a millisecond or two of reading the
+# answer (longer when its own host is loaded). Waiting costs a parked thread, no CPU.
+NEXT_REQUEST_WAIT_S = 0.01
+
+
+class NextRequestInPlace:
+    """Mixed in before gunicorn.workers.gthread.ThreadWorker."""
+
+    def handle(self, conn: Any) -> Any:
+        result = super().handle(conn)  # type: ignore[misc]
+        while result is True and self._next_request_soon(conn):
+            result = super().handle(conn)  # type: ignore[misc]
+        return result
+
+    def _next_request_soon(self, conn: Any) -> bool:
+        # A thread waiting here while requests wait for a thread would hold them up.
+        if self.tpool._work_queue.qsize():  # type: ignore[attr-defined]
+            return False
+        if conn.parser.unreader.buf.getvalue() or getattr(conn.sock, "pending", lambda: 0)():
+            return True  # already read ahead: by the parser, or by TLS
+        try:
+            poller = select.poll()
+            poller.register(conn.sock, select.POLLIN)
+            return bool(poller.poll(NEXT_REQUEST_WAIT_S * 1000))
+        except (OSError, ValueError):  # closed meanwhile: gthread's own path closes it
+            return False
 
 
 def body_fully_read(parser: Any) -> bool:

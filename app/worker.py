@@ -25,7 +25,7 @@ connections it holds go first, and the connections waiting in the listen backlog
 once descriptors are free again. The worker's open connections (REST, and gRPC when it serves
 it) are sampled into model_server_connections once a second.
 
-The gthread keep-alive patch lives in app/patches.py. Imports nothing of TensorFlow:
+The gthread keep-alive patches live in app/patches.py. Imports nothing of TensorFlow:
 Gunicorn's master loads the worker class.
 """
 
@@ -54,7 +54,7 @@ ACCEPT_BACKOFF_S = 0.5
 SAMPLE_EVERY_S = 1.0
 
 
-class ThreadWorker(patches.KeepAliveWithoutDrain, gthread.ThreadWorker):
+class ThreadWorker(patches.NextRequestInPlace, patches.KeepAliveWithoutDrain, gthread.ThreadWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._stop_asked = False

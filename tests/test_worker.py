@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
+from concurrent import futures
 
 import pytest
 from gunicorn.config import Config
+from gunicorn.glogging import Logger
 from gunicorn.http.parser import RequestParser
-from gunicorn.workers.gthread import DEFAULT_WORKER_DATA_TIMEOUT
+from gunicorn.workers.gthread import DEFAULT_WORKER_DATA_TIMEOUT, TConn
 
 from app.worker import ThreadWorker, body_fully_read
 
@@ -110,3 +114,110 @@ def test_a_body_whose_read_failed_closes_the_connection_as_gunicorn_does(connect
     request.body.failed = True
     assert not body_fully_read(conn.parser)
     assert keepalive_after(conn) is False
+
+
+# -- the next request on a kept-alive connection, answered by the thread that answered the last --
+
+@pytest.fixture
+def worker():
+    """A real gthread worker, not started: handle() runs in the test's thread, as in a request thread."""
+    cfg = Config()
+    made = ThreadWorker(age=1, ppid=os.getppid(), sockets=[], app=None, timeout=30, cfg=cfg, log=Logger(cfg))
+    made.tpool = futures.ThreadPoolExecutor(1)
+    made.served = []
+
+    def app(environ, start_response):
+        made.served.append(environ["wsgi.input"].read())
+        start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", "2")])
+        return [b"ok"]
+
+    made.wsgi = app
+    yield made
+    made.tpool.shutdown(wait=True)
+    made.tmp.close()
+
+
+def read_answers(client: socket.socket, count: int) -> bytes:
+    """What the client reads until `count` whole answers (each ends in its 2-byte body 'ok') or the end."""
+    got = b""
+    while got.count(b"\r\n\r\nok") < count:
+        chunk = client.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def answers(client: socket.socket, count: int) -> int:
+    return read_answers(client, count).count(b"\r\n\r\nok")
+
+
+def closed_loop(client: socket.socket, bodies: list[bytes], read: list[int]) -> threading.Thread:
+    """A client that sends each body as soon as it has read the answer to the one before."""
+    def run() -> None:
+        for body in bodies:
+            send(client, body)
+            read.append(answers(client, 1))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture
+def kept_alive(worker):
+    server, client = socket.socketpair()
+    yield TConn(worker.cfg, server, ("127.0.0.1", 1), ("127.0.0.1", 8000)), client
+    server.close()
+    client.close()
+
+
+def test_the_thread_that_answered_answers_the_next_request_on_its_connection(worker, kept_alive):
+    conn, client = kept_alive
+    read: list[int] = []
+    client_thread = closed_loop(client, [b"first", b"second", b"third"], read)
+    # One call of handle(), as one request thread: every request the client sent within the
+    # wait after an answer was answered here, none went back through gthread's poller.
+    assert worker.handle(conn) is True
+    client_thread.join(5)
+    assert worker.served == [b"first", b"second", b"third"] and read == [1, 1, 1]
+
+
+def test_a_request_read_in_place_after_the_worker_began_stopping_is_answered_and_the_connection_closed(
+        worker, kept_alive):
+    conn, client = kept_alive
+    got: list[bytes] = []
+
+    def client_run() -> None:
+        send(client, b"first")
+        answers(client, 1)
+        worker.alive = False  # the stop comes while the thread waits for the next request
+        send(client, b"second")
+        got.append(read_answers(client, 1))
+
+    client_thread = threading.Thread(target=client_run, daemon=True)
+    client_thread.start()
+    # Answered, as gthread answers a kept-alive connection's request during a stop, with
+    # "Connection: close"; the connection is not kept.
+    assert worker.handle(conn) is False
+    client_thread.join(5)
+    assert worker.served == [b"first", b"second"]
+    assert b"\r\nConnection: close\r\n" in got[0] and got[0].endswith(b"ok")
+
+
+def test_no_thread_waits_on_a_connection_while_other_requests_wait_for_a_thread(worker, kept_alive):
+    conn, client = kept_alive
+    release = threading.Event()
+    worker.tpool.submit(release.wait, 5)  # the pool's one thread is taken
+    queued = worker.tpool.submit(lambda: None)  # and a request waits for it
+    client_thread = closed_loop(client, [b"first", b"second"], [])
+    try:
+        assert worker.handle(conn) is True
+        assert worker.served == [b"first"]
+    finally:
+        release.set()
+    queued.result(5)
+    # The second request, sent as the first was answered, is served the poller's way: a later handle().
+    assert worker.handle(conn) is True
+    client_thread.join(5)
+    assert worker.served == [b"first", b"second"]
