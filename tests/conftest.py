@@ -75,9 +75,39 @@ def _ours(thing) -> bool:
     return where.startswith((str(REPO / "tests"), str(REPO / "scripts")))
 
 
+# Seconds each file took on the 2-core CI machine (`pytest -n 2 --dist loadfile`, junit times, servers
+# included), the files of 4 s or more; the rest count 0. Only their order matters: re-measure when a
+# file's weight changes by much.
+FILE_SECONDS = {
+    "test_reliability": 60, "test_stops": 60, "test_jax": 56, "test_model_process_faults": 49, "test_fuzz": 37,
+    "test_grpc": 26, "test_locust": 24, "test_tfs_live_config": 24, "test_server": 23, "test_benchmark": 23,
+    "test_tracing": 22, "test_tfs_model_server": 22, "test_hostile_grpc": 22, "test_logs": 21, "test_tf_serving": 20,
+    "test_json_logs_tensorflow_cuda": 18, "test_worker_lifecycle": 17, "test_priority": 17, "test_nginx": 16,
+    "test_metrics": 16, "test_model_processes": 15, "test_model_process_gpus": 14, "test_tfs_command_flags": 14,
+    "test_grpc_truth": 13, "test_v2_statistics": 13, "test_v2_repository": 13, "test_hostile_logs": 12,
+    "test_profile_worker": 12, "test_v2_kserve": 11, "test_nginx_grpc": 10, "test_v2": 10, "test_nginx_limits": 9,
+    "test_tls": 9, "test_varlen": 9, "test_hostile": 8, "test_process_bench": 8, "test_tfs_models": 8,
+    "test_signatures": 7, "test_payload_log": 6, "test_versions": 6, "test_model_process_ops": 6,
+    "test_tfs_inference": 6, "test_client_gone": 6, "test_deploy": 5, "test_live_server": 5, "test_http_errors": 5,
+    "test_status_privacy": 5, "test_rest_fidelity": 5, "test_cores": 4, "test_app_factory": 4,
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's --dist loadfile hands whole files to its two workers in the order of the collection, and
+    # by default first re-sorts them by their number of tests. The run ends when the worker holding the
+    # last file finishes while the other idles: a 3-test file of 37 s (schemathesis) came last. The
+    # collection below puts the longest files first, so that the last ones handed out are short; xdist
+    # must keep that order.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `server` every test that starts a server or another long-lived process (Popen), itself
-    or through a fixture: `pytest -m "not server"` is the fast tier, run in-process."""
+    or through a fixture: `pytest -m "not server"` is the fast tier, run in-process. Then order the
+    files longest first (a stable sort: each file's tests keep their order)."""
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.stem, 0))
     for item in items:
         if item.get_closest_marker("server") is not None or not isinstance(item, pytest.Function):
             continue
