@@ -77,7 +77,8 @@ def _ours(thing) -> bool:
 
 # Seconds each file took on the 2-core CI machine (`pytest -n 2 --dist loadfile`, junit times, servers
 # included), the files of 4 s or more; the rest count 0. Only their order matters: re-measure when a
-# file's weight changes by much. A file's model-process copy (below) has a key of its own.
+# file's weight changes by much. A file's model-process copy (below) has a key of its own, from a run of
+# that pass alone, scaled to the same machine.
 FILE_SECONDS = {
     "test_reliability": 60, "test_stops": 60, "test_jax": 56, "test_model_process_faults": 49, "test_benchmark": 48,
     "test_fuzz": 37, "test_grpc": 26, "test_locust": 24, "test_tfs_live_config": 24, "test_server": 23,
