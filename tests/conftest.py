@@ -75,9 +75,96 @@ def _ours(thing) -> bool:
     return where.startswith((str(REPO / "tests"), str(REPO / "scripts")))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# Seconds each file took on the 2-core CI machine (`pytest -n 2 --dist loadfile`, junit times, servers
+# included), the files of 4 s or more; the rest count 0. Only their order matters: re-measure when a
+# file's weight changes by much. A file's model-process copy (below) has a key of its own, from a run of
+# that pass alone, scaled to the same machine.
+FILE_SECONDS = {
+    "test_reliability": 60, "test_stops": 60, "test_jax": 56, "test_model_process_faults": 49, "test_benchmark": 48,
+    "test_fuzz": 37, "test_grpc": 26, "test_locust": 24, "test_tfs_live_config": 24, "test_server": 23,
+    "test_tracing": 22, "test_tfs_model_server": 22, "test_hostile_grpc": 22, "test_logs": 21, "test_tf_serving": 20,
+    "test_json_logs_tensorflow_cuda": 18, "test_worker_lifecycle": 17, "test_priority": 17, "test_nginx": 16,
+    "test_metrics": 16, "test_model_processes": 15, "test_model_process_gpus": 14, "test_tfs_command_flags": 14,
+    "test_grpc_truth": 13, "test_v2_statistics": 13, "test_v2_repository": 13, "test_hostile_logs": 12,
+    "test_profile_worker": 12, "test_v2_kserve": 11, "test_nginx_grpc": 10, "test_v2": 10, "test_nginx_limits": 9,
+    "test_tls": 9, "test_varlen": 9, "test_hostile": 8, "test_process_bench": 8, "test_tfs_models": 8,
+    "test_signatures": 7, "test_payload_log": 6, "test_versions": 6, "test_model_process_ops": 6,
+    "test_tfs_inference": 6, "test_client_gone": 6, "test_deploy": 5, "test_live_server": 5, "test_http_errors": 5,
+    "test_status_privacy": 5, "test_rest_fidelity": 5, "test_cores": 4, "test_app_factory": 4,
+    "test_grpc[model-processes]": 34, "test_jax[model-processes]": 20, "test_server[model-processes]": 18,
+    "test_v2[model-processes]": 13, "test_stops[model-processes]": 10, "test_http_errors[model-processes]": 10,
+    "test_hostile[model-processes]": 8, "test_signatures[model-processes]": 7, "test_rest_fidelity[model-processes]": 7,
+    "test_versions[model-processes]": 6, "test_client_gone[model-processes]": 5,
+    "test_worker_lifecycle[model-processes]": 4,
+}
+
+# The suites that cover REST, gRPC, errors, limits, versions and shutdown, run again with the models in
+# a model process (docs/scaling.md) under --model-processes (.ci/run): each file collected a second time
+# as a file of its own, whose servers inherit MODEL_PROCESSES=1 (Server.start fails one that comes up
+# without a model process). Only their `server` tests: an in-process test starts no server and so runs
+# the same in either mode. None: every such test of the file; else the names of the tests to run.
+MODEL_PROCESSES_FILES: dict[str, set[str] | None] = {
+    "test_server.py": None, "test_http_errors.py": None, "test_rest_fidelity.py": None, "test_signatures.py": None,
+    "test_versions.py": None, "test_grpc.py": None, "test_v2.py": None, "test_jax.py": None,
+    "test_hostile.py": None, "test_client_gone.py": None,
+    "test_stops.py": {"test_group_stop_under_load_loses_no_accepted_request"},
+    "test_worker_lifecycle.py": {"test_quick_shutdown_answers_a_request_held_in_its_batch_window"},
+}
+MODEL_PROCESSES_SUFFIX = "[model-processes]"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--model-processes", action="store_true",
+                     help="also run MODEL_PROCESSES_FILES' server tests (tests/conftest.py) with MODEL_PROCESSES=1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's --dist loadfile hands whole files to its two workers in the order of the collection, and
+    # by default first re-sorts them by their number of tests. The run ends when the worker holding the
+    # last file finishes while the other idles: a 3-test file of 37 s (schemathesis) came last. The
+    # collection below puts the longest files first, so that the last ones handed out are short; xdist
+    # must keep that order.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+class ModelProcessesModule(pytest.Module):
+    """A test file collected a second time, run with MODEL_PROCESSES=1. Its node id differs before the
+    first `::`, so xdist's --dist loadfile hands it out as a file of its own, balanced with the rest in
+    one run rather than in a second pytest run after it; its module fixtures are its own, so its
+    servers are started afresh, in the mode."""
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:
+    if file_path.name not in MODEL_PROCESSES_FILES or not parent.config.getoption("model_processes"):
+        return None
+    nodeid = file_path.relative_to(parent.config.rootpath).as_posix() + MODEL_PROCESSES_SUFFIX
+    return ModelProcessesModule.from_parent(parent, path=file_path, name=file_path.name + MODEL_PROCESSES_SUFFIX,
+                                            nodeid=nodeid)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model_processes_mode(request) -> Iterator[None]:
+    """MODEL_PROCESSES=1 while a file's model-process copy runs: autouse, so set before its own module
+    fixtures start their servers, and unset after they stopped them."""
+    if not isinstance(request.node, ModelProcessesModule):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MODEL_PROCESSES", "1")
+        yield
+
+
+def _file_seconds(item: pytest.Item) -> int:
+    copy = item.getparent(ModelProcessesModule) is not None
+    return FILE_SECONDS.get(item.path.stem + (MODEL_PROCESSES_SUFFIX if copy else ""), 0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark `server` every test that starts a server or another long-lived process (Popen), itself
-    or through a fixture: `pytest -m "not server"` is the fast tier, run in-process."""
+    or through a fixture: `pytest -m "not server"` is the fast tier, run in-process. Keep of the
+    model-process copies only the tests they are for. Then order the files longest first (a stable
+    sort: each file's tests keep their order)."""
     for item in items:
         if item.get_closest_marker("server") is not None or not isinstance(item, pytest.Function):
             continue
@@ -86,6 +173,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         targets = [item.function, *(func for func in fixtures if _ours(func))]
         if any(_starts_a_process(target, set()) for target in targets):
             item.add_marker(pytest.mark.server)
+    dropped = [item for item in items if not _in_its_model_processes_copy(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if _in_its_model_processes_copy(item)]
+    items.sort(key=lambda item: -_file_seconds(item))
+
+
+def _in_its_model_processes_copy(item: pytest.Item) -> bool:
+    """True for every test but those of a model-process copy that the copy is not for."""
+    if item.getparent(ModelProcessesModule) is None:
+        return True
+    names = MODEL_PROCESSES_FILES[item.path.name]
+    return item.get_closest_marker("server") is not None and (
+        names is None or getattr(item, "originalname", item.name) in names)
 
 
 @pytest.fixture(autouse=True)
