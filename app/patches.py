@@ -121,8 +121,8 @@ class NextRequestInPlace:
         # A thread waiting here while requests wait for a thread would hold them up.
         if self.tpool._work_queue.qsize():  # type: ignore[attr-defined]
             return False
-        if conn.parser.unreader.buf.getvalue() or getattr(conn.sock, "pending", lambda: 0)():
-            return True  # already read ahead: by the parser, or by TLS
+        if conn.parser.unreader.buf.getvalue():
+            return True  # the parser already read into it
         try:
             poller = select.poll()
             poller.register(conn.sock, select.POLLIN)

@@ -221,3 +221,14 @@ def test_no_thread_waits_on_a_connection_while_other_requests_wait_for_a_thread(
     assert worker.handle(conn) is True
     client_thread.join(5)
     assert worker.served == [b"first", b"second"]
+
+
+def test_a_request_the_parser_already_read_ahead_is_answered_without_waiting_on_the_socket(worker, kept_alive):
+    conn, client = kept_alive
+    # Both in one write: reading the first, the parser reads the second too, which leaves the
+    # socket with nothing to make it readable.
+    client.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nfirst"
+                   b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nsecond")
+    assert worker.handle(conn) is True
+    assert worker.served == [b"first", b"second"]
+    assert answers(client, 2) == 2
