@@ -19,6 +19,7 @@ def create_app(settings: Settings | None = None, *, replace_worker: Callable[[],
     goes in app.extensions["tensorflow"], which /readyz shows.
     """
     from app import api, errors, limits, loading, logs, metrics, openapi, patches, registry, runtime, serving, v2_rest
+    from app.direct import DirectRoutes
 
     settings = settings or Settings.from_env()
     logs.configure_logging(settings.log_level, settings.log_format)
@@ -31,6 +32,9 @@ def create_app(settings: Settings | None = None, *, replace_worker: Callable[[],
     app.extensions["tensorflow"] = {}
     if not settings.model_processes:
         runtime.import_tensorflow(settings)
+    # Innermost, so the access, metrics, limits and tracing layers wrap these routes as any other.
+    routes = [*api.PREDICT_ROUTES, *v2_rest.INFER_ROUTES]
+    app.wsgi_app = DirectRoutes(app.wsgi_app, app, routes)  # type: ignore[method-assign]
     logs.init_app(app, access=settings.access_log, probes=settings.access_log_probes,
                   writer=logs.start_access_writer())
     serving_metrics = metrics.init_app(app)

@@ -18,9 +18,10 @@ from werkzeug.routing import BaseConverter, IntegerConverter
 from app import classify, codec, limits, metadata, priority
 from app.batching import Tensors, check_rows
 from app.call import ModelSpec
+from app.direct import Reply, Route
 from app.models import Signature
 from app.registry import get_registry
-from app.serving import CLASSIFY, REGRESS, Answer, examples_decode, get_layer
+from app.serving import CLASSIFY, REGRESS, Answer, RequestLayer, examples_decode, get_layer
 from app.settings import MODEL_NAME_PATTERN
 
 bp = Blueprint("api", __name__)
@@ -39,58 +40,74 @@ def _json(body: bytes, status: int = 200, headers: list[tuple[str, str]] | None 
     return Response(body, status=status, content_type="application/json", headers=headers)
 
 
-def _predict(spec: ModelSpec) -> Response:
+def predict(layer: RequestLayer, environ: dict[str, Any], spec: ModelSpec) -> Reply:
     """Parse, queue, wait, answer: the request thread never touches TensorFlow."""
-    layer, environ = get_layer(current_app), request.environ
     # Like TensorFlow Serving, the body is JSON whatever its Content-Type says.
-    parsed = codec.parse_request(limits.body())
+    parsed = codec.parse_request(limits.body(environ))
 
     def decode(signature: Signature, max_rows: int) -> Tensors:
         check_rows(parsed.rows, max_rows)  # before any array is built
         return codec.decode_inputs(parsed, signature)
 
     answer = layer.infer(layer.http_call(environ, spec, parsed.signature_name, priority=_priority(environ)), decode)
-    return _answer(answer, codec.encode_response(answer.outputs, answer.signature, parsed))
+    return _reply(answer, codec.encode_response(answer.outputs, answer.signature, parsed))
 
 
 def _classify_or_regress(spec: ModelSpec, method: str) -> Response:
     layer, environ = get_layer(current_app), request.environ
-    signature_name, examples = classify.parse(limits.body(), method)
+    signature_name, examples = classify.parse(limits.body(environ), method)
     call = layer.http_call(environ, spec, signature_name, priority=_priority(environ))
     decode = examples_decode(examples)
     if method == CLASSIFY:
         answer, classes = layer.classify(call, decode)
-        return _answer(answer, classify.encode_classes(classes))
+        return _reply(answer, classify.encode_classes(classes)).response()
     answer, values = layer.regress(call, decode)
-    return _answer(answer, classify.encode_regressions(values))
+    return _reply(answer, classify.encode_regressions(values)).response()
 
 
-def _answer(answer: Answer, body: bytes) -> Response:
-    return _json(body, headers=[
+def _reply(answer: Answer, body: bytes) -> Reply:
+    return Reply(body, [
         ("X-Batch-Size", str(answer.batch_rows)),
         ("X-Batch-Requests", str(answer.batch_requests)),
         ("X-Model-Version", str(answer.servable.model.version)),
     ])
 
 
+# The predict URLs as app/direct.py matches them, without Flask per request.
+_NAME = ModelNameConverter.regex
+PREDICT_ROUTES = [
+    Route("/predict", "/predict", lambda layer, environ, _: predict(layer, environ, ModelSpec())),
+    Route("/v1/models/<model_name:name>:predict", rf"/v1/models/({_NAME}):predict",
+          lambda layer, environ, groups: predict(layer, environ, ModelSpec(groups[0]))),
+    Route("/v1/models/<model_name:name>/versions/<int:version>:predict",
+          rf"/v1/models/({_NAME})/versions/({AsciiIntConverter.regex}):predict",
+          lambda layer, environ, groups: predict(layer, environ, ModelSpec(groups[0], int(groups[1])))),
+    Route("/v1/models/<model_name:name>/labels/<model_name:label>:predict",
+          rf"/v1/models/({_NAME})/labels/({_NAME}):predict",
+          lambda layer, environ, groups: predict(layer, environ, ModelSpec(groups[0], label=groups[1]))),
+]
+
+
+# Flask's rules for the same URLs: the other methods' 405 and Allow, /openapi.json, and the
+# answer wherever app/direct.py is not in front (tests/test_direct.py checks the two agree).
 @bp.post("/predict")
 def predict_default() -> Response:
-    return _predict(ModelSpec())
+    return predict(get_layer(current_app), request.environ, ModelSpec()).response()
 
 
 @bp.post("/v1/models/<model_name:name>:predict")
 def predict_model(name: str) -> Response:
-    return _predict(ModelSpec(name))
+    return predict(get_layer(current_app), request.environ, ModelSpec(name)).response()
 
 
 @bp.post("/v1/models/<model_name:name>/versions/<int:version>:predict")
 def predict_version(name: str, version: int) -> Response:
-    return _predict(ModelSpec(name, version))
+    return predict(get_layer(current_app), request.environ, ModelSpec(name, version)).response()
 
 
 @bp.post("/v1/models/<model_name:name>/labels/<model_name:label>:predict")
 def predict_label(name: str, label: str) -> Response:
-    return _predict(ModelSpec(name, label=label))
+    return predict(get_layer(current_app), request.environ, ModelSpec(name, label=label)).response()
 
 
 def _tf_example_route(method: str):

@@ -170,8 +170,12 @@ def _answer(status: int, message: str, headers: dict[str, str] | None = None) ->
 
 
 def handle_serving_error(exc: ServingError) -> Response:
+    return serving_error_answer(exc, current_request_id())
+
+
+def serving_error_answer(exc: ServingError, request_id: str | None) -> Response:
     if isinstance(exc, PredictFailed) and exc.detail:
-        log.error("predict failed, request_id=%s: %s", current_request_id(), exc.detail)
+        log.error("predict failed, request_id=%s: %s", request_id, exc.detail)
     return _answer(exc.status_code, exc.message, exc.headers)
 
 
@@ -203,8 +207,21 @@ def handle_http_error(exc: HTTPException) -> Response:
 
 
 def handle_unexpected(exc: Exception) -> Response:
-    log.exception("unhandled error, request_id=%s", current_request_id())
+    return unexpected_answer(exc, current_request_id())
+
+
+def unexpected_answer(exc: Exception, request_id: str | None) -> Response:
+    log.exception("unhandled error, request_id=%s", request_id, exc_info=exc)
     return _answer(500, f"internal error: {type(exc).__name__}")
+
+
+def answer_for(exc: Exception, request_id: str | None) -> Response:
+    """The answer the handlers below give `exc`, for a route answered outside Flask (app/direct.py)."""
+    if isinstance(exc, ServingError):
+        return serving_error_answer(exc, request_id)
+    if isinstance(exc, HTTPException):
+        return handle_http_error(exc)
+    return unexpected_answer(exc, request_id)
 
 
 def init_app(app: Flask) -> None:

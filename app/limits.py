@@ -244,25 +244,29 @@ def _framing_message(exc: BaseException) -> str:
     return _FRAMING_MESSAGES.get(type(exc).__name__, type(exc).__name__)
 
 
-def body() -> bytes:
-    """The current request's body: what BodyLimits read, or (no layer, no length) Werkzeug's reading."""
-    # From the environ, as request.headers would read it, without building Werkzeug's view of it.
-    environ = request.environ
+def body(environ: dict[str, Any]) -> bytes:
+    """The request's body as BodyLimits read it (none there: the request has no body)."""
     encoding = environ.get("HTTP_CONTENT_ENCODING", "").strip()
     if encoding.lower() not in ("", "identity"):
         # Read as it is, a compressed body would fail as malformed JSON, and an uncompressed one
         # labelled so would be served: neither says what the server does not do.
         raise UnsupportedEncoding(f"Content-Encoding {encoding!r} is not supported: send the body uncompressed")
-    read = environ.get(BODY_KEY)
-    return read if read is not None else request.get_data(cache=False)
+    # BodyLimits reads every body with a length or chunks; a request with neither has none.
+    return environ.get(BODY_KEY, b"")
+
+
+def raise_refusal(environ: dict[str, Any]) -> None:
+    """The body's refusal (too large, broken framing, no slot), for a POST route that matched."""
+    refusal = environ.get(REFUSAL_KEY)
+    if refusal is not None:
+        raise refusal
 
 
 def _raise_refusal() -> None:
-    refusal = request.environ.get(REFUSAL_KEY)
     # An unknown route or method says more than the body's size; only POST routes read a
     # body, the others answer as if it was empty (it was read and dropped).
-    if refusal is not None and request.routing_exception is None and request.method == "POST":
-        raise refusal
+    if request.routing_exception is None and request.method == "POST":
+        raise_refusal(request.environ)
 
 
 def max_request_bytes(settings: Settings, registry: ModelRegistry) -> int:

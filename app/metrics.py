@@ -243,9 +243,11 @@ class _MetricsLayer:
             status[0] = int(line[:3])
             # Flask answers inside its request context, so its request (and the rule it matched,
             # None for a 404 or 405) is still in the environ here, and no longer once it returns.
-            flask_request = environ.get("werkzeug.request")
-            rule = flask_request.url_rule if flask_request is not None else None
-            environ[ROUTE_KEY] = rule.rule if rule is not None else None
+            # A route answered below Flask (app/direct.py) has left its rule's text already.
+            if ROUTE_KEY not in environ:
+                flask_request = environ.get("werkzeug.request")
+                rule = flask_request.url_rule if flask_request is not None else None
+                environ[ROUTE_KEY] = rule.rule if rule is not None else None
             return start_response(line, headers, exc_info)
 
         self._in_flight.inc(1)

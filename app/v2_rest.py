@@ -32,8 +32,10 @@ import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 
 from app import codec, limits, priority, v2_repository, v2_statistics, v2_tensors
+from app.direct import Reply, Route
 from app.errors import BadRequest, Unavailable
-from app.serving import Answer, get_layer
+from app.serving import Answer, RequestLayer, get_layer
+from app.settings import MODEL_NAME_PATTERN
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # Its WSGI name: read from the environ as request.headers would read it.
@@ -92,9 +94,13 @@ bp.add_url_rule("/models/<model_name:name>/versions/<version>/stats", "model_sta
 
 @bp.post("/models/<model_name:name>/infer")
 @bp.post("/models/<model_name:name>/versions/<version>/infer")
-def infer(name: str, version: str | None = None) -> Response:
-    layer, environ = get_layer(current_app), request.environ
-    body, tensors, booleans = _split(limits.body(), environ.get(_HEADER_LENGTH_KEY))
+def infer_view(name: str, version: str | None = None) -> Response:
+    # app/direct.py answers these POSTs first (INFER_ROUTES); this is Flask's rule for the same URLs.
+    return infer(get_layer(current_app), request.environ, name, version).response()
+
+
+def infer(layer: RequestLayer, environ: dict[str, Any], name: str, version: str | None = None) -> Reply:
+    body, tensors, booleans = _split(limits.body(environ), environ.get(_HEADER_LENGTH_KEY))
     parameters = _parameters(body, "the request")
     request_id = _text(body["id"], "id") if "id" in body else None
     every_binary = _flag(parameters.get("binary_data_output", False), "the parameter 'binary_data_output'")
@@ -126,12 +132,22 @@ def infer(name: str, version: str | None = None) -> Response:
     return _answer(answer, orjson.dumps(header), chunks)
 
 
-def _answer(answer: Answer, header: bytes, chunks: list[bytes]) -> Response:
+def _answer(answer: Answer, header: bytes, chunks: list[bytes]) -> Reply:
     headers = [("X-Batch-Size", str(answer.batch_rows)), ("X-Batch-Requests", str(answer.batch_requests))]
     if not chunks:
-        return Response(header, content_type="application/json", headers=headers)
+        return Reply(header, headers)
     headers.append((HEADER_LENGTH, str(len(header))))
-    return Response(b"".join([header, *chunks]), content_type="application/octet-stream", headers=headers)
+    return Reply(b"".join([header, *chunks]), headers, "application/octet-stream")
+
+
+_NAME = MODEL_NAME_PATTERN.pattern.strip("^$")
+# The infer URLs as app/direct.py matches them, without Flask per request.
+INFER_ROUTES = [
+    Route("/v2/models/<model_name:name>/infer", rf"/v2/models/({_NAME})/infer",
+          lambda layer, environ, groups: infer(layer, environ, groups[0])),
+    Route("/v2/models/<model_name:name>/versions/<version>/infer", rf"/v2/models/({_NAME})/versions/([^/]+)/infer",
+          lambda layer, environ, groups: infer(layer, environ, groups[0], groups[1])),
+]
 
 
 def _split(data: bytes, header_length: str | None) -> tuple[dict[str, Any], memoryview, bool]:
