@@ -159,7 +159,7 @@ def _check_row_count(rows: int, max_rows: int | None) -> None:
         )
 
 
-_BOM = b"\xef\xbb\xbf"
+BOM = b"\xef\xbb\xbf"
 _MATRIX_KEYS = {"instances": ROW, "inputs": COLUMNAR}
 # Integers from here on may round twice on the way to float32 (int -> double -> float32), where
 # numpy's reading of the same list converts int64 -> float32 once.
@@ -173,13 +173,14 @@ def _numeric_matrix(body: bytes) -> tuple[np.ndarray, str, str] | None:
     The common request, {"instances": [[1.5, 2, ...], ...]}, costs orjson one Python float per
     number and numpy a pass over them; simdjson reads the numbers straight into one buffer.
     Only bodies both readers take alike come this way: no byte-order mark (simdjson skips one,
-    orjson refuses it; both refuse lone surrogates and bad UTF-8), no repeated key
-    (orjson keeps the last), no key but the two formats' and 'signature_name', no JSON boolean
-    (the caller looks first; where numbers go simdjson refuses one anyway), and exactly one array per row plus the outer one in the whole body, every
-    row an array of the first row's length: a matrix, nothing ragged or nested. A number simdjson
-    cannot hold (past 64 bits, past a double's range) makes it raise, and the general path decides.
+    orjson refuses it; both refuse lone surrogates and bad UTF-8), no repeated key (orjson keeps
+    the last), no key but the two formats' and 'signature_name', no JSON boolean (the caller
+    looks first; where numbers go simdjson refuses one anyway), and exactly one array per row
+    plus the outer one in the whole body, every row an array of the first row's length: a
+    matrix, nothing ragged or nested. A number simdjson cannot hold (past 64 bits, past a
+    double's range) makes it raise, and the general path decides.
     """
-    if body.startswith(_BOM):
+    if body.startswith(BOM):
         return None
     try:
         # A parser per body: one may not parse again while values of its last document live.
