@@ -186,7 +186,7 @@ def _numbers_read_whole(text: bytes) -> dict[str, Any] | None:
     if text.startswith(codec.BOM):
         return None
     try:
-        document = simdjson.Parser().parse(bytes(text))
+        document = simdjson.Parser().parse(text)
         if not isinstance(document, simdjson.Object) or not _unique_keys(document):
             return None
         body = {key: _python(value) for key, value in document.items() if key != "inputs"}

@@ -147,3 +147,25 @@ def test_answers_access_lines_and_metrics_are_flasks_own(in_process_app, exact_m
     assert counted[("/predict", "400")] == 3
     assert orjson.loads(got[4][2]) == {"error": "Unrecognized servable version label: stable"}
     assert counted[("/v2/models/<model_name:name>/infer", "200")] == 2
+
+
+def test_an_unexpected_error_gets_flasks_500_and_its_log_line(in_process_app, exact_model_path, monkeypatch, caplog):
+    """A bug below a direct route is answered and logged as Flask's catch-all handler does it."""
+    from app import codec
+
+    app = in_process_app(model_path=str(exact_model_path), access_log=True)
+    client = app.test_client()
+
+    def broken(body, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(codec, "parse_request", broken)
+    got = []
+    for routes in (direct_layer(app).routes, []):
+        monkeypatch.setattr(direct_layer(app), "routes", routes)
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="app.errors"):
+            response = client.post("/predict", json={"instances": [[1, 2, 3, 4]]}, headers={"X-Request-ID": "bug-1"})
+        got.append((response.status_code, response.get_json(),
+                    [entry.getMessage() for entry in caplog.records if entry.name == "app.errors"]))
+    assert got[0] == got[1] == (500, {"error": "internal error: RuntimeError"}, ["unhandled error, request_id=bug-1"])
