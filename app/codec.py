@@ -167,10 +167,11 @@ _EXACT_IN_DOUBLE = 2.0**53
 
 
 def _numeric_matrix(body: bytes) -> tuple[np.ndarray, str, str] | None:
-    """The rows of a body that is only a matrix of numbers, as float64, its format and signature
-    name; None for anything else, which the general path (orjson, then numpy) reads and words.
+    """The rows of a body that is only a matrix of numbers (int64 if every one is an integer,
+    else float64, as numpy reads the list), its format and signature name; None for anything
+    else, which the general path (orjson, then numpy) reads and words.
 
-    The common request, {"instances": [[1.5, 2, ...], ...]}, costs orjson one Python float per
+    The common request, {"instances": [[1.5, 2, ...], ...]}, costs orjson one Python object per
     number and numpy a pass over them; simdjson reads the numbers straight into one buffer.
     Only bodies both readers take alike come this way: no byte-order mark (simdjson skips one,
     orjson refuses it; both refuse lone surrogates and bad UTF-8), no repeated key (orjson keeps
@@ -180,7 +181,9 @@ def _numeric_matrix(body: bytes) -> tuple[np.ndarray, str, str] | None:
     matrix, nothing ragged or nested. A number simdjson cannot hold (past 64 bits, past a
     double's range) makes it raise, and the general path decides.
     """
-    if body.startswith(BOM):
+    # Objects in rows (several inputs) or strings (text inputs) are never a matrix: spare those
+    # bodies the parse. One object is the body; its keys and a signature name are six quotes.
+    if body.startswith(BOM) or body.count(b"{") != 1 or body.count(b'"') > 6:
         return None
     try:
         # A parser per body: one may not parse again while values of its last document live.
@@ -202,12 +205,23 @@ def _numeric_matrix(body: bytes) -> tuple[np.ndarray, str, str] | None:
         width = len(first) if isinstance(first, simdjson.Array) else 0
         if not width or not all(isinstance(row, simdjson.Array) and len(row) == width for row in value):
             return None
-        flat = np.frombuffer(value.as_buffer(of_type="d"), dtype=np.float64)
+        flat = _numbers(value)
     except (ValueError, TypeError, RuntimeError):  # not JSON to simdjson, or not all numbers: the general path
         return None
-    if flat.size != rows * width or not np.all(np.abs(flat) < _EXACT_IN_DOUBLE):
+    if flat is None or flat.size != rows * width:
         return None
     return flat.reshape(rows, width), formats[0], signature_name
+
+
+def _numbers(value: simdjson.Array) -> np.ndarray | None:
+    try:
+        return np.frombuffer(value.as_buffer(of_type="i"), dtype=np.int64)
+    except (TypeError, ValueError):  # a fraction, an exponent, or an integer past int64
+        pass
+    flat = np.frombuffer(value.as_buffer(of_type="d"), dtype=np.float64)
+    # numpy reads integers past int64 among others as uint64 and casts them to float32 in one
+    # rounding; through a double they would round twice. Only those are that large.
+    return flat if np.all(np.abs(flat) < _EXACT_IN_DOUBLE) else None
 
 
 def may_hold_booleans(body: bytes) -> bool:
@@ -244,16 +258,24 @@ def decode_inputs(parsed: ParsedRequest, spec: TensorSpecs) -> dict[str, np.ndar
 
 
 def _matrix_input(matrix: np.ndarray, spec: TensorSpecs) -> np.ndarray | None:
-    """The matrix as the one floating-point input of `spec` whose rows it fits exactly, or None."""
+    """The matrix as the one number input of `spec` whose rows it fits, as the general path
+    would make it; None where that path must say why not (or read it at all)."""
     if len(spec.inputs) != 1:
         return None
     info = spec.inputs[0]
-    if info.dtype == STRING or info.dtype.kind != "f" or not info.batched or info.shape != matrix.shape[1:]:
+    kind = "" if info.dtype == STRING else info.dtype.kind
+    if kind not in ("i", "u", "f") or not info.batched or not info.accepts_row_shape(matrix.shape[1:]):
         return None
-    with np.errstate(over="ignore"):
-        array = matrix.astype(info.dtype)
-    # Past float32's range (or float16's): the general path refuses it in its words.
-    return array if np.isfinite(array).all() else None
+    if kind == "f":
+        with np.errstate(over="ignore"):
+            array = matrix.astype(info.dtype)
+        # Past float32's range (or float16's): the general path refuses it in its words.
+        return array if np.isfinite(array).all() else None
+    limits = np.iinfo(info.dtype)
+    # A fraction for an integer input, or a value outside its range: refused there, in its words.
+    if matrix.dtype.kind != "i" or matrix.min() < limits.min or matrix.max() > limits.max:
+        return None
+    return matrix.astype(info.dtype)
 
 
 class _Decoder:

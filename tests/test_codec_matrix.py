@@ -8,6 +8,7 @@ import dataclasses
 import json
 
 import numpy as np
+import orjson
 import pytest
 
 from app import codec
@@ -15,7 +16,9 @@ from app.errors import ServingError
 from app.models import TensorInfo
 
 F16, F32, F64, I32 = np.dtype("float16"), np.dtype("float32"), np.dtype("float64"), np.dtype("int32")
-TF_NAMES = {F16: "DT_HALF", F32: "DT_FLOAT", F64: "DT_DOUBLE", I32: "DT_INT32"}
+I64, U8, I8 = np.dtype("int64"), np.dtype("uint8"), np.dtype("int8")
+TF_NAMES = {F16: "DT_HALF", F32: "DT_FLOAT", F64: "DT_DOUBLE", I32: "DT_INT32", I64: "DT_INT64", U8: "DT_UINT8",
+            I8: "DT_INT8"}
 
 
 @dataclasses.dataclass
@@ -39,6 +42,13 @@ def outcome(body: bytes, model: Spec, **kwargs):
     fields = (parsed.format, parsed.signature_name, parsed.rows, parsed.scalar_rows)
     return fields, {name: (array.dtype.str, array.shape, array.tobytes(), array.flags.writeable)
                     for name, array in arrays.items()}
+
+
+def served_as_matrix(body: bytes, model: Spec) -> bool:
+    """Whether the arrays came from the matrix, the body never read again by the general path."""
+    parsed = codec.parse_request(body)
+    codec.decode_inputs(parsed, model)
+    return parsed.matrix is not None and parsed.payload is None
 
 
 def both(body: bytes, model: Spec, monkeypatch, **kwargs):
@@ -87,9 +97,25 @@ def test_a_matrix_reads_bit_for_bit_as_the_general_path(dtype, rows, width, form
     name = ', "signature_name": "servé"' if form == "named" else ""
     body = f' {{"{key}": [{rows_text}]{name}}}\n'.encode()
     fast, general, taken = both(body, spec(width, dtype), monkeypatch)
-    assert taken
+    assert taken and served_as_matrix(body, spec(width, dtype))
     assert fast == general
     assert fast[1]["x"][0] == dtype.str and fast[1]["x"][1] == (rows, width)
+
+
+@pytest.mark.parametrize("dtype", [I32, I64, U8, I8, F32, F64])
+@pytest.mark.parametrize("width", [5, None])
+def test_an_integer_matrix_reads_as_the_general_path_for_integer_and_float_inputs(dtype, width, monkeypatch):
+    """Integers only: read as int64, as numpy reads such a list, range-checked for an integer input;
+    an input whose row length is open (None) takes rows of any one width."""
+    limits = np.iinfo(dtype) if dtype.kind in "iu" else np.iinfo(np.int64)
+    rng = np.random.default_rng(3)
+    values = rng.integers(max(limits.min, -2**62), min(limits.max, 2**62), (4, 5), endpoint=True)
+    values[0, :2] = [max(limits.min, -2**63), limits.max]  # each end of the range
+    body = orjson.dumps({"instances": values.tolist()})
+    model = Spec([TensorInfo("x", (width,), dtype, TF_NAMES[dtype])])
+    fast, general, taken = both(body, model, monkeypatch)
+    assert taken and served_as_matrix(body, model)
+    assert fast == general
 
 
 ROWS = [[1.5, -2.0], [3.25, 4.0]]
@@ -115,7 +141,11 @@ ROWS = [[1.5, -2.0], [3.25, 4.0]]
     b'{"instances": [[1, 2]], "inputs": [[3, 4]]}',
     b'{"instances": [[9007199254740993, 2]]}',  # past 2**53: int64 -> float32 is one rounding, not two
     b'{"instances": [[-9007199254740993, 2]]}',
-    b'{"instances": [[9007199791611905, 2]]}',  # 2**53 + 2**29 + 1: float32 via a double rounds it down
+    b'{"instances": [[9007199791611905, 2]]}',  # 2**53 + 2**29 + 1: float32 via a double would round it down
+    b'{"instances": [[9223372586610589697, 2]]}',  # 2**63 + 2**39 + 1: numpy reads uint64, one rounding
+    b'{"instances": [[9223372586610589697, 2.5]]}',
+    b'{"instances": [[-9223372036854775808, 2]]}',
+    b'{"instances": [[300, -1]]}',  # past uint8, int8
     b'{"instances": [[70000, 2]]}',  # past float16
     b'{"instances": [[1, 2]], "signature_name": "\\ud800"}',  # a lone surrogate
     b'{"instances": [[18446744073709551615, 2]]}',
@@ -131,7 +161,7 @@ ROWS = [[1.5, -2.0], [3.25, 4.0]]
     b'[[1, 2], [3, 4]]',
     b'{"instances": [[1, 2], [3, 4]], "signature_name": "\xff"}',  # not UTF-8
 ])
-@pytest.mark.parametrize("dtype", [F16, F32, F64, I32])
+@pytest.mark.parametrize("dtype", [F16, F32, F64, I32, I64, U8, I8])
 def test_anything_else_gets_the_general_paths_own_answer(body, dtype, monkeypatch):
     fast, general, _taken = both(body, spec(2, dtype), monkeypatch)
     assert fast == general
@@ -140,7 +170,8 @@ def test_anything_else_gets_the_general_paths_own_answer(body, dtype, monkeypatc
 def test_bodies_that_are_not_a_plain_matrix_never_take_the_matrix_path():
     for body in (b'{"instances": [[1, 2], [3, 4]], "instances": [[5, 6], [7, 8]]}',
                  b'\xef\xbb\xbf{"instances": [[1, 2], [3, 4]]}',
-                 b'{"instances": [[9007199254740993, 2]]}',
+                 b'{"instances": [[9007199254740993, 2.5]]}',
+                 b'{"instances": [[9223372586610589697, 2]]}',
                  b'{"instances": [[1, [2, 3]], 4]}',
                  b'{"instances": [[[1, 2], []], [3, 4]]}'):
         assert codec._numeric_matrix(body) is None, body
@@ -160,3 +191,14 @@ def test_the_row_limit_refuses_a_matrix_before_any_array(monkeypatch):
     assert taken and fast == general
     assert fast == ("PayloadTooLarge", "the request holds 5 rows; this model takes at most 4 rows per request "
                                        "(MAX_REQUEST_ROWS)")
+
+
+def test_bodies_with_objects_in_rows_or_strings_are_not_parsed_twice(monkeypatch):
+    """Several inputs (rows of objects) and text inputs never make a matrix: simdjson is spared them."""
+    parsed = []
+    monkeypatch.setattr(codec.simdjson, "Parser", lambda: parsed.append(1))
+    for body in (b'{"instances": [{"a": [1, 2], "b": 3}, {"a": [4, 5], "b": 6}]}',
+                 b'{"instances": [["a", "b"], ["c", "d"]]}',
+                 b'{"inputs": {"a": [[1, 2]], "b": [[3]]}}'):
+        assert codec._numeric_matrix(body) is None
+    assert parsed == []
