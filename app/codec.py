@@ -192,7 +192,7 @@ def _numeric_matrix(body: bytes) -> tuple[np.ndarray, str, str] | None:
             return None
         keys = list(document.keys())
         formats = [_MATRIX_KEYS[key] for key in keys if key in _MATRIX_KEYS]
-        if len(formats) != 1 or len(set(keys)) != len(keys) or not set(keys) <= {*_MATRIX_KEYS, "signature_name"}:
+        if len(formats) != 1 or not unique_keys(document) or not set(keys) <= {*_MATRIX_KEYS, "signature_name"}:
             return None
         signature_name = document.get("signature_name", "")
         value = document["instances" if formats[0] == ROW else "inputs"]
@@ -211,6 +211,12 @@ def _numeric_matrix(body: bytes) -> tuple[np.ndarray, str, str] | None:
     if flat is None or flat.size != rows * width:
         return None
     return flat.reshape(rows, width), formats[0], signature_name
+
+
+def unique_keys(value: simdjson.Object) -> bool:
+    """Whether no key of a simdjson object repeats: where one does, orjson keeps its last value."""
+    keys = list(value.keys())
+    return len(set(keys)) == len(keys)
 
 
 def _numbers(value: simdjson.Array) -> np.ndarray | None:

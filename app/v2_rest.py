@@ -187,7 +187,7 @@ def _numbers_read_whole(text: bytes) -> dict[str, Any] | None:
         return None
     try:
         document = simdjson.Parser().parse(text)
-        if not isinstance(document, simdjson.Object) or not _unique_keys(document):
+        if not isinstance(document, simdjson.Object) or not codec.unique_keys(document):
             return None
         body = {key: _python(value) for key, value in document.items() if key != "inputs"}
         inputs = document.get("inputs")
@@ -202,7 +202,7 @@ def _numbers_read_whole(text: bytes) -> dict[str, Any] | None:
 def _input(tensor: Any) -> Any:
     if not isinstance(tensor, simdjson.Object):
         return _python(tensor)
-    if not _unique_keys(tensor):
+    if not codec.unique_keys(tensor):
         raise ValueError("a key twice")
     value = {key: _python(item) for key, item in tensor.items() if key != "data"}
     data = tensor.get("data")
@@ -211,11 +211,6 @@ def _input(tensor: Any) -> Any:
     elif "data" in tensor:
         value["data"] = _python(data)
     return value
-
-
-def _unique_keys(value: Any) -> bool:
-    keys = list(value.keys())
-    return len(set(keys)) == len(keys)
 
 
 def _python(value: Any) -> Any:
