@@ -296,8 +296,9 @@ def test_bad_input_is_invalid_argument(stub, case):
      'Serving signature key "classify" not found.'),
 ])
 def test_unknown_model_version_or_signature(stub, spec, code, expected):
-    name = spec.pop("name")
-    request = predict_request(name, np.zeros((1, 4), np.float32), **spec)
+    # Not spec.pop: the parameters are shared with the model-process copy of this file.
+    request = predict_request(spec["name"], np.zeros((1, 4), np.float32),
+                              **{key: value for key, value in spec.items() if key != "name"})
 
     with pytest.raises(grpc.RpcError) as raised:
         stub.Predict(request, timeout=30)
