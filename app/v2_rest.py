@@ -189,7 +189,8 @@ def _numbers_read_whole(text: bytes) -> dict[str, Any] | None:
         document = simdjson.Parser().parse(text)
         if not isinstance(document, simdjson.Object) or not codec.unique_keys(document):
             return None
-        body = {key: _python(value) for key, value in document.items() if key != "inputs"}
+        # By key: simdjson's items() makes every value a Python object, the data's numbers too.
+        body = {key: _python(document[key]) for key in document.keys() if key != "inputs"}
         inputs = document.get("inputs")
         if not isinstance(inputs, simdjson.Array):
             return {**body, "inputs": _python(inputs)} if "inputs" in document else body
@@ -204,7 +205,7 @@ def _input(tensor: Any) -> Any:
         return _python(tensor)
     if not codec.unique_keys(tensor):
         raise ValueError("a key twice")
-    value = {key: _python(item) for key, item in tensor.items() if key != "data"}
+    value = {key: _python(tensor[key]) for key in tensor.keys() if key != "data"}
     data = tensor.get("data")
     if isinstance(data, simdjson.Array) and value.get("datatype") in _FLOAT_DATATYPES:
         value["data"] = np.frombuffer(data.as_buffer(of_type="d"), dtype=np.float64)
