@@ -201,7 +201,8 @@ def _from_json(data: Any, dtype: np.dtype, count: int, where: str, *, booleans: 
     if isinstance(data, np.ndarray):  # numbers read flat, as doubles (v2_rest._numbers_read_whole)
         if data.size != count:
             raise InvalidInput(f"{where}: 'data' holds {data.size} values; its shape holds {count}")
-        return data.astype(dtype)
+        # bfloat16 (kind 'V') takes no 'same_kind' assignment from a double: numpy's astype.
+        return codec.astype_keeping_gil(data, dtype) if dtype.kind == "f" else data.astype(dtype)
     if dtype != STRING and not (booleans and dtype.kind != "b"):
         flat = _read_whole(data, dtype, count, where)
         if flat is not None:

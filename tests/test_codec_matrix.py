@@ -202,3 +202,14 @@ def test_bodies_with_objects_in_rows_or_strings_are_not_parsed_twice(monkeypatch
                  b'{"inputs": {"a": [[1, 2]], "b": [[3]]}}'):
         assert codec._numeric_matrix(body) is None
     assert parsed == []
+
+
+@pytest.mark.parametrize("shape", [(1,), (499,), (500,), (501,), (1, 1024), (7, 300), (4000,), (4001,), (3, 2000)])
+@pytest.mark.parametrize("dtype", [F16, F32, F64])
+def test_the_gil_keeping_cast_and_peak_are_numpys_astype_and_peak(shape, dtype):
+    """Cast and largest magnitude in pieces of 500 (small arrays) or whole: numpy's own answers, bit for bit."""
+    values = np.random.default_rng(sum(shape)).uniform(-1000.0, 1000.0, shape)
+    values.reshape(-1)[-1] = -2000.0 - shape[-1]  # the peak in the last piece, negative
+    cast = codec.astype_keeping_gil(values, dtype)
+    assert (cast.dtype, cast.shape, cast.tobytes()) == (dtype, values.shape, values.astype(dtype).tobytes())
+    assert codec._peak(values.reshape(-1)) == float(np.abs(values).max()) == 2000.0 + shape[-1]
