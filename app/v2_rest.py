@@ -189,8 +189,7 @@ def _numbers_read_whole(text: bytes) -> dict[str, Any] | None:
         document = simdjson.Parser().parse(text)
         if not isinstance(document, simdjson.Object) or not codec.unique_keys(document):
             return None
-        # By key: simdjson's items() makes every value a Python object, the data's numbers too.
-        body = {key: _python(document[key]) for key in document.keys() if key != "inputs"}
+        body = {key: _python(document[key]) for key in _keys(document) if key != "inputs"}
         inputs = document.get("inputs")
         if not isinstance(inputs, simdjson.Array):
             return {**body, "inputs": _python(inputs)} if "inputs" in document else body
@@ -205,13 +204,23 @@ def _input(tensor: Any) -> Any:
         return _python(tensor)
     if not codec.unique_keys(tensor):
         raise ValueError("a key twice")
-    value = {key: _python(tensor[key]) for key in tensor.keys() if key != "data"}
+    value = {key: _python(tensor[key]) for key in _keys(tensor) if key != "data"}
     data = tensor.get("data")
     if isinstance(data, simdjson.Array) and value.get("datatype") in _FLOAT_DATATYPES:
         value["data"] = np.frombuffer(data.as_buffer(of_type="d"), dtype=np.float64)
     elif "data" in tensor:
         value["data"] = _python(data)
     return value
+
+
+def _keys(value: simdjson.Object) -> list[str]:
+    """The keys to read `value` by: simdjson's items() would make every value a Python object, the
+    data's numbers too. A key holding NUL would be looked up cut short there (another key's value,
+    or none): such a request is the general path's."""
+    keys = list(value.keys())
+    if any("\x00" in key for key in keys):
+        raise ValueError("a key holds NUL")
+    return keys
 
 
 def _python(value: Any) -> Any:
