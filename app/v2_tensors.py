@@ -201,7 +201,7 @@ def _from_json(data: Any, dtype: np.dtype, count: int, where: str, *, booleans: 
     if isinstance(data, np.ndarray):  # numbers read flat, as doubles (v2_rest._numbers_read_whole)
         if data.size != count:
             raise InvalidInput(f"{where}: 'data' holds {data.size} values; its shape holds {count}")
-        # bfloat16 (kind 'V') takes no 'same_kind' assignment from a double: numpy's astype.
+        # bfloat16 (ml_dtypes, kind 'V') keeps numpy's astype: its casts are ml_dtypes' own.
         return codec.astype_keeping_gil(data, dtype) if dtype.kind == "f" else data.astype(dtype)
     if dtype != STRING and not (booleans and dtype.kind != "b"):
         flat = _read_whole(data, dtype, count, where)
