@@ -32,6 +32,7 @@ from typing import Any
 
 import grpc
 
+from app import patches
 from app.call import Call, ModelSpec
 from app.grpc_limits import HEALTH_PREFIX
 from app.logs import RequestRecord, accept_request_id
@@ -100,10 +101,7 @@ class _Call:
         request_id = accept_request_id(dict(context.invocation_metadata() or ()).get(REQUEST_ID_KEY, ""))
         self.record = self._requests.start("GRPC", self._route, request_id)
         self._context = context
-        try:
-            context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
-        except grpc.RpcError:
-            pass  # cancelled already: its end is recorded as such
+        patches.hold_initial_metadata(context, ((REQUEST_ID_KEY, request_id),))
         if not context.add_callback(self._ended):
             self._ended()  # the call ended before its thread took it up
         return self.record
@@ -139,6 +137,8 @@ class CallRecords(grpc.ServerInterceptor):
 
     def __init__(self, requests: Requests) -> None:
         self._requests = requests
+        # The request id each record echoes goes out with the call's answer (app/patches.py).
+        patches.initial_metadata_with_the_answer()
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)

@@ -411,10 +411,13 @@ def test_calls_are_counted_and_logged_like_http_requests(served, stub):
     request_id = f"counted-{uuid.uuid4().hex}"
 
     for index in range(3):
-        stub.Predict(predict_request("exact", integer_rows(2)), timeout=30,
-                     metadata=[("x-request-id", f"{request_id}-{index}")])
-    with pytest.raises(grpc.RpcError):
+        _, call = stub.Predict.with_call(predict_request("exact", integer_rows(2)), timeout=30,
+                                         metadata=[("x-request-id", f"{request_id}-{index}")])
+        # Echoed with the answer (app/patches.py, initial_metadata_with_the_answer), and with a refusal.
+        assert dict(call.initial_metadata())["x-request-id"] == f"{request_id}-{index}"
+    with pytest.raises(grpc.RpcError) as refused:
         stub.Predict(predict_request("nope", integer_rows(1)), timeout=30, metadata=[("x-request-id", request_id)])
+    assert dict(refused.value.initial_metadata())["x-request-id"] == request_id
 
     assert served.metric("model_server_requests_total", route=PREDICT, method="GRPC", status="OK") == ok_before + 3
     assert served.metric("model_server_request_duration_seconds_count", route=PREDICT) >= seconds_before + 4
