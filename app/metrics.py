@@ -42,6 +42,12 @@ class Metrics:
         # In multiprocess mode values are files; registering them would only duplicate them.
         self.registry = registry if registry is not None else CollectorRegistry()
         reg = None if multiprocess_dir() else self.registry
+        self._declare_requests(reg)
+        self._declare_batches(reg)
+        self._declare_process(reg)
+        self._declare_statistics(reg)
+
+    def _declare_requests(self, reg: CollectorRegistry | None) -> None:
         self.requests = Counter("model_server_requests", "HTTP requests answered.",
                                 ["route", "method", "status"], registry=reg)
         self.request_seconds = Histogram("model_server_request_duration_seconds", "Time to answer a request.",
@@ -50,6 +56,10 @@ class Metrics:
                                registry=reg, multiprocess_mode="livesum")
         self.queue_wait = Histogram("model_server_queue_wait_seconds", "Time from queueing to the predict call.",
                                     ["model"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.rejections = Counter("model_server_rejections", "Requests refused or dropped, by reason.",
+                                  ["model", "reason"], registry=reg)
+
+    def _declare_batches(self, reg: CollectorRegistry | None) -> None:
         self.batch_rows = Histogram("model_server_batch_size_rows", "Real rows per predict call.",
                                     ["model"], buckets=SIZE_BUCKETS, registry=reg)
         self.batch_requests = Histogram("model_server_batch_size_requests", "Requests per predict call.",
@@ -76,8 +86,8 @@ class Metrics:
         self.priority_queue_full = Counter("model_server_priority_queue_full",
                                            "Requests refused because their priority level's queue was full.",
                                            ["model", "priority"], registry=reg)
-        self.rejections = Counter("model_server_rejections", "Requests refused or dropped, by reason.",
-                                  ["model", "reason"], registry=reg)
+
+    def _declare_process(self, reg: CollectorRegistry | None) -> None:
         self.load_seconds = Gauge("model_server_model_load_seconds", "Time to load the model.",
                                   ["model"], registry=reg, multiprocess_mode="max")
         self.warmup_seconds = Gauge("model_server_model_warmup_seconds", "Time to warm every bucket size.",
@@ -92,6 +102,12 @@ class Metrics:
         # what to see, not the sum. Sampled by the worker's loop (app/worker.py).
         self.connections = Gauge("model_server_connections", "Open client connections of each worker, by protocol.",
                                  ["protocol"], registry=reg, multiprocess_mode="liveall")
+        # Payload logging (app/payload_log.py) drops rather than slow a request: each drop, by why.
+        self.payload_log_dropped = Counter("model_server_payload_log_dropped_records",
+                                           "Sampled payload records not logged: buffer_full, write_failed "
+                                           "or send_failed.", ["reason"], registry=reg)
+
+    def _declare_statistics(self, reg: CollectorRegistry | None) -> None:
         # The v2 statistics extension (app/model_stats.py) is read back from these, per version,
         # so a worker answering it sees every worker's and model process's counts, as /metrics does.
         self.stats_requests = Counter("model_server_stats_requests", "Requests per version, by statistics stage.",
@@ -106,10 +122,6 @@ class Metrics:
         self.stats_last_inference = Gauge("model_server_stats_last_inference_timestamp_seconds",
                                           "When a predict call of the version last answered (Unix time).",
                                           ["model", "version"], registry=reg, multiprocess_mode="max")
-        # Payload logging (app/payload_log.py) drops rather than slow a request: each drop, by why.
-        self.payload_log_dropped = Counter("model_server_payload_log_dropped_records",
-                                           "Sampled payload records not logged: buffer_full, write_failed "
-                                           "or send_failed.", ["reason"], registry=reg)
 
     def observer(self, model: str) -> BatchObserver:
         return _ModelObserver(self, model)

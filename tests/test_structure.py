@@ -1,4 +1,5 @@
-"""The shape of app/: imports point down only (docs/design.md), read from the source as written.
+"""The shape of app/: imports point down only (docs/design.md), and no function runs past
+MAX_FUNCTION_LINES; read from the source as written.
 
 Every import counts, a function's own import too: a lazy import hides a circle from Python's
 start-up, not from the design.
@@ -94,3 +95,15 @@ def test_loading_a_model_reaches_no_front_door_and_no_tracing():
             todo.extend(graph[name])
     doors = {"app.api", "app.grpc_server", "app.v2_rest", "app.v2_grpc", "app.tracing", "app.warmup", "app.serving"}
     assert reached & doors == set()
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_in_app_runs_past_the_line_limit():
+    long = [f"{path.relative_to(APP.parent)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in sorted(APP.rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and (node.end_lineno or node.lineno) - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert long == []
