@@ -115,10 +115,12 @@ def test_a_client_with_a_certificate_the_ca_signed_is_served_over_tls(served, ce
     request.model_spec.name, request.model_spec.signature_name = "examples", "classify"
     channel, stub = stub_for(served, credentials(certificates, "client"))
     with channel:
-        response = stub.Classify(request, timeout=TIMEOUT_S)
+        response, call = stub.Classify.with_call(request, timeout=TIMEOUT_S, metadata=(("x-request-id", "over-tls"),))
 
     assert [[(c.label, c.score) for c in row.classes] for row in response.result.classifications] == [
         [("neg", -3.0), ("pos", 3.0)]]
+    # The id rides with the answer over TLS too (app/patches.py, initial_metadata_with_the_answer).
+    assert dict(call.initial_metadata())["x-request-id"] == "over-tls"
 
 
 @pytest.mark.parametrize("client", [None, "stranger", "plaintext"])

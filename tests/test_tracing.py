@@ -102,7 +102,11 @@ def grpc_predict(target: str, rows: np.ndarray, header: str):
     from_ndarray(rows, "DT_FLOAT", request.inputs["features"])
     with grpc.insecure_channel(target) as channel:
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
-        return stub.Predict(request, timeout=60, metadata=(("traceparent", header),))
+        response, call = stub.Predict.with_call(request, timeout=60,
+                                                metadata=(("traceparent", header), ("x-request-id", header[3:35])))
+    # Traced, the request id still rides with the answer (app/patches.py, initial_metadata_with_the_answer).
+    assert dict(call.initial_metadata())["x-request-id"] == header[3:35]
+    return response
 
 
 # With model processes the predict calls run and are exported there: the same spans and links.
