@@ -177,7 +177,7 @@ def restricted() -> None:
 
 def _body() -> dict[str, Any]:
     data = request.get_data()
-    body = codec.loads(data) if data.strip() else {}
+    body = codec.loads(data) if data else {}  # whitespace alone is not JSON: refused as Triton refuses it
     if not isinstance(body, dict):
         raise BadRequest("the request must be a JSON object")
     return body

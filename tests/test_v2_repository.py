@@ -217,8 +217,10 @@ def test_in_process_load_unload_and_bad_calls(in_process_app, repository, models
             ("/v2/repository/index", [1], "the request must be a JSON object")):
         answer = client.post(path, json=sent)
         assert (answer.status_code, answer.json) == (400, {"error": message}), path
-    answer = client.post("/v2/repository/index", data=b"{")
-    assert answer.status_code == 400 and answer.json["error"].startswith("malformed JSON")
+    for body in (b"{", b"\t"):  # whitespace alone is no body's absence: it is not JSON
+        answer = client.post("/v2/repository/index", data=body)
+        assert answer.status_code == 400 and answer.json["error"].startswith("malformed JSON"), body
+    assert client.post("/v2/repository/index").status_code == 200
 
 
 def test_a_served_config_reads_back_unchanged():
