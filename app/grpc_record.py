@@ -1,40 +1,32 @@
 """The one record of each gRPC call (access line, request metrics), written with the status its client got.
 
 A call's status is not settled when its handler returns: grpc-core can still fail to deliver
-the answer. The client cancels or its deadline passes while the reply is being made or sent,
-or the connection drops; the client then gets CANCELLED or DEADLINE_EXCEEDED, whatever the
-handler returned. So `CallRecords`,
-the server's first interceptor, opens the record as a call reaches its thread (before the
-limits' guard, so calls the guard refuses or cancels are recorded too) and writes it once
-both the handler has returned and grpc-core has reported the call's end
-(`ServicerContext.add_callback`), whichever comes last, with the status from the transport:
+the answer (the client cancels or its deadline passes while the reply is being sent, or the
+connection drops). So the record is opened as the call starts (app/grpc_calls.py, before
+anything can refuse it) and written when grpc reports the call done, with:
 
-- the call ended cancelled (its client cancelled or left, its deadline passed, the server
-  cancelled it): DEADLINE_EXCEEDED when its deadline had passed, else CANCELLED;
-- else the status grpc-core sent: the handler's code (`context.abort`), INTERNAL when the
-  answer could not be serialized, UNKNOWN when the handler raised without a code, else OK.
+- the code the call was ended with: a refusal's or an error's (`context.abort`), or, for a
+  call grpc cancelled while it ran (its client cancelled or left, its deadline passed),
+  DEADLINE_EXCEEDED when its deadline had passed, else CANCELLED;
+- DEADLINE_EXCEEDED for an answer still unsent when the deadline passed;
+- else OK.
 
-What the server is not told: a call grpc-core ends itself (metadata over the server's
-limit, reply metadata it will not send) reaches it cancelled, and is recorded CANCELLED
-while its client got RESOURCE_EXHAUSTED or INTERNAL; what the client's own library refuses
-after the answer arrived (over the client's message or metadata limit) is recorded with the
-status sent.
+What the server is not told: a call grpc-core ends itself (metadata over the server's limit,
+reply metadata it will not send) reaches it cancelled, and is recorded CANCELLED while its
+client got RESOURCE_EXHAUSTED or INTERNAL; what the client's own library refuses after the
+answer arrived (over the client's message or metadata limit) is recorded with the status sent.
 
 Health checks are not recorded: the probes' calls, as /healthz and /readyz over HTTP.
 """
 
 from __future__ import annotations
 
-import contextvars
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from app import patches
 from app.call import Call, ModelSpec
-from app.grpc_limits import HEALTH_PREFIX
 from app.logs import RequestRecord, accept_request_id
 from app.serving import Requests
 
@@ -43,169 +35,69 @@ REQUEST_ID_KEY = "x-request-id"
 # took to arrive; a call cancelled this close to its deadline was cancelled by it.
 DEADLINE_SLACK_S = 0.1
 
-# grpc hands a handler only (request, context): the record its interceptor opened reaches the
-# handler below through this, and from there travels in the handler's Call.
-_current: contextvars.ContextVar[_Call] = contextvars.ContextVar("model_server_grpc_record")
 
+class CallRecord:
+    """One call's record: opened with the call, written once grpc reports it done."""
 
-def current() -> RequestRecord:
-    """The record of the call this thread serves (LookupError outside a recorded call)."""
-    return _current.get().record
+    __slots__ = ("record", "_context", "_requests", "_end_trace")
 
-
-def set_trace(trace: object) -> None:
-    """Give the record of the call this thread serves its trace (the tracing interceptor's), which
-    the front door puts in the call it builds; nothing outside a recorded call."""
-    call = _current.get(None)
-    if call is not None:
-        call.record.trace = trace
-
-
-def when_written(callback: Callable[[str], None]) -> bool:
-    """Call `callback` with the status of the call this thread serves once its record is
-    written (the tracing interceptor ends its span so); False outside a recorded call."""
-    call = _current.get(None)
-    if call is None:
-        return False
-    call.written.append(callback)
-    return True
-
-
-def cancelled(context: grpc.ServicerContext) -> bool:
-    """Whether grpc-core reported the call's end as cancelled.
-
-    grpc-python's synchronous server has no public way to ask: `is_active()` is False for
-    every call that has ended, answered or not. Its call state holds what grpc-core reported
-    (grpc/_server.py, `_RPCState.client`); tests/test_grpc_truth.py fails if that changes.
-    """
-    return context._state.client == "cancelled"
-
-
-class _Call:
-    """One call's record, written by whichever of its handler and its end comes last."""
-
-    __slots__ = ("record", "_context", "_requests", "_route", "_lock", "_parts_left", "raised", "reply_failed",
-                 "written")
-
-    def __init__(self, requests: Requests, route: str) -> None:
-        self._requests = requests
-        self._route = route
-        self._lock = threading.Lock()
-        self._parts_left = 2
-        self.raised = False
-        self.reply_failed = False
-        self.written: list[Callable[[str], None]] = []
-
-    def start(self, context: grpc.ServicerContext) -> RequestRecord:
-        """Open the record, on the call's own thread; echo the request id to the client."""
+    def __init__(self, requests: Requests, route: str, context: grpc.aio.ServicerContext) -> None:
         request_id = accept_request_id(dict(context.invocation_metadata() or ()).get(REQUEST_ID_KEY, ""))
-        self.record = self._requests.start("GRPC", self._route, request_id)
+        self.record = requests.start("GRPC", route, request_id)
         self._context = context
-        patches.hold_initial_metadata(context, ((REQUEST_ID_KEY, request_id),))
-        if not context.add_callback(self._ended):
-            self._ended()  # the call ended before its thread took it up
-        return self.record
-
-    def _ended(self) -> None:
-        # On grpc's polling thread as the call ends: the status is settled now, while the
-        # deadline's test still tells a cancel from an expiry.
-        self.record.status = self._status().name
-        self.part_done()
-
-    def part_done(self) -> None:
-        with self._lock:
-            self._parts_left -= 1
-            last = self._parts_left == 0
-        if last:
-            self._requests.finish(self.record)
-            for callback in self.written:
-                callback(str(self.record.status))
-
-    def _status(self) -> grpc.StatusCode:
-        context = self._context
-        if cancelled(context):
-            if context.time_remaining() <= DEADLINE_SLACK_S:
-                return grpc.StatusCode.DEADLINE_EXCEEDED
-            return grpc.StatusCode.CANCELLED
-        if self.reply_failed:
-            return grpc.StatusCode.INTERNAL
-        return context.code() or (grpc.StatusCode.UNKNOWN if self.raised else grpc.StatusCode.OK)
-
-
-class CallRecords(grpc.ServerInterceptor):
-    """The server's first interceptor: every call but Health's gets one record (module docstring)."""
-
-    def __init__(self, requests: Requests) -> None:
         self._requests = requests
-        # The request id each record echoes goes out with the call's answer (app/patches.py).
-        patches.initial_metadata_with_the_answer()
+        self._end_trace: Callable[[Any, str], None] | None = None
+        context.add_done_callback(self._ended)
 
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        handler = continuation(details)
-        if handler is None or details.method.startswith(HEALTH_PREFIX):
-            return handler
-        if handler.stream_unary is not None:
-            make, behavior = grpc.stream_unary_rpc_method_handler, handler.stream_unary
-        elif handler.unary_unary is not None:
-            make, behavior = grpc.unary_unary_rpc_method_handler, handler.unary_unary
-        else:
-            return handler
-        # Built per call on grpc's polling thread, so it does no more than make the wrappers.
-        call = _Call(self._requests, details.method)
-        return make(_recorded(call, behavior), request_deserializer=handler.request_deserializer,
-                    response_serializer=_serializer(call, handler.response_serializer))
+    async def echo_id(self) -> None:
+        """The request id to the client, in the call's initial metadata."""
+        await self._context.send_initial_metadata(((REQUEST_ID_KEY, self.record.request_id),))
 
+    def traced(self, trace: Any, end: Callable[[Any, str], None]) -> None:
+        """The call's trace, which its front door puts in its Call; `end(trace, status)` with the record."""
+        self.record.trace = trace
+        self._end_trace = end
 
-def _recorded(call: _Call, behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable:
-    def recorded(argument: Any, context: grpc.ServicerContext) -> Any:
-        call.start(context)
-        token = _current.set(call)
-        try:
-            return behavior(argument, context)
-        except BaseException:
-            call.raised = True
-            raise
-        finally:
-            _current.reset(token)
-            # grpc serializes and sends the answer after this returns: the end comes later.
-            call.part_done()
+    def cancelled(self) -> None:
+        """grpc cancelled the call while it ran. Its code says why, for the record and for
+        `CallClientGone`: the rows of a client that left are dropped unrun."""
+        left_s = self._context.time_remaining()
+        expired = left_s is not None and left_s <= DEADLINE_SLACK_S
+        self._context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED)
 
-    pool = getattr(behavior, "experimental_thread_pool", None)
-    if pool is not None:
-        recorded.experimental_thread_pool = pool  # type: ignore[attr-defined]
-    return recorded
+    def _ended(self, context: grpc.aio.ServicerContext) -> None:
+        status = _status(context).name
+        self.record.status = status
+        self._requests.finish(self.record)
+        if self._end_trace is not None:
+            self._end_trace(self.record.trace, status)
 
 
-def _serializer(call: _Call, serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
-    if serialize is None:
-        return None
-
-    def serialized(response: Any) -> bytes:
-        try:
-            return serialize(response)
-        except Exception:
-            call.reply_failed = True  # grpc answers INTERNAL
-            raise
-
-    return serialized
+def _status(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    code = context.code()
+    if code is not None:
+        return code
+    left_s = context.time_remaining()
+    if left_s is not None and left_s <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED  # the answer was still unsent
+    return grpc.StatusCode.OK
 
 
-def make_call(spec: ModelSpec, record: RequestRecord, context: grpc.ServicerContext, timeout_s: float, *,
+def make_call(spec: ModelSpec, record: RequestRecord, context: Any, timeout_s: float, *,
               signature: str = "", outputs: tuple[str, ...] = (), priority: int = 0) -> Call:
-    """A gRPC front door's Call: its record and trace, and its client_gone. gRPC marks a call
-    inactive once its client cancelled it, its deadline passed or its connection dropped; reading
-    that mark takes the call's lock and nothing else, and only a request that reaches its batch asks."""
+    """A gRPC front door's Call: its record and trace, and its client_gone."""
     return Call.within(timeout_s, model=spec, signature=signature, outputs=outputs,
                        client_gone=CallClientGone(context), record=record, trace=record.trace, priority=priority)
 
 
 class CallClientGone:
-    """client_gone's predicate; `context` lets a model process's client hear the call end (add_callback)."""
+    """client_gone's predicate: the call was cancelled (CallRecord.cancelled). `context` lets a
+    model process's client hear the call end (add_done_callback)."""
 
     __slots__ = ("context",)
 
-    def __init__(self, context: grpc.ServicerContext) -> None:
+    def __init__(self, context: Any) -> None:
         self.context = context
 
     def __call__(self) -> bool:
-        return not self.context.is_active()
+        return bool(self.context.cancelled())

@@ -1,9 +1,10 @@
 """TensorFlow Serving's gRPC API, served by each Gunicorn worker beside its HTTP port.
 
-Every worker starts a `grpc.server` on GRPC_BIND once its app and models are loaded
+Every worker starts a `grpc.aio` server on GRPC_BIND once its app and models are loaded
 (Gunicorn's post_worker_init: grpc's threads must not exist before the fork, and the
-master never imports grpc). All workers bind the same port with SO_REUSEPORT, so the
-kernel spreads connections over them as it does for Gunicorn's shared socket.
+master never imports grpc), on an event loop thread of its own. All workers bind the same
+port with SO_REUSEPORT, so the kernel spreads connections over them as it does for
+Gunicorn's shared socket.
 
 Services: PredictionService (Predict, Classify, Regress, MultiInference, GetModelMetadata), ModelService
 (GetModelStatus) and grpc.health.v1.Health, which answers SERVING exactly when /readyz
@@ -11,9 +12,11 @@ answers 200. `model_spec` takes a name, a version or a version_label, and a sign
 module only translates protos: a call goes through the request layer REST uses
 (app/serving.py), with the same resolution, row and byte limits, queue, deadline (the
 client's gRPC deadline, capped by REQUEST_TIMEOUT_MS) and errors, mapped to TensorFlow
-Serving's status codes in `STATUS_CODES`. Each call is counted in model_server_requests
-(route: the full method name, method: GRPC, status: the code's name) and written to the
-access log, like an HTTP request, with the status its client got (app/grpc_record.py).
+Serving's status codes (app/grpc_calls.py, the path every call takes). Each call is counted
+in model_server_requests (route: the full method name, method: GRPC, status: the code's
+name) and written to the access log, like an HTTP request, with the status its client got
+(app/grpc_record.py). Predict and ModelInfer await their rows on the loop; the other
+methods run on THREADS threads.
 
 On SIGTERM the server stops taking calls at once and lets every accepted one finish; the
 worker's exit waits for them before the batchers close.
@@ -21,12 +24,14 @@ worker's exit waits for them before the batchers close.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from concurrent import futures
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -48,6 +53,7 @@ from tensorflow_serving.apis import (
 
 from app import (
     errors,
+    grpc_calls,
     grpc_limits,
     grpc_record,
     grpc_socket,
@@ -60,7 +66,6 @@ from app import (
 )
 from app.batching import check_rows
 from app.call import Call, ModelSpec
-from app.errors import SignatureNotFound
 from app.logs import RequestRecord
 from app.models import LoadedModel, Signature
 from app.priority import from_metadata as priority_from_metadata
@@ -79,62 +84,14 @@ from app.serving import (
 log = logging.getLogger(__name__)
 
 
-# The one map from the server's errors to gRPC status codes; the most specific class wins.
-# TensorFlow Serving's own choices: model_servers/get_model_metadata_impl.cc and
-# predict_util.cc (INVALID_ARGUMENT, FAILED_PRECONDITION), core/server_core.cc (NOT_FOUND),
-# and the batching library's "Task size ... is larger than maximum input batch size"
-# (INVALID_ARGUMENT) for a request over the row limit.
-STATUS_CODES: dict[type[errors.ServingError], grpc.StatusCode] = {
-    errors.ServingError: grpc.StatusCode.INTERNAL,
-    errors.BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    SignatureNotFound: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.NotFound: grpc.StatusCode.NOT_FOUND,
-    errors.Forbidden: grpc.StatusCode.PERMISSION_DENIED,
-    errors.MethodNotAllowed: grpc.StatusCode.UNIMPLEMENTED,
-    errors.PayloadTooLarge: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.PredictFailed: grpc.StatusCode.INTERNAL,
-    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
-    errors.ClientGone: grpc.StatusCode.CANCELLED,
-}
-
-
-def status_code(exc: errors.ServingError) -> grpc.StatusCode:
-    return next(STATUS_CODES[cls] for cls in type(exc).__mro__ if cls in STATUS_CODES)
-
-
-def details(exc: errors.ServingError) -> str:
-    if isinstance(exc, SignatureNotFound):
-        # TF Serving's gRPC words (model_servers/predict_util.cc); REST's are the error's own.
-        return errors.bounded(f'Serving signature key "{exc.key}" not found.')
-    return exc.message
+_T = TypeVar("_T")
+# What wraps a servicer's method for the call path: observed(route, blocking[, on_loop]) (app/grpc_calls.py).
+Observed = Callable[..., Any]
 
 
 def model_spec(proto: Any) -> ModelSpec:
     return ModelSpec(proto.name or None, proto.version.value if proto.HasField("version") else None,
                      proto.version_label or None)
-
-
-class _Observed:
-    """Wraps each handler: errors to gRPC status codes, once for all.
-
-    The call's record (access line, metrics, request id) is app/grpc_record.py's: it is
-    written once the call ended, with the status its client got.
-    """
-
-    def __call__(self, route: str, handler: Callable[[Any, RequestRecord, grpc.ServicerContext], Any]) -> Callable:
-        def observed(request: Any, context: grpc.ServicerContext) -> Any:
-            try:
-                return handler(request, grpc_record.current(), context)
-            except errors.ServingError as exc:
-                code, message = status_code(exc), details(exc)
-            except Exception as exc:
-                log.exception("unhandled error in %s", route)
-                code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
-            context.abort(code, message)
-
-        return observed
 
 
 def serialized_examples(model_input: Any, *, max_rows: int) -> np.ndarray:
@@ -187,9 +144,9 @@ def decode_inputs(request: Any, model: Signature, *, max_rows: int, max_bytes: i
 
 
 class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
-    def __init__(self, layer: RequestLayer, observed: _Observed, *, max_bytes: int,
+    def __init__(self, layer: RequestLayer, observed: Observed, *, max_bytes: int,
                  tensor_content: bool = False) -> None:
-        self.Predict = observed("/tensorflow.serving.PredictionService/Predict", self._predict)
+        self.Predict = observed("/tensorflow.serving.PredictionService/Predict", self._predict, self._predict_async)
         self.Classify = observed("/tensorflow.serving.PredictionService/Classify", self._classify)
         self.Regress = observed("/tensorflow.serving.PredictionService/Regress", self._regress)
         self.GetModelMetadata = observed("/tensorflow.serving.PredictionService/GetModelMetadata", self._metadata)
@@ -208,9 +165,19 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
                                 priority=priority_from_metadata(context.invocation_metadata()))
 
     def _predict(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        call, decode = self._predict_call(request, record, context)
+        return self._predict_response(self._layer.infer(call, decode))
+
+    async def _predict_async(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        call, decode = self._predict_call(request, record, context)
+        return self._predict_response(await self._layer.infer_async(call, decode))
+
+    def _predict_call(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> tuple[Call, Decode]:
         call = self._call(request, record, context, outputs=tuple(request.output_filter))
-        answer = self._layer.infer(call, lambda signature, max_rows: decode_inputs(
-            request, signature, max_rows=max_rows, max_bytes=self._max_bytes))
+        return call, lambda signature, max_rows: decode_inputs(request, signature, max_rows=max_rows,
+                                                               max_bytes=self._max_bytes)
+
+    def _predict_response(self, answer: Answer) -> Any:
         response = predict_pb2.PredictResponse()
         _set_model_spec(response.model_spec, answer.servable.model, answer.signature.name)
         for output in answer.selected:
@@ -287,7 +254,7 @@ _ERROR_CODES = status_pb2.StatusProto.DESCRIPTOR.fields_by_name["error_code"].en
 
 
 class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
-    def __init__(self, layer: RequestLayer, observed: _Observed) -> None:
+    def __init__(self, layer: RequestLayer, observed: Observed) -> None:
         self.GetModelStatus = observed("/tensorflow.serving.ModelService/GetModelStatus", self._status)
         self.HandleReloadConfigRequest = observed("/tensorflow.serving.ModelService/HandleReloadConfigRequest",
                                                   self._reload)
@@ -340,44 +307,60 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 
     def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
         if request.service not in self.SERVICES:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            raise errors.NotFound(f"unknown service {request.service!r}")
         serving = self._layer.ready and not self.stopping
         return health_pb2.HealthCheckResponse(
             status=health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 class GrpcServer:
-    """One worker's gRPC server: start after the app loaded, stop with every accepted call answered."""
+    """One worker's gRPC server, on an event loop thread of its own: start after the app loaded,
+    stop with every accepted call answered."""
 
     def __init__(self, app: Flask, *, bind: str, threads: int) -> None:
-        models = get_layer(app)
-        max_bytes = models.max_request_bytes  # REST's body limit: MAX_REQUEST_BYTES, or derived from the models
-        observed = _Observed()
-        self.health = HealthServicer(models)
-        # Connections, streams, metadata, calls, receive timeout, Health's own threads (app/grpc_limits.py).
-        tracing = app.extensions.get("tracing")
-        repository = v2_repository.get(app)
-        # RESTRICTED_MODEL_CONTROL first: a refused call is not traced, only recorded.
-        self._server = grpc_limits.build_server(
-            app.extensions["settings"], threads=threads, max_bytes=max_bytes,
-            records=grpc_record.CallRecords(models.requests),
-            interceptors=(v2_repository.Restricted(repository), *(tracing.grpc_interceptors() if tracing else ())))
-        prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
-            PredictionServicer(models, observed, max_bytes=max_bytes,
-                               tensor_content=app.extensions["settings"].grpc_tensor_content), self._server)
-        model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(models, observed), self._server)
-        v2_grpc.add_to_server(self._server, models, observed, repository)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        try:
-            self.port = tls.add_port(self._server, bind, app.extensions["settings"].grpc_ssl_config_file)
-        except RuntimeError as exc:
-            raise RuntimeError(f"GRPC_BIND={bind!r}: cannot listen there: {exc}") from None
         self.bind = bind
+        self.health = HealthServicer(get_layer(app))
         self._stopped: threading.Event | None = None
         self._lock = threading.Lock()
+        self._threads = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc")
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._run_loop, name="grpc-loop", daemon=True)
+        self._loop_thread.start()
+        try:
+            self._server, self.port = self._on_loop(self._build(app, bind, threads))
+        except BaseException:
+            self._close_loop()
+            raise
+
+    async def _build(self, app: Flask, bind: str, threads: int) -> tuple[grpc.aio.Server, int]:
+        models = get_layer(app)
+        settings = app.extensions["settings"]
+        max_bytes = models.max_request_bytes  # REST's body limit: MAX_REQUEST_BYTES, or derived from the models
+        repository = v2_repository.get(app)
+        path = grpc_calls.CallPath(
+            models.requests, max_calls=threads, receive_timeout_s=settings.grpc_receive_timeout_ms / 1000.0,
+            threads=self._threads, tracing=app.extensions.get("tracing"),
+            restricted=v2_repository.restriction(repository))
+        # Connections, streams, metadata and messages (app/grpc_limits.py); calls and their
+        # message's wait, the record, the trace, errors to codes (app/grpc_calls.py).
+        server = grpc_limits.build_server(settings, max_bytes=max_bytes, threads=self._threads, path=path)
+        prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
+            PredictionServicer(models, grpc_calls.observed, max_bytes=max_bytes,
+                               tensor_content=settings.grpc_tensor_content), server)
+        model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(models, grpc_calls.observed), server)
+        v2_grpc.add_to_server(server, models, grpc_calls.observed, repository)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        try:
+            port = tls.add_port(server, bind, settings.grpc_ssl_config_file)
+        except RuntimeError as exc:
+            raise RuntimeError(f"GRPC_BIND={bind!r}: cannot listen there: {exc}") from None
+        return server, port
+
+    def _on_loop(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def start(self) -> GrpcServer:
-        self._server.start()
+        self._on_loop(self._server.start())
         log.info("gRPC (TensorFlow Serving's PredictionService and ModelService) on %s, pid %d",
                  self.bind, os.getpid())
         return self
@@ -387,12 +370,26 @@ class GrpcServer:
         with self._lock:
             if self._stopped is None:
                 self.health.stopping = True
-                self._stopped = self._server.stop(grace_s)
+                stopped = self._stopped = threading.Event()
+
+                def ended(_future: Any) -> None:
+                    self._threads.shutdown(wait=False)
+                    self._close_loop()
+                    stopped.set()
+
+                asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self._loop).add_done_callback(ended)
             return self._stopped
 
     def drain(self, *, timeout_s: float) -> bool:
         """Stop, and wait until every accepted call is answered; False if some were still running."""
         return self.stop(grace_s=timeout_s).wait(timeout_s)
+
+    def _run_loop(self) -> None:
+        self._loop.run_forever()
+        self._loop.close()
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
 
 
 def serve_in_worker(worker: Any) -> GrpcServer | None:

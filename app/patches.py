@@ -1,6 +1,6 @@
 """Changes to the frameworks' own behaviour, each measured on one pinned version.
 
-Each patch overrides a private detail of Flask, Gunicorn, logging, prometheus_client or grpc that a new release may
+Each patch overrides a private detail of Flask, Gunicorn, logging or prometheus_client that a new release may
 change or make unneeded. `MEASURED_ON` names the version each was measured on, and
 tests/test_patches.py fails when the installed or pinned version differs: then re-measure the patch
 (docs/performance.md says how) and either move the pin here or drop the patch.
@@ -36,15 +36,8 @@ tests/test_patches.py fails when the installed or pinned version differs: then r
 - `value_of`, `HistogramCounts` (prometheus_client): the metrics a request or a batch updates
   write their values directly, as the metric's own `inc`/`observe` would after checks that a
   child made once has passed; a histogram finds its bucket by bisection, not a walk.
-- `initial_metadata_with_the_answer` (grpc's synchronous server): `send_initial_metadata`
-  starts a batch of its own on the call, whose completion the server's one polling thread must
-  then take up: a quarter of a tiny model's gRPC throughput, for the request id every call
-  echoes. Metadata held with `hold_initial_metadata` goes out in the batch grpc starts anyway
-  with the call's answer, its response or its error status (grpc sends initial metadata there
-  when none was sent before). A call cancelled before it answered sends neither, as before.
 
-Imports nothing of TensorFlow: Gunicorn's master loads the worker class. Nor grpc: its threads
-must not exist before the fork; the grpc patch imports it when a worker installs it.
+Imports nothing of TensorFlow: Gunicorn's master loads the worker class.
 """
 
 from __future__ import annotations
@@ -63,8 +56,7 @@ from flask.globals import _cv_app, _cv_request
 from flask.sessions import NullSession, SessionInterface
 from gunicorn.http.body import LengthReader
 
-MEASURED_ON = {"flask": "3.1.3", "grpcio": "1.85.1", "gunicorn": "27.0.1", "prometheus-client": "0.26.0",
-               "python": "3.11"}
+MEASURED_ON = {"flask": "3.1.3", "gunicorn": "27.0.1", "prometheus-client": "0.26.0", "python": "3.11"}
 
 
 class CachedEnsureSync(Flask):
@@ -247,30 +239,3 @@ class HistogramCounts:
         if amount <= self._bounds[index]:  # False for NaN only
             self._buckets[index].inc(1)
 
-
-# Where a call's held initial metadata waits on grpc's per-call state (grpc/_server.py, _RPCState).
-_HELD_METADATA = "model_server_initial_metadata"
-
-
-def initial_metadata_with_the_answer() -> None:
-    """Send each call's held initial metadata with its answer (module docstring); once per process."""
-    from grpc import _server
-
-    original = _server._get_initial_metadata
-    if getattr(original, "holds_metadata", False):
-        return
-
-    def with_held(state: Any, metadata: Any) -> Any:
-        held = getattr(state, _HELD_METADATA, None)
-        if held is not None:
-            metadata = held if metadata is None else (*held, *metadata)
-        return original(state, metadata)
-
-    with_held.holds_metadata = True  # type: ignore[attr-defined]
-    _server._get_initial_metadata = with_held
-
-
-def hold_initial_metadata(context: Any, metadata: tuple[tuple[str, str], ...]) -> None:
-    """Send `metadata` to the client with the call's answer, once `initial_metadata_with_the_answer`
-    is installed (without it, never: tests/test_grpc.py asks for the request id)."""
-    setattr(context._state, _HELD_METADATA, metadata)

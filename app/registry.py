@@ -29,7 +29,7 @@ from typing import Any
 from flask import Flask
 
 from app import models, padding, runtime, shared_config
-from app.batching import Batcher, BatchObserver, BatchResult, Engine, Tensors, bucket_sizes
+from app.batching import Batcher, BatchObserver, BatchResult, Engine, Tensors, awaited, bucket_sizes
 from app.call import Call
 from app.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
 from app.metrics import Metrics
@@ -267,12 +267,31 @@ class ModelRegistry:
     def predict(self, call: Call, servable: Servable, signature: models.Signature,
                 inputs: Tensors) -> tuple[Servable, BatchResult]:
         """The call's rows through `signature`'s batcher of the servable (CancelledError when the
-        call's client_gone answered True before they ran).
+        call's client_gone answered True before they ran)."""
+        servable = self._enter(call, servable, signature)
+        try:
+            return servable, servable.batchers[signature.name].predict(call, inputs)
+        finally:
+            servable.leave()
 
-        If the servable was retired after `get()` chose it, a pinned call (a version or a
-        label) is refused as TF Serving refuses a version it does not serve; an unpinned one
-        goes to the newest version, if its signature of that name takes the same inputs.
-        """
+    async def predict_async(self, call: Call, servable: Servable, signature: models.Signature,
+                            inputs: Tensors) -> tuple[Servable, BatchResult]:
+        """`predict` awaited on an asyncio loop. The servable is left once the rows are answered,
+        not when the awaiting caller is cancelled: rows still queued keep their version serving."""
+        servable = self._enter(call, servable, signature)
+        engine = servable.batchers[signature.name]
+        try:
+            future = engine.submit(call, inputs)
+        except BaseException:
+            servable.leave()
+            raise
+        future.add_done_callback(lambda _future: servable.leave())
+        return servable, await awaited(engine, call, future)
+
+    def _enter(self, call: Call, servable: Servable, signature: models.Signature) -> Servable:
+        """Enter the servable, or, if it was retired after `get()` chose it: refuse a pinned call
+        (a version or a label) as TF Serving refuses a version it does not serve, and send an
+        unpinned one to the newest version, if its signature of that name takes the same inputs."""
         while not servable.enter():
             name, version = servable.model.name, servable.model.version
             if call.model.pinned:
@@ -283,10 +302,7 @@ class ModelRegistry:
             if replacement.inputs != signature.inputs:
                 raise Unavailable(f"model {name!r} changed to v{servable.model.version}, whose signature "
                                   f"'{replacement.name}' takes other inputs, while this request waited; retry")
-        try:
-            return servable, servable.batchers[signature.name].predict(call, inputs)
-        finally:
-            servable.leave()
+        return servable
 
     def retire(self, name: str, version: int) -> None:
         """Stop serving a version: no new request reaches it; those inside finish first."""

@@ -30,7 +30,7 @@ import select
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from flask import Flask
@@ -255,31 +255,53 @@ class RequestLayer:
         servable = self.model(call.model, call.record)
         return self.run(call, servable, servable.signature(call.signature), decode)
 
+    async def infer_async(self, call: Call, decode: Decode) -> Answer:
+        """`infer` on an asyncio loop: the wait for the rows holds no thread."""
+        servable = self.model(call.model, call.record)
+        return await self.run_async(call, servable, servable.signature(call.signature), decode)
+
     def run(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
         """Decode against `signature`, queue the rows on its batcher and wait for them; ClientGone
         if the call's client_gone answered True before they ran. Every shape of answer (predict,
         classify, regress, multi-inference) comes through here."""
+        staged = self._stage(call, servable, signature, decode)
+        try:
+            servable, result = self.registry.predict(call, servable, signature, staged.inputs)
+        except concurrent.futures.CancelledError:
+            # The engine cancels a request's future only when client_gone said so (and counted it).
+            raise ClientGone("the client left before its request ran") from None
+        return self._answered(call, servable, signature, staged, result)
+
+    async def run_async(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
+        """`run` on an asyncio loop."""
+        staged = self._stage(call, servable, signature, decode)
+        try:
+            servable, result = await self.registry.predict_async(call, servable, signature, staged.inputs)
+        except concurrent.futures.CancelledError:
+            raise ClientGone("the client left before its request ran") from None
+        return self._answered(call, servable, signature, staged, result)
+
+    def _stage(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> _Staged:
         selected = self.select_outputs(signature, call.outputs)
         inputs = decode(signature, servable.batchers[signature.name].info.max_request_rows)
         # A request with no inputs, or a scalar one (an unbatched signature's), is one item.
         first = next(iter(inputs.values()), None)
         rows = first.shape[0] if first is not None and first.ndim else 1
-        record = call.record
-        if record is not None:
-            record.rows = rows
+        if call.record is not None:
+            call.record.rows = rows
         if call.deadline is not None and call.deadline <= time.monotonic():
             raise DeadlineExceeded("the call's deadline passed before it was queued")
-        try:
-            servable, result = self.registry.predict(call, servable, signature, inputs)
-        except concurrent.futures.CancelledError:
-            # The engine cancels a request's future only when client_gone said so (and counted it).
-            raise ClientGone("the client left before its request ran") from None
+        return _Staged(selected, inputs, rows)
+
+    def _answered(self, call: Call, servable: Servable, signature: Signature, staged: _Staged,
+                  result: BatchResult) -> Answer:
+        record = call.record
         if record is not None:
             record.batch_rows, record.batch_requests = result.batch_rows, result.batch_requests
         # Here, and only here, a finished call has its decoded inputs and its outputs together.
-        answer = _answer(servable, signature, selected, rows, result)
+        answer = _answer(servable, signature, staged.selected, staged.rows, result)
         if self.payload_log is not None:
-            self.payload_log.offer(inputs, answer, record.request_id if record is not None else "")
+            self.payload_log.offer(staged.inputs, answer, record.request_id if record is not None else "")
         return answer
 
     def classify(self, call: Call, decode: Decode) -> tuple[Answer, Classes]:
@@ -315,6 +337,14 @@ class RequestLayer:
             else:
                 results.append(TaskResult(answer.signature, regressions=regressions(answer.outputs, answer.rows)))
         return servable, results
+
+
+class _Staged(NamedTuple):
+    """A call ready for its engine: the outputs it asked for, its decoded inputs, its rows."""
+
+    selected: list[TensorInfo]
+    inputs: Tensors
+    rows: int
 
 
 def examples_decode(examples: Callable[[int], np.ndarray]) -> Decode:

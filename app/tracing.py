@@ -18,11 +18,12 @@ names, tracecontext and baggage by default). A predict call serves many requests
 cannot be the child of one: its span starts a trace of its own with a link to each.
 
 Nothing here runs unless TRACING is on: app/serving.py then picks `TracedRequestLayer`, which
-wraps the one method every call goes through (`run`), app/registry.py wraps each batcher's
-observer in a `BatchTracer`, and `init_app` puts the REST layer around the WSGI app (it leaves
-the trace in the environ, under serving.TRACE_KEY) and hands gRPC its interceptor (it leaves
-the trace on the call's record). A front door puts the trace in its Call. Off, no module of
-tracing is imported and a request's path holds no call of it.
+wraps the one method every call goes through (`run`, and `run_async` on gRPC's loop),
+app/registry.py wraps each batcher's observer in a `BatchTracer`, and `init_app` puts the REST
+layer around the WSGI app (it leaves the trace in the environ, under serving.TRACE_KEY); gRPC's
+call path opens each call's span (`Tracing.grpc_span`, left on the call's record). A front
+door puts the trace in its Call. Off, no module of tracing is imported and a request's path
+holds no call of it.
 
 The batch thread is the server's one serial section, so it does the least: one span per
 call, built after the call with its links, and a timestamp on each request's trace; the
@@ -31,11 +32,12 @@ queue-wait span is made by the request's own thread once its answer arrives.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import grpc
@@ -49,7 +51,6 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from app import grpc_record
 from app.batching import BatchObserver, Tensors
 from app.call import Call
 from app.logs import PROBE_PATHS
@@ -141,18 +142,32 @@ def batch_observer(metrics: Metrics, settings: Settings, model: LoadedModel, sig
 
 
 class Tracing:
-    """The app's tracing: its tracer, and the interceptor app/grpc_server.py gives its server."""
+    """The app's tracing: its tracer, and the gRPC call spans app/grpc_calls.py opens."""
 
     def __init__(self, settings: Settings) -> None:
         self.provider = provider(settings)
         self.tracer = tracer(settings)
 
-    def grpc_interceptors(self) -> list[grpc.ServerInterceptor]:
-        return [_GrpcTracing(self.tracer)]
+    def grpc_span(self, method: str, metadata: Any) -> RequestTrace:
+        """A SERVER span for a gRPC call (app/grpc_calls.py), continuing the trace in its metadata;
+        `end_grpc_span` ends it."""
+        service, _, name = method.lstrip("/").rpartition("/")
+        span = self.tracer.start_span(method.lstrip("/"), context=propagate.extract(dict(metadata or ())),
+                                      kind=SpanKind.SERVER,
+                                      attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+        return RequestTrace(span)
+
+    @staticmethod
+    def end_grpc_span(request: RequestTrace, status: str) -> None:
+        """End a gRPC call's span with the status its client got (its record's)."""
+        request.span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[status].value[0])
+        if status != grpc.StatusCode.OK.name:
+            request.span.set_status(Status(StatusCode.ERROR, status))
+        request.end()
 
 
 def init_app(app: Flask, settings: Settings) -> Callable[..., RequestLayer]:
-    """Trace `app`'s requests: the REST layer around it, the gRPC interceptor for app/grpc_server.py;
+    """Trace `app`'s requests: the REST layer around it, the gRPC call spans (Tracing.grpc_span);
     returns what makes the request layer, one that makes the child spans."""
     tracing = Tracing(settings)
     app.extensions["tracing"] = tracing
@@ -169,12 +184,25 @@ class TracedRequestLayer(RequestLayer):
         self._tracer = tracer_
 
     def run(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
+        with self._spans(call, decode) as (call, decode, answered):
+            return answered(super().run(call, servable, signature, decode))
+
+    async def run_async(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
+        with self._spans(call, decode) as (call, decode, answered):
+            return answered(await super().run_async(call, servable, signature, decode))
+
+    @contextlib.contextmanager
+    def _spans(self, call: Call, decode: Decode) -> Iterator[tuple[Call, Decode, Callable[[Answer], Answer]]]:
+        """The call's decode and queue-wait spans around its run, and what its answer adds: the
+        request span's attributes and the encode span, which the front door ends."""
         request = call.trace
         if request is None:
-            return super().run(call, servable, signature, decode)
+            yield call, decode, _same
+            return
         if not request.span.is_recording():
             # Sampled out: no predict span links to it either.
-            return super().run(call._replace(trace=None), servable, signature, decode)
+            yield call._replace(trace=None), decode, _same
+            return
         tracer_ = self._tracer
         marks: list[int] = []
 
@@ -186,23 +214,29 @@ class TracedRequestLayer(RequestLayer):
             marks.append(queued_ns)
             return inputs
 
+        def answered(answer: Answer) -> Answer:
+            request.span.set_attributes({
+                "model_server.model.name": answer.servable.model.name,
+                "model_server.model.version": answer.servable.model.version,
+                "model_server.model.signature": answer.signature.name,
+                "model_server.request.rows": answer.rows,
+                "model_server.batch.rows": answer.batch_rows,
+                "model_server.batch.requests": answer.batch_requests,
+            })
+            request.encode = tracer_.start_span("encode", context=request.context)
+            return answer
+
         try:
-            answer = super().run(call, servable, signature, traced_decode)
+            yield call, traced_decode, answered
         finally:
             if marks:
                 # Ends where the first predict call serving it began, or now if none did (refused, expired).
                 tracer_.start_span("queue wait", context=request.context,
                                    start_time=marks[0]).end(request.predict_started_ns or time.time_ns())
-        request.span.set_attributes({
-            "model_server.model.name": answer.servable.model.name,
-            "model_server.model.version": answer.servable.model.version,
-            "model_server.model.signature": answer.signature.name,
-            "model_server.request.rows": answer.rows,
-            "model_server.batch.rows": answer.batch_rows,
-            "model_server.batch.requests": answer.batch_requests,
-        })
-        request.encode = tracer_.start_span("encode", context=request.context)
-        return answer
+
+
+def _same(answer: Answer) -> Answer:
+    return answer
 
 
 # -- the batch thread: one span per predict call -------------------------------------------
@@ -343,48 +377,3 @@ class _RestTracing:
                 span.update_name(f"{method} {route}")
                 span.set_attribute("http.route", route)
             request.end()
-
-
-class _GrpcTracing(grpc.ServerInterceptor):
-    """A SERVER span per unary call but health checks, continuing the trace in its metadata."""
-
-    def __init__(self, tracer_: trace.Tracer) -> None:
-        self.tracer = tracer_
-
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        handler = continuation(details)
-        method = details.method
-        if handler is None or handler.unary_unary is None or method.startswith("/grpc.health."):
-            return handler
-        inner = handler.unary_unary
-        parent = propagate.extract(dict(details.invocation_metadata or ()))
-        service, _, name = method.lstrip("/").rpartition("/")
-
-        def traced(request: Any, context: grpc.ServicerContext) -> Any:
-            span = self.tracer.start_span(method.lstrip("/"), context=parent, kind=SpanKind.SERVER, attributes={
-                "rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
-            traced_request = RequestTrace(span)
-            # The front door puts it in its Call from the call's record.
-            grpc_record.set_trace(traced_request)
-            code = grpc.StatusCode.OK
-            try:
-                return inner(request, context)
-            except Exception:
-                # The front door ends a refused call with context.abort(), which raises.
-                code = context.code() or grpc.StatusCode.UNKNOWN
-                raise
-            finally:
-                # The span ends with the call's record, with the status its client got
-                # (app/grpc_record.py); with the handler's where no record is kept.
-                if not grpc_record.when_written(lambda status: _end_grpc_span(traced_request, status)):
-                    _end_grpc_span(traced_request, code.name)
-
-        return grpc.unary_unary_rpc_method_handler(traced, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)
-
-
-def _end_grpc_span(request: RequestTrace, status: str) -> None:
-    request.span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[status].value[0])
-    if status != grpc.StatusCode.OK.name:
-        request.span.set_status(Status(StatusCode.ERROR, status))
-    request.end()

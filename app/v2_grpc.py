@@ -15,7 +15,7 @@ a version label; the parameter `signature_name` picks the signature; the call's 
 the parameter `timeout` (microseconds) if given, cap the server's own.
 
 Only translation lives here: app/serving.py resolves, limits, times and records each call,
-app/v2_tensors.py checks each tensor, and app/grpc_server.py's wrapper maps errors to codes.
+app/v2_tensors.py checks each tensor, and app/grpc_calls.py maps errors to codes.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from app import grpc_record, priority, v2_repository, v2_statistics, v2_tensors
+from app.call import Call
 from app.errors import BadRequest, NotFound
 from app.logs import RequestRecord
-from app.serving import RequestLayer
+from app.serving import Answer, Decode, RequestLayer
 
 SERVICE = "/inference.GRPCInferenceService"
 # InferTensorContents: the typed field each datatype's values travel in (FP16 and BF16 have
@@ -42,13 +43,13 @@ CONTENTS = {
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, layer: RequestLayer, observed: Callable[[str, Callable], Callable]) -> None:
+    def __init__(self, layer: RequestLayer, observed: Callable[..., Any]) -> None:
         self._layer = layer
         # Live and ready are probes: like grpc.health.v1, neither counted nor logged.
         self.ModelReady = observed(f"{SERVICE}/ModelReady", self._model_ready)
         self.ServerMetadata = observed(f"{SERVICE}/ServerMetadata", self._server_metadata)
         self.ModelMetadata = observed(f"{SERVICE}/ModelMetadata", self._model_metadata)
-        self.ModelInfer = observed(f"{SERVICE}/ModelInfer", self._infer)
+        self.ModelInfer = observed(f"{SERVICE}/ModelInfer", self._infer, self._infer_async)
         self.ModelStatistics = observed(f"{SERVICE}/ModelStatistics", v2_statistics.grpc_handler(layer))
 
     def ServerLive(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -78,21 +79,32 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             outputs=[service_pb2.ModelMetadataResponse.TensorMetadata(**tensor) for tensor in metadata["outputs"]])
 
     def _infer(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        call, decode = self._infer_call(request, record, context)
+        return _infer_response(request, self._layer.infer(call, decode))
+
+    async def _infer_async(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        call, decode = self._infer_call(request, record, context)
+        return _infer_response(request, await self._layer.infer_async(call, decode))
+
+    def _infer_call(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> tuple[Call, Decode]:
         parameters = request.parameters
         call = grpc_record.make_call(v2_tensors.model_spec(request.model_name, request.model_version), record, context,
-                                self._layer.deadline_s(_timeout_s(parameters, context.time_remaining())),
-                                signature=_signature_name(parameters),
-                                outputs=tuple(output.name for output in request.outputs),
-                                priority=priority.from_v2_grpc(parameters))
-        answer = self._layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
-            _tensors(request), signature, max_rows=max_rows))
-        response = service_pb2.ModelInferResponse(model_name=answer.servable.model.name,
-                                                  model_version=str(answer.servable.model.version), id=request.id)
-        for output in answer.selected:
-            array = v2_tensors.output_array(answer.outputs[output.name], output)
-            response.outputs.add(name=output.name, datatype=v2_tensors.datatype(output), shape=array.shape)
-            response.raw_output_contents.append(v2_tensors.to_bytes(array))
-        return response
+                                     self._layer.deadline_s(_timeout_s(parameters, context.time_remaining())),
+                                     signature=_signature_name(parameters),
+                                     outputs=tuple(output.name for output in request.outputs),
+                                     priority=priority.from_v2_grpc(parameters))
+        return call, lambda signature, max_rows: v2_tensors.decode_inputs(_tensors(request), signature,
+                                                                          max_rows=max_rows)
+
+
+def _infer_response(request: Any, answer: Answer) -> Any:
+    response = service_pb2.ModelInferResponse(model_name=answer.servable.model.name,
+                                              model_version=str(answer.servable.model.version), id=request.id)
+    for output in answer.selected:
+        array = v2_tensors.output_array(answer.outputs[output.name], output)
+        response.outputs.add(name=output.name, datatype=v2_tensors.datatype(output), shape=array.shape)
+        response.raw_output_contents.append(v2_tensors.to_bytes(array))
+    return response
 
 
 def _signature_name(parameters: Any) -> str:
@@ -136,7 +148,7 @@ def _tensors(request: Any) -> list[v2_tensors.Tensor]:
     return tensors
 
 
-def add_to_server(server: grpc.Server, layer: RequestLayer, observed: Callable[[str, Callable], Callable],
+def add_to_server(server: grpc.aio.Server, layer: RequestLayer, observed: Callable[..., Any],
                   repository: v2_repository.Repository | None = None) -> None:
     servicer = InferenceServicer(layer, observed)
     if repository is not None:  # the model repository extension's methods

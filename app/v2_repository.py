@@ -217,30 +217,18 @@ def init_app(app: Flask) -> None:
 # -- gRPC ---------------------------------------------------------------------------------
 
 
-class Restricted(grpc.ServerInterceptor):
-    """RESTRICTED_MODEL_CONTROL on gRPC: a restricted call without the key is answered
-    PERMISSION_DENIED before its handler runs."""
+def restriction(repository: Repository) -> Callable[[str, Any], None]:
+    """RESTRICTED_MODEL_CONTROL on gRPC: check(method, metadata) raises Forbidden for a restricted
+    method called without the key; app/grpc_calls.py answers it PERMISSION_DENIED before its
+    handler runs."""
+    def check(method: str, metadata: Any) -> None:
+        if method not in RESTRICTED_METHODS or not repository.key:
+            return
+        sent = next((value for key, value in metadata or () if key == repository.key and isinstance(value, str)),
+                    None)
+        repository.check(method, sent, where="metadata key")
 
-    def __init__(self, repository: Repository) -> None:
-        self._repository = repository
-
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        handler = continuation(details)
-        if handler is None or details.method not in RESTRICTED_METHODS or not self._repository.key:
-            return handler
-        sent = next((value for key, value in details.invocation_metadata or ()
-                     if key == self._repository.key and isinstance(value, str)), None)
-        try:
-            self._repository.check(details.method, sent, where="metadata key")
-        except Forbidden as exc:
-            message = exc.message
-
-            def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
-
-            return grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=handler.request_deserializer,
-                                                       response_serializer=handler.response_serializer)
-        return handler
+    return check
 
 
 def serve_grpc(servicer: Any, repository: Repository, observed: Callable[[str, Callable], Callable]) -> None:

@@ -58,7 +58,7 @@ def model_view(name: str, version: str = "") -> Response:
 
 
 def grpc_handler(layer: RequestLayer) -> Any:
-    """ModelStatistics for `InferenceServicer` (its `observed` wrapper maps errors to codes)."""
+    """ModelStatistics for `InferenceServicer` (app/grpc_calls.py maps its errors to codes)."""
 
     def model_statistics(request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
         record.model = request.name or None

@@ -39,7 +39,7 @@ MAX_RECORDS = 1000  # TF Serving's WarmupConsts::kMaxNumRecords
 
 
 class _Context:
-    """What the front door asks of a gRPC context: the time left, whether its client waits, and
+    """What the front door asks of a gRPC context: the time left, whether it was cancelled, and
     its metadata (none: a warm-up request runs at its model's default priority)."""
 
     def __init__(self, timeout_s: float) -> None:
@@ -48,14 +48,14 @@ class _Context:
     def time_remaining(self) -> float:
         return self._deadline - time.monotonic()
 
-    def is_active(self) -> bool:
-        return True
+    def cancelled(self) -> bool:
+        return False
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return ()
 
 
-def _unobserved(route: str, handler: Any) -> Any:
+def _unobserved(route: str, handler: Any, *_on_loop: Any) -> Any:
     return handler
 
 

@@ -7,6 +7,7 @@ the next ones queue up, so what the following batch holds is decided, not timed.
 from __future__ import annotations
 
 import ast
+import asyncio
 import concurrent.futures
 import threading
 import time
@@ -14,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from app.batching import Batcher, BatchObserver, bucket_sizes, max_predict_calls
+from app.batching import Batcher, BatchObserver, awaited, bucket_sizes, max_predict_calls
 from app.call import Call
 from app.errors import (
     BadRequest,
@@ -677,6 +678,48 @@ def test_predict_timing_out_on_a_running_request_answers_504_and_discards_the_re
     release.set()
     assert batcher.submit(Call(), rows(8.0)).result(WAIT_S).outputs["y"][0, 0] == 80.0
     assert observer.rejections == ["deadline"]
+
+
+def test_awaited_answers_on_the_loop_with_the_rows_own_results(make_batcher, fake):
+    batcher = make_batcher()
+    call = Call.within(WAIT_S)
+    result = asyncio.run(awaited(batcher, call, batcher.submit(call, rows(3.0, 4.0))))
+    assert result.outputs["y"][:, 0].tolist() == [30.0, 40.0]
+
+
+def test_awaited_gives_up_at_the_deadline_and_the_rows_never_run(make_batcher, fake):
+    observer = RecordingObserver()
+    batcher = make_batcher(observer=observer)
+    first, release = occupy(batcher, fake)
+    call = Call.within(0.05)
+    with pytest.raises(DeadlineExceeded):
+        asyncio.run(awaited(batcher, call, batcher.submit(call, rows(7.0))))
+    release.set()
+    first.result(WAIT_S)
+    assert batcher.submit(Call(), rows(8.0)).result(WAIT_S).outputs["y"][0, 0] == 80.0
+    assert all(7.0 not in call["x"] for call in fake.calls)
+    assert observer.rejections == ["deadline"]
+
+
+def test_an_awaiting_caller_cancelled_leaves_its_rows_to_the_engine(make_batcher, fake):
+    """The caller's task is cancelled (its client left): the rows stay queued and answered, so
+    the servable that holds them (registry.predict_async) is left when they are, not before."""
+    batcher = make_batcher()
+    first, release = occupy(batcher, fake)
+    future = batcher.submit(Call(), rows(5.0))
+
+    async def cancelled_while_waiting() -> None:
+        waiting = asyncio.ensure_future(awaited(batcher, Call(), future))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(cancelled_while_waiting())
+    assert not future.done()
+    release.set()
+    assert future.result(WAIT_S).outputs["y"][0, 0] == 50.0
+    first.result(WAIT_S)
 
 
 # -- fairness and retry bounds (item 5) -----------------------------------------------------

@@ -596,7 +596,8 @@ def test_a_tensor_too_large_once_decoded_is_refused_before_it_is_allocated():
 
 def test_every_serving_error_has_its_status_code():
     from app import errors
-    from app.grpc_server import SignatureNotFound, status_code
+    from app.errors import SignatureNotFound
+    from app.grpc_calls import status_code
 
     expected = {
         errors.BadRequest: grpc.StatusCode.INVALID_ARGUMENT,

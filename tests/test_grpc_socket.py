@@ -90,7 +90,7 @@ def test_an_owner_stopped_while_waiting_never_serves(path):
 
 def options(**environ: str) -> dict[str, int | str]:
     settings = Settings.from_env(environ)
-    listed = grpc_limits.channel_options(settings, threads=4, max_bytes=1000)
+    listed = grpc_limits.channel_options(settings, max_bytes=1000)
     assert len({key for key, _ in listed}) == len(listed), "each key once"
     return dict(listed)
 

@@ -9,6 +9,7 @@ line and the change in model_server_requests_total.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import os
@@ -26,7 +27,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc, prediction_service_pb2_grpc
 
-from app import grpc_record, logs
+from app import grpc_calls, logs
 from app.metrics import Metrics
 from app.serving import Requests
 from tests.conftest import Server, integer_rows, wait_for
@@ -178,29 +179,38 @@ class _Lines(logging.Handler):
 
 def test_an_answer_that_cannot_be_serialized_is_logged_internal():
     metrics = Metrics(CollectorRegistry())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
-                         interceptors=[grpc_record.CallRecords(Requests(metrics))])
-    server.add_generic_rpc_handlers((_Unserializable(),))
-    port = server.add_insecure_port("127.0.0.1:0")
+
+    async def call() -> grpc.aio.AioRpcError:
+        threads = futures.ThreadPoolExecutor(max_workers=2)
+        path = grpc_calls.CallPath(Requests(metrics), max_calls=2, receive_timeout_s=30, threads=threads)
+        server = grpc.aio.server(interceptors=[path])
+        server.add_generic_rpc_handlers((_Unserializable(),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await channel.unary_unary("/test.Service/Answer")(b"", timeout=30,
+                                                                     metadata=(("x-request-id", "unserializable"),))
+                return raised.value
+        finally:
+            await server.stop(None)
+            threads.shutdown()
+
     lines, access = _Lines(), logging.getLogger("app.access")
     level, disabled = access.level, access.disabled
     access.addHandler(lines)
     access.setLevel(logging.INFO)
     access.disabled = False
-    server.start()
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            with pytest.raises(grpc.RpcError) as raised:
-                channel.unary_unary("/test.Service/Answer")(b"", timeout=30,
-                                                           metadata=(("x-request-id", "unserializable"),))
-            # The record counts the call, then writes its line: waiting for the line waits for both.
-            wait_for(lines, what="the call's access line")
+        refused = asyncio.run(call())
+        # The record counts the call, then writes its line: waiting for the line waits for both.
+        wait_for(lines, what="the call's access line")
     finally:
-        server.stop(None)
         access.removeHandler(lines)
         access.setLevel(level)
         access.disabled = disabled
-    assert raised.value.code() == grpc.StatusCode.INTERNAL
+    assert refused.code() == grpc.StatusCode.INTERNAL
     [line] = lines()
     labels = {"route": "/test.Service/Answer", "method": "GRPC", "status": "INTERNAL"}
     assert (line["status"], line["request_id"]) == ("INTERNAL", "unserializable")

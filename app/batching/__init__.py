@@ -16,7 +16,7 @@ drive the engine with a fake one.
 """
 
 from app.batching.batcher import Batcher
-from app.batching.engine import Engine, EngineInfo
+from app.batching.engine import Engine, EngineInfo, awaited
 from app.batching.execution import PredictFn, max_predict_calls
 from app.batching.fill import CallStats, FillPolicy, FillWait
 from app.batching.observer import BatchObserver
@@ -24,4 +24,5 @@ from app.batching.rows import Tensors, bucket_sizes, check_rows, row_count
 from app.batching.work import BatchResult
 
 __all__ = ["BatchObserver", "BatchResult", "Batcher", "CallStats", "Engine", "EngineInfo", "FillPolicy", "FillWait",
-           "PredictFn", "Tensors", "bucket_sizes", "check_rows", "max_predict_calls", "row_count"]
+           "PredictFn", "Tensors", "awaited", "bucket_sizes", "check_rows", "max_predict_calls",
+           "row_count"]

@@ -135,9 +135,13 @@ class Batcher:
         try:
             return future.result(timeout=wait_s)
         except concurrent.futures.TimeoutError:
-            pass
-        # Give the request up, unless its answer landed between the timeout and now: then it stands.
-        late = DeadlineExceeded(f"no result from model '{self.name}' within {given_ms(call, wait_s)} ms")
+            return self.give_up(future, call, wait_s)
+
+    def give_up(self, future: concurrent.futures.Future[BatchResult], call: Call, waited_s: float | None,
+                ) -> BatchResult:
+        """The call's deadline passed while `future` (from submit) was pending: its rows are dropped
+        unrun (DeadlineExceeded), unless its answer landed meanwhile: then it stands."""
+        late = DeadlineExceeded(f"no result from model '{self.name}' within {given_ms(call, waited_s)} ms")
         if future.cancel() or settle(future, exception=late):
             self._hooks.rejected("deadline")
             raise late

@@ -8,6 +8,8 @@ sends its workers as it is.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 from typing import Any, Protocol
 
@@ -56,8 +58,51 @@ class Engine(Protocol):
         """The call's rows through the model, answered within its deadline."""
         ...
 
+    def submit(self, call: Call, inputs: Tensors) -> concurrent.futures.Future[BatchResult]:
+        """Queue the call's rows; the future holds the answer, a ServingError, or is cancelled
+        (the call's client_gone said so before the rows ran)."""
+        ...
+
+    def give_up(self, future: concurrent.futures.Future[BatchResult], call: Call, waited_s: float | None,
+                ) -> BatchResult:
+        """The call's deadline passed with `future` pending: DeadlineExceeded, or the answer that
+        landed meanwhile."""
+        ...
+
     def flush(self, *, later_too: bool = False) -> None:
         """Run what is queued now without waiting out its window (a stopping worker's or process's)."""
         ...
 
     def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None: ...
+
+
+async def awaited(engine: Engine, call: Call, future: concurrent.futures.Future[BatchResult]) -> BatchResult:
+    """`predict` for a caller on an asyncio loop (the gRPC server): the answer of `future` (the
+    engine's `submit`) within the call's deadline, awaited without holding a thread."""
+    left_s = call.seconds_left()
+    if not future.done():
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+        # The engine answers on its own thread: one wake-up of the loop per call.
+        future.add_done_callback(lambda _future: _wake_from_thread(loop, woken))
+        timer = None if left_s is None else loop.call_later(max(left_s, 0.0), _wake, woken)
+        try:
+            await woken
+        finally:
+            if timer is not None:
+                timer.cancel()
+    if future.done():
+        return future.result()
+    return engine.give_up(future, call, None if left_s is None else max(left_s, 0.0))
+
+
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
+
+
+def _wake_from_thread(loop: asyncio.AbstractEventLoop, woken: asyncio.Future[None]) -> None:
+    try:
+        loop.call_soon_threadsafe(_wake, woken)
+    except RuntimeError:
+        pass  # the loop closed (its server stopped): nobody awaits the answer

@@ -83,8 +83,8 @@ class HangUps:
             if not answered.is_set():
                 self._link.cancel(request_id)
 
-        if not context.add_callback(ended):
-            ended()  # the call had already ended
+        # A gRPC call's callbacks run once its handler is done: answered by then, or cancelled.
+        context.add_done_callback(lambda _context: ended())
         return answered.set
 
     def _unwatch(self, fd: int) -> None:
@@ -104,6 +104,17 @@ class HangUps:
                     del self._watched[fd]
                     self._epoll.unregister(fd)
                 self._link.cancel(watched[0])
+
+
+class _RemoteAnswer(concurrent.futures.Future[BatchResult]):
+    """A model process's answer, and the watch on its client to end once it came or was given up."""
+
+    unwatch: Callable[[], None] | None = None
+
+    def stop_watching(self) -> None:
+        unwatch, self.unwatch = self.unwatch, None
+        if unwatch is not None:
+            unwatch()
 
 
 class RemoteBatcher:
@@ -137,29 +148,53 @@ class RemoteBatcher:
     def predict(self, call: Call, inputs: Tensors) -> BatchResult:
         """Hand the call and its rows to the model process and wait for them, until the call's deadline.
         The model process's batcher refuses rows over the limit, as this worker's front door did."""
-        client_gone = call.client_gone
-        if client_gone is not None and client_gone():
-            # The layer answers ClientGone (499); asked here, once, before the rows leave the worker.
-            raise concurrent.futures.CancelledError()
-        header = {"op": "predict", "model": self.model, "version": self.version, "signature": self.signature,
-                  "call": call.frame()}
-        request_id, future = self.link.send_request(header, inputs)
-        unwatch = self.hang_ups.watch(client_gone, request_id) if client_gone is not None else None
+        future = self.submit(call, inputs)
         left_s = call.seconds_left()
         wait_s = None if left_s is None else max(left_s, 0.0)
         try:
-            answer = future.result(timeout=wait_s)
-            if call.trace is not None:
-                # The start of the model process's predict call: where the queue-wait span ends.
-                call.trace.predict_started_ns = answer[0].get("predict_started_ns")
-            return batch_result(answer)
+            return future.result(timeout=wait_s)
         except concurrent.futures.TimeoutError:
-            # The model process drops the rows at the same deadline, if they have not run.
-            raise DeadlineExceeded(f"no result from model '{self.info.name}' within "
-                                   f"{given_ms(call, wait_s)} ms") from None
-        finally:
-            if unwatch is not None:
-                unwatch()
+            return self.give_up(future, call, wait_s)
+
+    def submit(self, call: Call, inputs: Tensors) -> concurrent.futures.Future[BatchResult]:
+        """Send the call, serialized once in the frame's header, and its rows; the future holds the
+        model process's answer. A client gone before the rows leave the worker: cancelled at once."""
+        answer = _RemoteAnswer()
+        client_gone = call.client_gone
+        if client_gone is not None and client_gone():
+            answer.cancel()  # the layer answers ClientGone (499)
+            return answer
+        header = {"op": "predict", "model": self.model, "version": self.version, "signature": self.signature,
+                  "call": call.frame()}
+        request_id, sent = self.link.send_request(header, inputs)
+        if client_gone is not None:
+            answer.unwatch = self.hang_ups.watch(client_gone, request_id)
+
+        def arrived(future: concurrent.futures.Future[Any]) -> None:
+            answer.stop_watching()
+            if future.cancelled():
+                answer.cancel()
+                return
+            try:
+                got = future.result()
+                if call.trace is not None:
+                    # The start of the model process's predict call: where the queue-wait span ends.
+                    call.trace.predict_started_ns = got[0].get("predict_started_ns")
+                answer.set_result(batch_result(got))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                answer.set_exception(exc)
+
+        sent.add_done_callback(arrived)
+        return answer
+
+    def give_up(self, future: concurrent.futures.Future[BatchResult], call: Call, waited_s: float | None,
+                ) -> BatchResult:
+        """The model process drops the rows at the same deadline, if they have not run."""
+        if future.done():
+            return future.result()
+        if isinstance(future, _RemoteAnswer):
+            future.stop_watching()  # its connection may serve the client's next request meanwhile
+        raise DeadlineExceeded(f"no result from model '{self.info.name}' within {given_ms(call, waited_s)} ms")
 
     def flush(self, *, later_too: bool = False) -> None:
         """Nothing here: a stopping worker's link flushes its rows in the model process (stopping())."""
