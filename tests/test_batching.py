@@ -710,7 +710,7 @@ def test_an_awaiting_caller_cancelled_leaves_its_rows_to_the_engine(make_batcher
 
     async def cancelled_while_waiting() -> None:
         waiting = asyncio.ensure_future(awaited(batcher, Call(), future))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop: the task starts and awaits the rows
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
