@@ -544,6 +544,28 @@ def test_tensor_proto_encodes_as_tensorflow_serving_answers(name, dtype, values)
         assert raw.ListFields()[-1][0].name == "tensor_content"  # the last field set: no *_val after it
 
 
+@pytest.mark.parametrize("name, array", [
+    # 20,000 bytes: a length of three varint bytes; transposed: not contiguous.
+    ("DT_FLOAT", np.arange(5000, dtype=np.float32).reshape(50, 100).T / 7),
+    ("DT_DOUBLE", np.linspace(-1e300, 1e300, 300).reshape(3, 100)),
+    ("DT_FLOAT", np.zeros((0, 3), np.float32)),
+], ids=["float-5000-transposed", "double-300", "float-empty"])
+def test_float_answers_are_the_bytes_the_typed_field_itself_writes(name, array):
+    from tensorflow.core.framework import tensor_pb2
+
+    from app import tensor_proto
+
+    proto = tensor_pb2.TensorProto()
+
+    tensor_proto.from_ndarray(array, name, proto)
+
+    # Written whole as the field's packed bytes: the same message, and the same wire bytes.
+    expected = _typed_field_proto(name, array)
+    assert proto == expected
+    assert proto.SerializeToString() == expected.SerializeToString()
+    np.testing.assert_array_equal(make_ndarray(proto), array)
+
+
 def test_a_short_typed_field_is_filled_with_its_last_value_as_tensorflow_does():
     from app import tensor_proto
 
