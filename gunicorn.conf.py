@@ -15,9 +15,10 @@ import tempfile
 
 from gunicorn import glogging
 
-from app import logs, shared_config
-from app.runtime import default_workers, usable_cpus
-from app.settings import Settings, model_configs, parse, validate_pos_int
+from app.ops import logs
+from app.core import shared_config
+from app.ops.runtime import default_workers, usable_cpus
+from app.ops.settings import Settings, model_configs, parse, validate_pos_int
 
 # Validated here, in the master, so a bad value stops start-up once with a clear message.
 _settings = Settings.from_env()
@@ -30,7 +31,7 @@ def _env(name, default, validator=validate_pos_int):
 
 bind = os.environ.get("BIND", "0.0.0.0:8000")
 # Derived from the CPUs this process may use (affinity, cgroup CPU quota), not the host's
-# count: one worker per CPUS_PER_WORKER of them (app/runtime.py has the measurements).
+# count: one worker per CPUS_PER_WORKER of them (app/ops/runtime.py has the measurements).
 workers = _env("WORKERS", default_workers(usable_cpus().count))
 # Gunicorn's gthread worker, less a drain's two GIL-releasing system calls per kept-alive
 # request when the body was read to its end (app/worker.py).
@@ -48,7 +49,7 @@ preload_app = False
 control_socket_disable = True
 loglevel = _settings.log_level.lower()
 # One handler, set up here in the master before any worker forks: Gunicorn's error and access
-# lines, the app's and TensorFlow's Python loggers all come out in LOG_FORMAT (app/logs.py).
+# lines, the app's and TensorFlow's Python loggers all come out in LOG_FORMAT (app/ops/logs.py).
 logconfig_dict = logs.gunicorn_logconfig(_settings.log_level, _settings.log_format)
 
 
@@ -118,14 +119,14 @@ def post_fork(server, worker):
     worker.catch_early_stops()
     if _settings.model_processes:
         # The models run in the model processes; this worker imports no TensorFlow.
-        from app.runtime import uses_jax
+        from app.ops.runtime import uses_jax
 
         worker.tensorflow = {"model_processes": _settings.model_processes,
                              "model_process_gpus": server.model_processes.gpus}  # CUDA_VISIBLE_DEVICES of each
         if uses_jax():  # /readyz names the backend the model processes run
             worker.tensorflow["keras_backend"] = "jax"
         return
-    from app import runtime
+    from app.ops import runtime
 
     # Before the app loads its models; post_worker_init hands the app what was set.
     worker.tensorflow = runtime.configure(_settings, workers=server.cfg.workers)
@@ -142,16 +143,16 @@ def post_worker_init(worker):
 
         worker.when_stopping(lambda: client.stopping(worker.wsgi))
     else:
-        from app.registry import get_registry
+        from app.core.registry import get_registry
 
         worker.when_stopping(lambda: get_registry(worker.wsgi).flush(later_too=True))
     # gRPC starts in the worker once its models are loaded: grpc's threads would not survive
     # a fork, so the master never imports it.
     if _settings.grpc_bind or _settings.grpc_socket_path:
-        from app import grpc_server
+        from app.grpc import server as grpc_server
 
         grpc_server.serve_in_worker(worker)
-    from app import runtime
+    from app.ops import runtime
 
     runtime.freeze_heap()
 

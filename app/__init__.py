@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from flask import Flask
 
-from app.settings import Settings
+from app.ops.settings import Settings
 
 
 def create_app(settings: Settings | None = None, *, replace_worker: Callable[[], None] | None = None) -> Flask:
@@ -18,8 +18,13 @@ def create_app(settings: Settings | None = None, *, replace_worker: Callable[[],
     are the caller's to size first (`runtime.configure`, Gunicorn's post_fork); what it set
     goes in app.extensions["tensorflow"], which /readyz shows.
     """
-    from app import api, errors, limits, loading, logs, metrics, openapi, patches, registry, runtime, serving, v2_rest
-    from app.direct import DirectRoutes
+    from app.core import errors, loading, registry, serving
+    from app.http import bodies as limits
+    from app.http import openapi
+    from app.http import tfs as api
+    from app.http import v2 as v2_rest
+    from app.http.routes import DirectRoutes
+    from app.ops import logs, metrics, patches, runtime
 
     settings = settings or Settings.from_env()
     logs.configure_logging(settings.log_level, settings.log_format)
@@ -46,7 +51,7 @@ def create_app(settings: Settings | None = None, *, replace_worker: Callable[[],
         models = registry.init_app(app, settings, serving_metrics, loading=loading.steps(settings))
     limits.init_app(app, settings, models)
     if settings.tracing_on:
-        from app import tracing  # only when on: a server without tracing never imports it
+        from app.ops import tracing  # only when on: a server without tracing never imports it
 
         serving.init_app(app, settings, models, make_layer=tracing.init_app(app, settings))
     else:
@@ -60,8 +65,8 @@ def create_app(settings: Settings | None = None, *, replace_worker: Callable[[],
 
 def shutdown_app(app: Flask, *, timeout_s: float | None = None) -> None:
     """Stop accepting predictions and answer every accepted one (Gunicorn's worker_exit)."""
-    from app import logs
-    from app.registry import get_registry
+    from app.core.registry import get_registry
+    from app.ops import logs
 
     get_registry(app).close(drain=True, timeout_s=timeout_s)
     if "model_process_link" in app.extensions:

@@ -31,11 +31,17 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from app.settings import allowed, numeral, validate_grpc_channel_arguments, validate_metrics_path, validate_socket_path
+from app.ops.settings import (
+    allowed,
+    numeral,
+    validate_grpc_channel_arguments,
+    validate_metrics_path,
+    validate_socket_path,
+)
 
-# FlagError and the ModelServerConfig reading live below the settings (app/tfs_config.py), which read
+# FlagError and the ModelServerConfig reading live below the settings (app/ops/tfs_config.py), which read
 # MODEL_CONFIG's text format with them; the flags' tests and callers find them here too.
-from app.tfs_config import FlagError, model_config_document, model_config_json  # noqa: F401
+from app.ops.tfs_config import FlagError, model_config_document, model_config_json  # noqa: F401
 
 MAPPED, ACCEPTED, REFUSED = "mapped", "accepted", "refused"
 # TF Serving's REST port in its Docker image and docs; this server always answers HTTP.

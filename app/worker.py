@@ -25,7 +25,7 @@ connections it holds go first, and the connections waiting in the listen backlog
 once descriptors are free again. The worker's open connections (REST, and gRPC when it serves
 it) are sampled into model_server_connections once a second.
 
-The gthread keep-alive patches live in app/patches.py. Imports nothing of TensorFlow:
+The gthread keep-alive patches live in app/ops/patches.py. Imports nothing of TensorFlow:
 Gunicorn's master loads the worker class.
 """
 
@@ -42,8 +42,8 @@ from typing import Any
 
 from gunicorn.workers import base, gthread
 
-from app import patches
-from app.patches import body_fully_read
+from app.ops import patches
+from app.ops.patches import body_fully_read
 
 __all__ = ["ThreadWorker", "body_fully_read", "raise_descriptor_limit"]
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def export(model_path: str | None, base: Path, version: int | None = None) -> Path:
     import keras
 
-    from app.models import available_versions, build_default_model
+    from app.core.models import available_versions, build_default_model
 
     model = keras.models.load_model(model_path, compile=False) if model_path else build_default_model()
     base.mkdir(parents=True, exist_ok=True)

@@ -22,11 +22,11 @@ import numpy as np
 import orjson
 from flask import Flask, Response, request
 
-from app import metadata
-from app.batching import Batcher, bucket_sizes
-from app.call import Call
-from app.models import example_batch, load_model, warm_up
-from app.settings import Settings
+from app.core.batching import Batcher, bucket_sizes
+from app.core.call import Call
+from app.core.models import example_batch, load_model, warm_up
+from app.ops.settings import Settings
+from app.wire import metadata
 
 settings = Settings.from_env()
 model = load_model(settings.model_path, name=settings.model_name)

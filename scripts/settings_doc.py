@@ -1,4 +1,4 @@
-"""Write docs/settings.md from the settings' own definitions in app/settings.py.
+"""Write docs/settings.md from the settings' own definitions in app/ops/settings.py.
 
     python scripts/settings_doc.py            # rewrite docs/settings.md
     python scripts/settings_doc.py --check    # exit 1 if docs/settings.md is stale
@@ -15,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from app.settings import settings_markdown  # noqa: E402
+from app.ops.settings import settings_markdown  # noqa: E402
 
 PAGE = REPO / "docs" / "settings.md"
 

@@ -310,9 +310,10 @@ def in_process_app() -> Iterator:
     closed afterwards. For what does not depend on Gunicorn, sockets or processes."""
     import logging
 
-    from app import create_app, logs
-    from app.registry import get_registry
-    from app.settings import Settings
+    from app import create_app
+    from app.core.registry import get_registry
+    from app.ops import logs
+    from app.ops.settings import Settings
 
     # create_app sets the process's loggers as a worker's (the access log on or off, the app's
     # level): the tests after this one find them as they were.

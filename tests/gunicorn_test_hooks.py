@@ -46,7 +46,7 @@ def _hold_replacement(app):
 
 
 def _gate_predicts(app, folder: Path) -> None:
-    from app.serving import get_layer
+    from app.core.serving import get_layer
 
     release = threading.Semaphore(0)
     signal.signal(GATE_RELEASE, lambda signum, frame: release.release())

@@ -35,7 +35,7 @@ from tests.conftest import Server, wait_for
 # (docs/reliability.md); a leak of a few KiB a request would pass 138 MiB within a storm or two.
 RSS_GROWTH = 0.25
 _TEXT_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S*)')
-# The HTTP paths the access log leaves out by default (app/logs.py's PROBE_PATHS); the
+# The HTTP paths the access log leaves out by default (app/ops/logs.py's PROBE_PATHS); the
 # ledger's own reads of /readyz and /metrics are among them.
 PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
 

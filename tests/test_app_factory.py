@@ -1,11 +1,11 @@
-"""The app's Flask subclass (app/patches.py): what it changes of Flask's per-request work."""
+"""The app's Flask subclass (app/ops/patches.py): what it changes of Flask's per-request work."""
 
 from __future__ import annotations
 
 from flask import Flask
 
-from app.call import Call
-from app.patches import CachedEnsureSync
+from app.core.call import Call
+from app.ops.patches import CachedEnsureSync
 
 
 def test_flask_asks_once_per_function_whether_it_is_a_coroutine(monkeypatch):
@@ -32,9 +32,9 @@ def test_a_dead_batch_thread_calls_the_apps_own_replace_worker_once(exact_model_
     import threading
 
     from app import create_app
-    from app.errors import BatcherBroken
-    from app.registry import get_registry
-    from app.settings import Settings
+    from app.core.errors import BatcherBroken
+    from app.core.registry import get_registry
+    from app.ops.settings import Settings
     from tests.conftest import integer_rows
 
     class Killed(BaseException):
@@ -64,8 +64,8 @@ def test_a_dead_batch_thread_calls_the_apps_own_replace_worker_once(exact_model_
 
 _CONFIGURE_TWICE = """
 import json, sys
-from app import runtime
-from app.settings import Settings
+from app.ops import runtime
+from app.ops.settings import Settings
 first = runtime.configure(Settings(tf_intra_op_threads=1, tf_inter_op_threads=1), workers=1)
 second = runtime.configure(Settings(tf_intra_op_threads=2, tf_inter_op_threads=3), workers=2)
 tf = sys.modules["tensorflow"]

@@ -15,9 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from app.batching import Batcher, BatchObserver, awaited, bucket_sizes, max_predict_calls
-from app.call import Call
-from app.errors import (
+from app.core.batching import Batcher, BatchObserver, awaited, bucket_sizes, max_predict_calls
+from app.core.call import Call
+from app.core.errors import (
     BadRequest,
     BatcherBroken,
     DeadlineExceeded,
@@ -101,7 +101,7 @@ def occupy(batcher: Batcher, fake: FakeModel):
 def test_the_engine_imports_neither_tensorflow_nor_flask():
     """The predict function is injected: the engine runs, and is tested, without either."""
     imported = set()
-    for path in (REPO / "app" / "batching").glob("*.py"):
+    for path in (REPO / "app" / "core" / "batching").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 imported |= {alias.name.split(".")[0] for alias in node.names}

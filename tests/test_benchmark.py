@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from app.batching import bucket_sizes
-from app.metrics import Metrics
-from app.settings import Settings
+from app.core.batching import bucket_sizes
+from app.ops.metrics import Metrics
+from app.ops.settings import Settings
 from scripts.benchmark import common, experiment, layouts, load
 from scripts.benchmark.__main__ import parse_args
 from tests.conftest import REPO

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.settings import Settings
+from app.ops.settings import Settings
 from scripts.benchmark import common, layouts
 from scripts.benchmark.__main__ import parse_args
 from scripts.benchmark.load import locust_host

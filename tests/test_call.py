@@ -7,12 +7,12 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from app.batching import Batcher
-from app.call import Call, ModelSpec
-from app.errors import DeadlineExceeded
-from app.metrics import Metrics
-from app.registry import ModelRegistry, Servable
-from app.serving import RequestLayer
+from app.core.batching import Batcher
+from app.core.call import Call, ModelSpec
+from app.core.errors import DeadlineExceeded
+from app.core.registry import ModelRegistry, Servable
+from app.core.serving import RequestLayer
+from app.ops.metrics import Metrics
 from tests.test_serving import _record, _servable
 
 WAIT_S = 10  # upper bound for answers that should come at once; never reached when passing

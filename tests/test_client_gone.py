@@ -23,11 +23,11 @@ import requests
 from prometheus_client import CollectorRegistry
 from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc, prediction_service_pb2_grpc
 
-from app.call import Call, ModelSpec
-from app.errors import ClientGone
-from app.metrics import Metrics
-from app.registry import ModelRegistry
-from app.serving import RequestLayer, examples_decode, socket_client_gone
+from app.core.call import Call, ModelSpec
+from app.core.errors import ClientGone
+from app.core.registry import ModelRegistry
+from app.core.serving import RequestLayer, examples_decode, socket_client_gone
+from app.ops.metrics import Metrics
 from tests.conftest import Server, integer_rows, wait_for
 from tests.nginx_front import Nginx
 from tests.test_grpc import predict_request, scores

@@ -13,9 +13,9 @@ import json
 import numpy as np
 import pytest
 
-from app import codec
-from app.errors import BadRequest, InvalidInput, PayloadTooLarge
-from app.models import STRING, TensorInfo
+from app.core.errors import BadRequest, InvalidInput, PayloadTooLarge
+from app.core.models import STRING, TensorInfo
+from app.wire import codec
 
 F32, F64, I32 = np.dtype("float32"), np.dtype("float64"), np.dtype("int32")
 

@@ -11,9 +11,9 @@ import numpy as np
 import orjson
 import pytest
 
-from app import codec
-from app.errors import ServingError
-from app.models import TensorInfo
+from app.core.errors import ServingError
+from app.core.models import TensorInfo
+from app.wire import codec
 
 F16, F32, F64, I32 = np.dtype("float16"), np.dtype("float32"), np.dtype("float64"), np.dtype("int32")
 I64, U8, I8 = np.dtype("int64"), np.dtype("uint8"), np.dtype("int8")

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from app import shared_config
-from app.runtime import CPUS_PER_WORKER, UsableCpus, cgroup_cpu_quota, default_workers, usable_cpus
+from app.core import shared_config
+from app.ops.runtime import CPUS_PER_WORKER, UsableCpus, cgroup_cpu_quota, default_workers, usable_cpus
 from tests.conftest import REPO, SERVER_COMMAND, Server
 
 
@@ -99,7 +99,7 @@ def test_one_worker_per_four_usable_cpus(cpus, workers):
 
 def _gunicorn_config(monkeypatch, environ: dict[str, str], cpus: int) -> dict:
     """gunicorn.conf.py's knobs with `cpus` usable CPUs (its import only reads)."""
-    from app import runtime
+    from app.ops import runtime
 
     monkeypatch.setattr(runtime, "usable_cpus", lambda **_: runtime.UsableCpus(cpus, "affinity", cpus, None))
     for name in ("WORKERS", "THREADS"):
@@ -173,7 +173,7 @@ def test_importing_gunicorn_conf_changes_nothing_and_on_starting_does_the_work(m
     config["on_starting"](master)
     made = os.environ["PROMETHEUS_MULTIPROC_DIR"]
     assert master.own_metrics_dir == made and os.path.isdir(made) and not os.listdir(made)
-    # Where the workers share a reloaded model config (app/shared_config.py): the server's own.
+    # Where the workers share a reloaded model config (app/core/shared_config.py): the server's own.
     run_dir = os.environ[shared_config.RUN_DIR_ENV]
     assert master.run_dir == run_dir and os.path.isdir(run_dir) and not os.listdir(run_dir)
     config["on_exit"](master)

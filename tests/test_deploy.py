@@ -150,7 +150,7 @@ def nginx_grpc_upstream() -> str:
 
 
 def grpc_port() -> int:
-    from app.settings import Settings
+    from app.ops.settings import Settings
 
     return int(Settings().grpc_bind.rpartition(":")[2])
 
@@ -170,7 +170,7 @@ def stages() -> dict[str, list[tuple[str, str]]]:
 @pytest.fixture(scope="module")
 def get_routes() -> set[str]:
     """Paths the app answers to GET, from its url_map: no model and no TensorFlow needed."""
-    from app import api
+    from app.http import tfs as api
 
     probe_app = Flask("probe")
     api.init_app(probe_app)
@@ -301,7 +301,7 @@ def test_dockerignore_passes_what_the_image_copies_and_nothing_else():
     for source in sources:
         assert not dockerignored(source, patterns), source
         assert (REPO / source).exists(), source
-    assert not dockerignored("app/api.py", patterns)
+    assert not dockerignored("app/http/tfs.py", patterns)
     for kept_out in (".venv/bin/python", ".git/HEAD", "tests/test_deploy.py", ".pytest_cache/v",
                      "docs/deployment.md", "app/__pycache__/api.cpython-311.pyc", "models/my.keras"):
         assert dockerignored(kept_out, patterns), kept_out
@@ -436,8 +436,8 @@ def compose_config(**environ: str) -> dict:
 
 
 def compose_settings() -> list[tuple[str, object]]:
-    """(variable, default) of every server setting: app/settings.py's and gunicorn.conf.py's."""
-    from app.settings import documented
+    """(variable, default) of every server setting: app/ops/settings.py's and gunicorn.conf.py's."""
+    from app.ops.settings import documented
 
     return [(name, default) for name, default, _ in documented()] + [
         ("BIND", "0.0.0.0:8000"), ("WORKERS", None), ("THREADS", None), ("TIMEOUT", 120),
@@ -482,7 +482,7 @@ def test_compose_asks_the_images_healthcheck_every_5_seconds():
 
 
 def test_compose_passes_every_setting_with_the_servers_default(monkeypatch):
-    from app.settings import Settings
+    from app.ops.settings import Settings
 
     config = compose_config()
     for service in ("api", "api-gpu"):
@@ -577,7 +577,7 @@ def test_grafana_provisioning_points_at_prometheus_and_the_mounted_dashboards():
 
 
 def test_settings_reference_names_every_setting():
-    from app.settings import documented
+    from app.ops.settings import documented
 
     gunicorn_variables = re.findall(r"""_env\("([A-Z_]+)"|environ\.get\("([A-Z_]+)\"""",
                                     (REPO / "gunicorn.conf.py").read_text())
@@ -685,7 +685,7 @@ def app_metric_names() -> set[str]:
     """Every series name the app exports (a counter as its _total), histograms with their parts."""
     from prometheus_client import CollectorRegistry
 
-    from app.metrics import Metrics
+    from app.ops.metrics import Metrics
 
     registry = CollectorRegistry()
     Metrics(registry).observer("m")
@@ -785,7 +785,7 @@ def test_every_panel_shows_one_quantity_filtered_by_pod_and_model(app_metric_nam
     from prometheus_client import CollectorRegistry
     from prometheus_client.metrics import MetricWrapperBase
 
-    from app.metrics import Metrics
+    from app.ops.metrics import Metrics
 
     collectors = [c for c in vars(Metrics(CollectorRegistry())).values() if isinstance(c, MetricWrapperBase)]
     model_labelled = {}
@@ -812,10 +812,10 @@ def test_dashboard_queries_are_valid_promql(tmp_path):
 def test_rejection_series_exist_at_zero_for_every_reason_the_engine_uses():
     from prometheus_client import CollectorRegistry
 
-    from app.metrics import Metrics
+    from app.ops.metrics import Metrics
 
     # Each reason appears in the engine as hooks.rejected("queue_full") or observer.rejected(...).
-    engine = "".join(path.read_text() for path in sorted((REPO / "app" / "batching").glob("*.py")))
+    engine = "".join(path.read_text() for path in sorted((REPO / "app" / "core" / "batching").glob("*.py")))
     reasons = set(re.findall(r'rejected(?:\(|",\s*)"(\w+)"', engine))
     assert reasons == {"queue_full", "shutting_down", "deadline", "client_gone"}
     registry = CollectorRegistry()

@@ -1,4 +1,4 @@
-"""The predict and infer routes answered below Flask (app/direct.py): the same URLs as Flask's
+"""The predict and infer routes answered below Flask (app/http/routes.py): the same URLs as Flask's
 rules, and the same answers, access lines and request metrics as Flask's views give."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from werkzeug.exceptions import HTTPException
 from werkzeug.routing import RequestRedirect
 
-from app import logs
-from app.direct import DirectRoutes
+from app.http.routes import DirectRoutes
+from app.ops import logs
 from tests.conftest import integer_rows
 
 
@@ -151,7 +151,7 @@ def test_answers_access_lines_and_metrics_are_flasks_own(in_process_app, exact_m
 
 def test_an_unexpected_error_gets_flasks_500_and_its_log_line(in_process_app, exact_model_path, monkeypatch, caplog):
     """A bug below a direct route is answered and logged as Flask's catch-all handler does it."""
-    from app import codec
+    from app.wire import codec
 
     app = in_process_app(model_path=str(exact_model_path), access_log=True)
     client = app.test_client()
@@ -164,8 +164,8 @@ def test_an_unexpected_error_gets_flasks_500_and_its_log_line(in_process_app, ex
     for routes in (direct_layer(app).routes, []):
         monkeypatch.setattr(direct_layer(app), "routes", routes)
         caplog.clear()
-        with caplog.at_level(logging.ERROR, logger="app.errors"):
+        with caplog.at_level(logging.ERROR, logger="app.core.errors"):
             response = client.post("/predict", json={"instances": [[1, 2, 3, 4]]}, headers={"X-Request-ID": "bug-1"})
         got.append((response.status_code, response.get_json(),
-                    [entry.getMessage() for entry in caplog.records if entry.name == "app.errors"]))
+                    [entry.getMessage() for entry in caplog.records if entry.name == "app.core.errors"]))
     assert got[0] == got[1] == (500, {"error": "internal error: RuntimeError"}, ["unhandled error, request_id=bug-1"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import SERVER_KNOBS, documented, settings_markdown
+from app.ops.settings import SERVER_KNOBS, documented, settings_markdown
 from tests.conftest import REPO
 
 README = REPO / "README.md"

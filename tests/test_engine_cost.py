@@ -12,8 +12,8 @@ import weakref
 
 import numpy as np
 
-from app.batching import Batcher
-from app.call import Call
+from app.core.batching import Batcher
+from app.core.call import Call
 
 WAIT_S = 10  # upper bound for answers that should come at once; never reached when passing
 

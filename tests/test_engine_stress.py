@@ -20,9 +20,9 @@ import threading
 import numpy as np
 import pytest
 
-from app.batching import Batcher, BatchObserver
-from app.call import Call
-from app.errors import DeadlineExceeded, PayloadTooLarge, PredictFailed, QueueFull, ShuttingDown
+from app.core.batching import Batcher, BatchObserver
+from app.core.call import Call
+from app.core.errors import DeadlineExceeded, PayloadTooLarge, PredictFailed, QueueFull, ShuttingDown
 
 THREADS = 8
 REQUESTS_PER_THREAD = 150

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from app.batching import CallStats, FillPolicy, FillWait
-from app.batching.fill import FILL_RETURN_S_PER_REQUEST
+from app.core.batching import CallStats, FillPolicy, FillWait
+from app.core.batching.fill import FILL_RETURN_S_PER_REQUEST
 
 
 def after(*, requests: int, waiting: int, predict_s: float = 0.5, ended_at: float = 0.0,

@@ -31,7 +31,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from app import openapi
+from app.http import openapi
 from tests.conftest import Server
 
 POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE

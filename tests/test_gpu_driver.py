@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # supervisor's log lines for `place` (PLACE model processes).
 CHILD = r"""
 import ctypes, json, logging, os, sys
-from app import runtime
+from app.ops import runtime
 from app.model_process import supervisor
 
 count = runtime.cuda_device_count()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from app import runtime
-from app.settings import Settings, SettingsError
+from app.ops import runtime
+from app.ops.settings import Settings, SettingsError
 
 GIB = 2**30
 H100_BYTES = 85_032_697_856  # what cuDeviceTotalMem reports for an 80 GB H100 (79.19 GiB)

@@ -413,7 +413,7 @@ def test_calls_are_counted_and_logged_like_http_requests(served, stub):
     for index in range(3):
         _, call = stub.Predict.with_call(predict_request("exact", integer_rows(2)), timeout=30,
                                          metadata=[("x-request-id", f"{request_id}-{index}")])
-        # Echoed with the answer (app/patches.py, initial_metadata_with_the_answer), and with a refusal.
+        # Echoed with the answer (app/ops/patches.py, initial_metadata_with_the_answer), and with a refusal.
         assert dict(call.initial_metadata())["x-request-id"] == f"{request_id}-{index}"
     with pytest.raises(grpc.RpcError) as refused:
         stub.Predict(predict_request("nope", integer_rows(1)), timeout=30, metadata=[("x-request-id", request_id)])
@@ -483,7 +483,7 @@ def _sample(dtype, values) -> np.ndarray:
 
 
 def _spec(name: str, array: np.ndarray):
-    from app.models import TensorInfo
+    from app.core.models import TensorInfo
 
     return TensorInfo(name="x", shape=(None,), dtype=array.dtype, tf_dtype=name)
 
@@ -508,7 +508,7 @@ def _typed_field_proto(name: str, array: np.ndarray):
 
 @pytest.mark.parametrize("name, dtype, values", DTYPES, ids=[entry[0] for entry in DTYPES])
 def test_tensor_proto_decodes_every_form_as_tensorflow_does(name, dtype, values):
-    from app import tensor_proto
+    from app.wire import tensor_proto
 
     array = _sample(dtype, values)
     spec = _spec(name, array)
@@ -524,7 +524,7 @@ def test_tensor_proto_decodes_every_form_as_tensorflow_does(name, dtype, values)
 def test_tensor_proto_encodes_as_tensorflow_serving_answers(name, dtype, values):
     from tensorflow.core.framework import tensor_pb2
 
-    from app import tensor_proto
+    from app.wire import tensor_proto
 
     array = _sample(dtype, values)
     proto = tensor_pb2.TensorProto()
@@ -553,7 +553,7 @@ def test_tensor_proto_encodes_as_tensorflow_serving_answers(name, dtype, values)
 def test_float_answers_are_the_bytes_the_typed_field_itself_writes(name, array):
     from tensorflow.core.framework import tensor_pb2
 
-    from app import tensor_proto
+    from app.wire import tensor_proto
 
     proto = tensor_pb2.TensorProto()
 
@@ -567,7 +567,7 @@ def test_float_answers_are_the_bytes_the_typed_field_itself_writes(name, array):
 
 
 def test_a_short_typed_field_is_filled_with_its_last_value_as_tensorflow_does():
-    from app import tensor_proto
+    from app.wire import tensor_proto
 
     proto = _typed_field_proto("DT_INT32", np.array([[1, 2, 3, 4]], np.int32))
     proto.tensor_shape.dim[0].size = 2  # eight values wanted, four given
@@ -587,8 +587,8 @@ def test_a_short_typed_field_is_filled_with_its_last_value_as_tensorflow_does():
 def test_typed_values_outside_the_dtype_are_invalid(name, values, expected):
     from tensorflow.core.framework import tensor_pb2, types_pb2
 
-    from app import tensor_proto
-    from app.errors import InvalidInput
+    from app.core.errors import InvalidInput
+    from app.wire import tensor_proto
 
     proto = tensor_pb2.TensorProto(dtype=types_pb2.DataType.Value(name))
     for size in (1, 1):
@@ -603,9 +603,9 @@ def test_typed_values_outside_the_dtype_are_invalid(name, values, expected):
 def test_a_tensor_too_large_once_decoded_is_refused_before_it_is_allocated():
     from tensorflow.core.framework import tensor_pb2
 
-    from app import tensor_proto
-    from app.errors import PayloadTooLarge
-    from app.models import TensorInfo
+    from app.core.errors import PayloadTooLarge
+    from app.core.models import TensorInfo
+    from app.wire import tensor_proto
 
     proto = tensor_pb2.TensorProto(dtype=1, float_val=[1.0])
     for size in (1, 10**9):
@@ -617,9 +617,9 @@ def test_a_tensor_too_large_once_decoded_is_refused_before_it_is_allocated():
 
 
 def test_every_serving_error_has_its_status_code():
-    from app import errors
-    from app.errors import SignatureNotFound
-    from app.grpc_calls import status_code
+    from app.core import errors
+    from app.core.errors import SignatureNotFound
+    from app.grpc.calls import status_code
 
     expected = {
         errors.BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -644,8 +644,8 @@ def test_every_serving_error_has_its_status_code():
 def test_health_turns_not_serving_and_predict_unavailable_once_the_batchers_stop(in_process_app, exact_model_path):
     # In this process: the batchers of a Gunicorn worker only stop as it exits, and
     # in_process_app's can be stopped while its gRPC server still answers.
-    from app import grpc_server
-    from app.registry import get_registry
+    from app.core.registry import get_registry
+    from app.grpc import server as grpc_server
     from tests.conftest import free_port
 
     app = in_process_app(model_path=str(exact_model_path))

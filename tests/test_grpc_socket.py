@@ -1,5 +1,5 @@
-"""GRPC_SOCKET_PATH's hand-over between workers (app/grpc_socket.py) and GRPC_CHANNEL_ARGUMENTS'
-precedence (app/grpc_limits.py), with real grpc servers on real Unix sockets in this process.
+"""GRPC_SOCKET_PATH's hand-over between workers (app/grpc/socket.py) and GRPC_CHANNEL_ARGUMENTS'
+precedence (app/grpc/limits.py), with real grpc servers on real Unix sockets in this process.
 
 Two SocketOwners here stand for two workers: flock locks belong to an open file, so two opens
 of PATH.lock in one process exclude each other as two processes' would.
@@ -14,9 +14,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from app import grpc_limits
-from app.grpc_socket import SocketOwner
-from app.settings import Settings, SettingsError
+from app.grpc import limits as grpc_limits
+from app.grpc.socket import SocketOwner
+from app.ops.settings import Settings, SettingsError
 
 
 class HealthServer:

@@ -1,4 +1,4 @@
-"""A gRPC call is logged and counted with the status its client got (app/grpc_record.py).
+"""A gRPC call is logged and counted with the status its client got (app/grpc/exchange.py).
 
 A live worker whose predict calls can be held inside the model, past the engine's last look
 at their client (tests/gunicorn_test_hooks.py's PREDICT_GATE): while a call is held its
@@ -27,9 +27,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc, prediction_service_pb2_grpc
 
-from app import grpc_calls, logs
-from app.metrics import Metrics
-from app.serving import Requests
+from app.core.serving import Requests
+from app.grpc import calls as grpc_calls
+from app.ops import logs
+from app.ops.metrics import Metrics
 from tests.conftest import Server, integer_rows, wait_for
 from tests.grpc_ledger import PREDICT, Ledger
 from tests.gunicorn_test_hooks import GATE_RELEASE, GATE_VALUE

@@ -1,4 +1,4 @@
-"""The frozen heap (app/runtime.py): start-up's objects out of the collector's full passes,
+"""The frozen heap (app/ops/runtime.py): start-up's objects out of the collector's full passes,
 and a retired model version's objects collected all the same."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import weakref
 
 import numpy as np
 
-from app import models, runtime
-from app.batching import Batcher
-from app.models import LoadedModel, TensorInfo
-from app.registry import ModelRegistry, Servable
+from app.core import models
+from app.core.batching import Batcher
+from app.core.models import LoadedModel, TensorInfo
+from app.core.registry import ModelRegistry, Servable
+from app.ops import runtime
 
 
 class _Node:

@@ -22,7 +22,7 @@ import h2.events
 import pytest
 import requests
 
-from app import logs
+from app.ops import logs
 from tests.conftest import Server, wait_for
 from tests.grpc_ledger import Ledger
 from tests.http_ledger import siege

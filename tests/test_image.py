@@ -244,7 +244,7 @@ def test_healthcheck_command_follows_bind(default_server, cpu_image):
 
 
 def test_default_model_answers_rest_and_grpc_as_the_model_itself(default_server):
-    from app.models import build_default_model
+    from app.core.models import build_default_model
 
     rows = integer_rows(5)
     served = default_server.predict(rows)

@@ -92,7 +92,7 @@ def own_outputs(model_root):
     """What each Keras file answers by itself, in this process (TensorFlow's backend)."""
     import keras
 
-    from app.models import build_default_model
+    from app.core.models import build_default_model
 
     models = {"default": build_default_model(),
               "multi": keras.models.load_model(model_root / "multi.keras", compile=False),
@@ -282,14 +282,14 @@ def test_a_model_jax_cannot_hold_stops_start_up_naming_the_model_and_why(tmp_pat
                         MODEL_PATH=str(tmp_path / "strings.keras"), MODEL_NAME="words")
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1] == (
-        "app.model_types.ModelLoadError: model 'words': tensor 'text' is string, which the JAX backend cannot hold "
-        "(JAX has no string tensors); serve this model without KERAS_BACKEND=jax")
+        "app.core.model_types.ModelLoadError: model 'words': tensor 'text' is string, which the JAX backend cannot "
+        "hold (JAX has no string tensors); serve this model without KERAS_BACKEND=jax")
 
 
 READ_CONFIGURATION = """
 import json, os
-from app import runtime
-from app.settings import Settings
+from app.ops import runtime
+from app.ops.settings import Settings
 configured = runtime.configure(Settings.from_env(), workers=2, gpu_total_bytes=lambda ordinal: 80 * 2**30)
 print(json.dumps({"returned": configured["jax_allocator"],
                   "environ": {key: os.environ[key] for key in sorted(os.environ) if key.startswith("XLA_")}}))
@@ -311,8 +311,8 @@ def test_the_gpu_memory_cap_is_jaxs_allocator_configuration(env, want):
 
 
 def test_a_memory_limit_in_mb_is_the_fraction_it_is_of_the_smallest_gpu():
-    from app import runtime
-    from app.settings import Settings
+    from app.ops import runtime
+    from app.ops.settings import Settings
 
     sizes = {0: 80 * 2**30, 1: 40 * 2**30}
     settings = Settings(gpu_memory_limit_mb=10 * 1024)
@@ -326,7 +326,7 @@ def test_a_memory_limit_in_mb_is_the_fraction_it_is_of_the_smallest_gpu():
 COUNT_PROGRAMS = """
 import json, sys
 import numpy as np
-from app.models import example_batch, load_model, warm_up
+from app.core.models import example_batch, load_model, warm_up
 model = load_model(sys.argv[1], name="text")
 counts = [model.tracing_count()]
 warm_up(model, [1, 2, 4], lengths=[4, 8])

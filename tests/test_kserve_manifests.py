@@ -15,9 +15,9 @@ import pytest
 import yaml
 from flask import Flask
 
-from app import v2_rest
-from app.api import ModelNameConverter
-from app.settings import Settings
+from app.http import v2 as v2_rest
+from app.http.tfs import ModelNameConverter
+from app.ops.settings import Settings
 from tests.conftest import REPO
 
 KUBERNETES_VERSION = "1.33.0"

@@ -211,7 +211,7 @@ def test_locust_rows_match_what_the_server_received(counted_server, tmp_path, pr
     assert counted <= received <= counted + USERS
     # Every call the server received held the rows Locust was asked to send: its batches'
     # real rows add up to 3 per call. A gRPC call Locust cut off as it stopped may have run and
-    # still be recorded CANCELLED, the status its client got (app/grpc_record.py).
+    # still be recorded CANCELLED, the status its client got (app/grpc/exchange.py).
     cut_off = server.metric("model_server_requests_total", route=route, status="CANCELLED")
     assert cut_off <= USERS
     assert 3 * received <= server.metric("model_server_batch_size_rows_sum", model=protocol) <= 3 * (received + cut_off)

@@ -27,7 +27,7 @@ import pytest
 import requests
 from flask import Flask
 
-from app import logs, runtime
+from app.ops import logs, runtime
 from tests.conftest import REPO, Server, integer_rows
 
 WORKERS = 2
@@ -77,7 +77,7 @@ def test_gunicorn_lines_are_json_too(json_log_lines):
 
 def test_tensorflow_configured_once_per_worker(json_log_lines):
     configured = [entry["pid"] for entry in json_log_lines
-                  if entry["logger"] == "app.runtime" and entry["message"].startswith("tensorflow configured")]
+                  if entry["logger"] == "app.ops.runtime" and entry["message"].startswith("tensorflow configured")]
     assert len(configured) == len(set(configured)) == WORKERS
 
 
@@ -96,7 +96,7 @@ def test_one_access_line_per_request_and_none_for_probes(json_log_lines):
 # workers import it at INFO anyway.
 @pytest.mark.parametrize("level", ["DEBUG"])
 def test_tensorflow_native_lines_are_json_and_shown_only_at_debug(level):
-    code = ("from app import logs, runtime; from app.settings import Settings; "
+    code = ("from app.ops import logs, runtime; from app.ops.settings import Settings; "
             f"logs.configure_logging({level!r}, 'json'); runtime.import_tensorflow(Settings(log_level={level!r}))")
     environ = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     # TensorFlow prints its 'oneDNN custom operations are on' line (an I-level native line) only
@@ -108,7 +108,7 @@ def test_tensorflow_native_lines_are_json_and_shown_only_at_debug(level):
     assert result.returncode == 0, result.stderr
     entries = [json.loads(line) for line in result.stderr.splitlines() if line.strip()]
     native = [entry for entry in entries if "oneDNN custom operations are on" in entry["message"]]
-    assert all(entry["level"] == "DEBUG" and entry["logger"] == "app.runtime" for entry in native)
+    assert all(entry["level"] == "DEBUG" and entry["logger"] == "app.ops.runtime" for entry in native)
     assert bool(native) == (level == "DEBUG")
 
 
@@ -153,7 +153,7 @@ def test_gunicorn_logconfig_gives_every_logger_the_one_json_handler():
     ("ImportError: libcudart.so.12: cannot open shared object file", logging.WARNING),
 ])
 def test_native_lines_are_debug_only_when_known_noise(caplog, line, level):
-    with caplog.at_level(logging.DEBUG, logger="app.runtime"):
+    with caplog.at_level(logging.DEBUG, logger="app.ops.runtime"):
         runtime.log_native_lines(line + "\n\n")
     assert [(entry.levelno, entry.getMessage()) for entry in caplog.records] == [(level, f"tensorflow: {line}")]
 
@@ -172,7 +172,7 @@ def test_native_lines_are_debug_only_when_known_noise(caplog, line, level):
      "W0000 00:00:1.0 1 gpu_device.cc:2] Cannot dlopen some GPU libraries\n", [logging.DEBUG, logging.WARNING]),
 ])
 def test_a_native_records_later_lines_take_its_level(caplog, text, levels):
-    with caplog.at_level(logging.DEBUG, logger="app.runtime"):
+    with caplog.at_level(logging.DEBUG, logger="app.ops.runtime"):
         runtime.log_native_lines(text)
     assert [(entry.levelno, entry.getMessage()) for entry in caplog.records] == [
         (level, f"tensorflow: {line}") for level, line in zip(levels, text.splitlines(), strict=True)]
@@ -183,7 +183,7 @@ def test_python_records_made_while_native_lines_are_captured_go_out_as_themselve
     are written as they are, not captured with the native lines and re-logged as warnings."""
     code = (
         "import logging, os\n"
-        "from app import logs, runtime\n"
+        "from app.ops import logs, runtime\n"
         "logs.configure_logging('DEBUG', 'json')\n"
         "with runtime.native_stderr_logged():\n"
         "    logging.getLogger('some.library').debug('a python record')\n"
@@ -194,8 +194,8 @@ def test_python_records_made_while_native_lines_are_captured_go_out_as_themselve
     entries = [json.loads(line) for line in result.stderr.splitlines() if line.strip()]
     assert [(entry["logger"], entry["level"], entry["message"]) for entry in entries] == [
         ("some.library", "DEBUG", "a python record"),
-        ("app.runtime", "DEBUG", "tensorflow: I0000 00:00:1.0 1 cpu_feature_guard.cc:227] optimized"),
-        ("app.runtime", "DEBUG", "tensorflow: To enable: AVX2 FMA"),
+        ("app.ops.runtime", "DEBUG", "tensorflow: I0000 00:00:1.0 1 cpu_feature_guard.cc:227] optimized"),
+        ("app.ops.runtime", "DEBUG", "tensorflow: To enable: AVX2 FMA"),
         ("some.library", "INFO", "after"),
     ]
 

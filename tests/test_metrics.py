@@ -161,7 +161,7 @@ def dashboard_metric_names() -> set[str]:
 def test_every_metric_the_dashboard_queries_is_exported():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from app.metrics import Metrics
+    from app.ops.metrics import Metrics
 
     metrics = Metrics(CollectorRegistry())
     exported = {family.name for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
@@ -263,7 +263,7 @@ def test_queue_rows_of_a_model_add_up_over_its_batchers():
     """A model's versions and signatures each have a batcher, all reporting under one label."""
     from prometheus_client import CollectorRegistry
 
-    from app.metrics import Metrics
+    from app.ops.metrics import Metrics
 
     registry = CollectorRegistry()
     metrics = Metrics(registry)

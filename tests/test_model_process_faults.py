@@ -30,14 +30,14 @@ import psutil
 import pytest
 import requests
 
-from app import errors
-from app.batching import Batcher
-from app.call import Call, ModelSpec
+from app.core import errors
+from app.core.batching import Batcher
+from app.core.call import Call, ModelSpec
+from app.core.models import LoadedModel, TensorInfo
+from app.core.registry import ModelRegistry, Servable
 from app.model_process.client import RemoteModels, RemoteRegistry
 from app.model_process.link import ModelProcessLink
 from app.model_process.server import WorkerConnection
-from app.models import LoadedModel, TensorInfo
-from app.registry import ModelRegistry, Servable
 from tests.conftest import REPO, Server, integer_rows, wait_for
 from tests.test_tfs_live_config import (
     config_text,

@@ -21,9 +21,9 @@ import psutil
 import pytest
 import requests
 
-from app import runtime
 from app.model_process import supervisor
 from app.model_process.supervisor import PlacementError, gpu_placements
+from app.ops import runtime
 from tests.conftest import Server, integer_rows, wait_for
 from tests.test_grpc import access_line
 from tests.test_model_processes import workers
@@ -137,14 +137,14 @@ def test_the_device_count_comes_from_the_driver_and_is_0_without_one(driver_dir,
     assert runtime.cuda_device_count(library=library) == 1
     assert runtime.cuda_total_memory(0, library=library) == 24 * 2**30  # the one visible GPU is device 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    with caplog.at_level("WARNING", logger="app.runtime"):
+    with caplog.at_level("WARNING", logger="app.ops.runtime"):
         assert runtime.cuda_device_count(library=library) == 0  # cuInit: CUDA_ERROR_NO_DEVICE, no warning
     assert caplog.messages == []
 
 
 def test_a_failing_cuinit_means_no_gpu_and_says_why(driver_dir, monkeypatch, caplog):
     monkeypatch.setenv("STAND_IN_CUINIT_RESULT", "999")
-    with caplog.at_level("WARNING", logger="app.runtime"):
+    with caplog.at_level("WARNING", logger="app.ops.runtime"):
         assert runtime.cuda_device_count(library=str(driver_dir / "libcuda.so.1")) == 0
     assert caplog.messages == ["the CUDA driver's cuInit failed (CUresult 999): no GPU is used"]
 

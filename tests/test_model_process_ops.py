@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.errors import Unavailable
+from app.core.errors import Unavailable
 from app.model_process.link import ModelProcessLink
 from tests.conftest import Server
 

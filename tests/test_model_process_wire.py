@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from app import errors
+from app.core import errors
 from app.model_process import wire
 from app.model_process.arena import ALIGNMENT, Arena
 from app.model_process.link import rebuild_error

@@ -67,7 +67,7 @@ def test_shipped_config_passes_nginx_t(tmp_path):
 
 
 def test_body_limit_matches_max_request_bytes():
-    from app.settings import Settings
+    from app.ops.settings import Settings
 
     text = (REPO / "deploy" / "nginx" / "nginx.conf").read_text()
     # An explicit MAX_REQUEST_BYTES, or (0) the limit derived for inputs of any size: 16 MiB.

@@ -190,7 +190,7 @@ def grpc_status(events, stream: int) -> dict[str, str]:
 
 
 def test_the_shipped_grpc_limits_are_what_the_docs_say():
-    from app.settings import Settings
+    from app.ops.settings import Settings
 
     text = (REPO / "deploy" / "nginx" / "nginx.conf").read_text()
     front = text[text.index("listen 8500 http2;"):]

@@ -8,9 +8,9 @@ import inspect
 
 import pytest
 
-from app.batching.observer import BatchObserver, GuardedObserver
-from app.model_stats import StatsObserver
-from app.tracing import BatchTracer
+from app.core.batching.observer import BatchObserver, GuardedObserver
+from app.core.model_stats import StatsObserver
+from app.ops.tracing import BatchTracer
 
 HOOKS = sorted(name for name, member in vars(BatchObserver).items()
                if inspect.isfunction(member) and not name.startswith("_"))

@@ -1,4 +1,4 @@
-"""Each framework patch (app/patches.py) was measured on one version: a new one must be re-measured."""
+"""Each framework patch (app/ops/patches.py) was measured on one version: a new one must be re-measured."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import flask
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from app.patches import MEASURED_ON, CachedEnsureSync, HistogramCounts, NoSessions, value_of
+from app.ops.patches import MEASURED_ON, CachedEnsureSync, HistogramCounts, NoSessions, value_of
 
 
 @pytest.mark.parametrize("package", ["flask", "gunicorn", "prometheus-client"])
 def test_patched_package_is_the_version_the_patches_were_measured_on(package):
     installed = importlib.metadata.version(package)
     assert installed == MEASURED_ON[package], (
-        f"{package} {installed} is installed; app/patches.py was measured on {MEASURED_ON[package]}: "
+        f"{package} {installed} is installed; app/ops/patches.py was measured on {MEASURED_ON[package]}: "
         "re-measure each patch of it, then move the pin or drop the patch")
 
 

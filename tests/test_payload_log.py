@@ -21,9 +21,9 @@ import pytest
 import requests
 from conftest import Server, integer_rows, wait_for
 
-from app import payload_log, tfs_config
-from app.models import TensorInfo
-from app.settings import Settings, SettingsError, configs_from_document
+from app.core.models import TensorInfo
+from app.ops import payload_log, tfs_config
+from app.ops.settings import Settings, SettingsError, configs_from_document
 
 NAME = "exact"
 

@@ -21,13 +21,13 @@ import pytest
 import requests
 from prometheus_client import CollectorRegistry
 
-from app import priority
-from app.batching import Batcher
-from app.call import Call
-from app.errors import BadRequest, DeadlineExceeded, QueueFull
-from app.metrics import Metrics
-from app.queue_policy import Priorities, QueuePolicy, from_entry
-from app.settings import Settings, SettingsError, configs_from_document
+from app.core.batching import Batcher
+from app.core.call import Call
+from app.core.errors import BadRequest, DeadlineExceeded, QueueFull
+from app.ops.metrics import Metrics
+from app.ops.queue_policy import Priorities, QueuePolicy, from_entry
+from app.ops.settings import Settings, SettingsError, configs_from_document
+from app.wire import priority
 from tests.conftest import Server, integer_rows
 
 WAIT_S = 30  # upper bound for answers that should come at once; never reached when passing
@@ -383,7 +383,7 @@ def test_grpc_doors_read_the_priority(served) -> None:
     import tritonclient.grpc as triton_grpc
     from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
-    from app import tensor_proto
+    from app.wire import tensor_proto
 
     values = integer_rows(2)
     client = triton_grpc.InferenceServerClient(served.grpc_target)

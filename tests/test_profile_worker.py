@@ -221,8 +221,8 @@ def test_the_floor_describes_the_model_as_the_server_does_and_answers_one_row_of
     import numpy as np
     import requests
 
-    from app.metadata import describe
-    from app.models import example_batch, load_model
+    from app.core.models import example_batch, load_model
+    from app.wire.metadata import describe
 
     server = Server(profile_worker.FLOOR, model_path=None, log_path=tmp_path / "floor.log")
     try:

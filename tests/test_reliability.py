@@ -552,10 +552,10 @@ UNSAFE_CALLS = {"eval", "exec", "compile", "__import__"}
 
 
 def _served_sources() -> list[Path]:
-    return sorted((REPO / "app").glob("*.py")) + [REPO / "wsgi.py", REPO / "gunicorn.conf.py"]
+    return sorted((REPO / "app").rglob("*.py")) + [REPO / "wsgi.py", REPO / "gunicorn.conf.py"]
 
 
-@pytest.mark.parametrize("path", _served_sources(), ids=lambda path: path.name)
+@pytest.mark.parametrize("path", _served_sources(), ids=lambda path: str(path.relative_to(REPO)))
 def test_nothing_from_a_request_is_unpickled_or_evaluated(path):
     tree = ast.parse(path.read_text(), str(path))
     found = []

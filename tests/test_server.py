@@ -98,7 +98,7 @@ def test_columnar_and_row_formats_agree(server, exact_model):
 
 
 def test_readme_command_serves_the_default_model_on_two_workers(start_server):
-    from app.models import build_default_model
+    from app.core.models import build_default_model
 
     server = start_server(args=("--threads=20",), workers=2)
     status = _status(server)

@@ -16,10 +16,10 @@ import pytest
 from flask import Flask
 from prometheus_client import CollectorRegistry
 
-from app import logs, serving
-from app.batching import Batcher, check_rows
-from app.call import Call, ModelSpec
-from app.errors import (
+from app.core import serving
+from app.core.batching import Batcher, check_rows
+from app.core.call import Call, ModelSpec
+from app.core.errors import (
     BadRequest,
     DeadlineExceeded,
     InvalidInput,
@@ -28,8 +28,7 @@ from app.errors import (
     PayloadTooLarge,
     SignatureNotFound,
 )
-from app.metrics import Metrics
-from app.models import (
+from app.core.models import (
     CLASSIFY_METHOD,
     DEFAULT_SIGNATURE,
     PREDICT_METHOD,
@@ -39,9 +38,11 @@ from app.models import (
     Signature,
     TensorInfo,
 )
-from app.registry import ModelRegistry, Servable
-from app.serving import RequestLayer, examples_decode
-from app.settings import Settings
+from app.core.registry import ModelRegistry, Servable
+from app.core.serving import RequestLayer, examples_decode
+from app.ops import logs
+from app.ops.metrics import Metrics
+from app.ops.settings import Settings
 
 TIMEOUT_S = 30.0
 MAX_REQUEST_ROWS = 4

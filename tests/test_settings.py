@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from app.settings import ModelConfig, Settings, SettingsError, documented, model_configs
+from app.ops.settings import ModelConfig, Settings, SettingsError, documented, model_configs
 from tests.conftest import REPO
 
 

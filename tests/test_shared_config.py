@@ -1,4 +1,4 @@
-"""The coordination of a reload across workers (app/shared_config.py), in one process: each
+"""The coordination of a reload across workers (app/core/shared_config.py), in one process: each
 SharedConfig is a worker's end, with its real Unix socket, state file and lock in a run folder;
 what a worker does to apply a config is a callable here, so a sibling can be held, fail or
 leave at a chosen point. tests/test_tfs_live_config.py checks the same on real workers."""
@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from app import errors
-from app.shared_config import Generation, SharedConfig
+from app.core import errors
+from app.core.shared_config import Generation, SharedConfig
 
 HERE, SIBLING = 1001, 1002
 DOCUMENT = {"models": [{"name": "a"}]}

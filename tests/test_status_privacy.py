@@ -105,11 +105,11 @@ def test_an_unknown_model_is_not_found_without_naming_the_models_served(served):
 def test_readyz_detail_lets_the_path_through(tmp_path, monkeypatch, detail, shown):
     import prometheus_client
 
-    from app import models
-    from app import registry as registry_module
-    from app.metrics import Metrics
-    from app.registry import LiveConfig, ModelRegistry
-    from app.settings import ModelConfig, Settings
+    from app.core import models
+    from app.core import registry as registry_module
+    from app.core.registry import LiveConfig, ModelRegistry
+    from app.ops.metrics import Metrics
+    from app.ops.settings import ModelConfig, Settings
 
     def failing_load(config, settings, metrics, version=None, *, on_broken=None, loading=None):
         raise models.ModelLoadError(f"cannot read the SavedModel in {config.path}/{version}: broken")

@@ -76,9 +76,9 @@ def test_circles_finds_a_circle_of_two_and_of_three():
 
 def test_the_graph_sees_lazy_and_package_imports():
     graph = import_graph()
-    assert "app.model_types" in graph["app.jax_model"]
-    assert "app.batching" in graph["app.registry"]
-    assert "app.tracing" in graph["app.loading"]  # imported inside steps(), only with tracing on
+    assert "app.core.model_types" in graph["app.core.jax_model"]
+    assert "app.core.batching" in graph["app.core.registry"]
+    assert "app.ops.tracing" in graph["app.core.loading"]  # imported inside steps(), only with tracing on
 
 
 def test_app_has_no_import_circle():
@@ -87,13 +87,14 @@ def test_app_has_no_import_circle():
 
 def test_loading_a_model_reaches_no_front_door_and_no_tracing():
     graph = import_graph()
-    reached, todo = set(), ["app.registry"]
+    reached, todo = set(), ["app.core.registry"]
     while todo:
         name = todo.pop()
         if name not in reached:
             reached.add(name)
             todo.extend(graph[name])
-    doors = {"app.api", "app.grpc_server", "app.v2_rest", "app.v2_grpc", "app.tracing", "app.warmup", "app.serving"}
+    doors = {"app.http.tfs", "app.grpc.server", "app.http.v2", "app.grpc.v2", "app.ops.tracing", "app.wire.warmup",
+             "app.core.serving"}
     assert reached & doors == set()
 
 

@@ -378,10 +378,10 @@ def test_a_warmup_file_that_does_not_read_fails_the_load(tmp_path, content, mess
     import tensorflow as tf
     from prometheus_client import CollectorRegistry
 
-    from app import warmup
-    from app.metrics import Metrics
-    from app.models import ModelLoadError
-    from app.settings import Settings
+    from app.core.models import ModelLoadError
+    from app.ops.metrics import Metrics
+    from app.ops.settings import Settings
+    from app.wire import warmup
 
     (tmp_path / "assets.extra").mkdir()
     path = tmp_path / "assets.extra" / "tf_serving_warmup_requests"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app import models
+from app.core import models
 from tests.tfs_models import (
     HALF_PLUS_TWO_SIGNATURES,
     VERSION,
@@ -102,10 +102,10 @@ def test_the_command_refuses_an_unknown_flag_naming_it(tmp_path):
 
 
 def test_metadata_of_the_loaded_models_without_a_server(tfs_models):  # noqa: F811
-    """The same documents as the served ones, from app.metadata directly (REST JSON and gRPC proto)."""
+    """The same documents as the served ones, from app.wire.metadata directly (REST JSON and gRPC proto)."""
     from google.protobuf import json_format
 
-    from app import metadata
+    from app.wire import metadata
 
     model = models.load_model(str(tfs_models["half_plus_two"]), name="default")
     assert metadata.describe(model)["metadata"]["signature_def"]["signature_def"] == HALF_PLUS_TWO_SIGNATURES
@@ -123,7 +123,7 @@ def test_metadata_of_the_loaded_models_without_a_server(tfs_models):  # noqa: F8
 def test_a_rank_one_tensor_for_an_input_declared_minus_one_by_one_is_rows_of_one_value():
     from tensorflow.core.framework import tensor_pb2
 
-    from app import tensor_proto
+    from app.wire import tensor_proto
 
     spec = models.TensorInfo("x", (1,), np.dtype("float32"), "DT_FLOAT")
     proto = tensor_pb2.TensorProto(dtype=1, float_val=[2.0, 3.0])

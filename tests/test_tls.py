@@ -19,7 +19,7 @@ import requests
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tensorflow_serving.apis import prediction_service_pb2_grpc
 
-from app import tls
+from app.grpc import tls
 from tests.conftest import Server
 from tests.test_grpc import examples_input, save_classify_regress
 from tests.test_tfs_inference import (
@@ -119,7 +119,7 @@ def test_a_client_with_a_certificate_the_ca_signed_is_served_over_tls(served, ce
 
     assert [[(c.label, c.score) for c in row.classes] for row in response.result.classifications] == [
         [("neg", -3.0), ("pos", 3.0)]]
-    # The id rides with the answer over TLS too (app/patches.py, initial_metadata_with_the_answer).
+    # The id rides with the answer over TLS too (app/ops/patches.py, initial_metadata_with_the_answer).
     assert dict(call.initial_metadata())["x-request-id"] == "over-tls"
 
 

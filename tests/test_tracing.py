@@ -1,4 +1,4 @@
-"""Tracing (app/tracing.py, docs/tracing.md): spans as a live server sends them, and nothing when off.
+"""Tracing (app/ops/tracing.py, docs/tracing.md): spans as a live server sends them, and nothing when off.
 
 The server exports over real OTLP/HTTP to a receiver the test runs, which decodes each
 export with opentelemetry-proto's own messages. The engine's part (which requests each
@@ -27,10 +27,10 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from tensorflow import make_ndarray
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
-from app.batching import Batcher, BatchObserver
-from app.call import Call
-from app.settings import Settings
-from app.tensor_proto import from_ndarray
+from app.core.batching import Batcher, BatchObserver
+from app.core.call import Call
+from app.ops.settings import Settings
+from app.wire.tensor_proto import from_ndarray
 from tests.conftest import integer_rows
 from tests.test_grpc_truth import unread_predict
 
@@ -104,7 +104,7 @@ def grpc_predict(target: str, rows: np.ndarray, header: str):
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
         response, call = stub.Predict.with_call(request, timeout=60,
                                                 metadata=(("traceparent", header), ("x-request-id", header[3:35])))
-    # Traced, the request id still rides with the answer (app/patches.py, initial_metadata_with_the_answer).
+    # Traced, the request id still rides with the answer (app/ops/patches.py, initial_metadata_with_the_answer).
     assert dict(call.initial_metadata())["x-request-id"] == header[3:35]
     return response
 
@@ -218,8 +218,8 @@ def test_with_tracing_off_the_worker_sends_no_span_and_imports_nothing_of_tracin
     assert server.stop() == 0
 
     [modules] = [path.read_text().split() for path in Path(report).iterdir()]
-    assert "app.serving" in modules  # the report is the serving worker's
-    assert not [name for name in modules if name == "app.tracing" or name.startswith("opentelemetry")]
+    assert "app.core.serving" in modules  # the report is the serving worker's
+    assert not [name for name in modules if name == "app.ops.tracing" or name.startswith("opentelemetry")]
     assert receiver.spans == []
 
 

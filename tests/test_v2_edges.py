@@ -13,9 +13,12 @@ import numpy as np
 import orjson
 import pytest
 
-from app import create_app, logs, openapi, shutdown_app, v2_tensors
-from app.settings import Settings, SettingsError, model_configs, parse, validate_pos_int
+from app import create_app, shutdown_app
+from app.http import openapi
+from app.ops import logs
+from app.ops.settings import Settings, SettingsError, model_configs, parse, validate_pos_int
 from app.tfs_flags import FlagError, parse_flags
+from app.wire import v2_tensors
 from tests.conftest import integer_rows
 from tests.test_v2 import DTYPES, dtype_values, save_dtype_echo
 
@@ -267,7 +270,9 @@ def test_openapi_document_describes_every_route_the_app_serves_v2_included(app, 
 def test_a_route_without_a_description_stops_start_up():
     from flask import Flask
 
-    from app import api, metrics, v2_rest
+    from app.http import tfs as api
+    from app.http import v2 as v2_rest
+    from app.ops import metrics
 
     probe = Flask("probe")
     api.init_app(probe)

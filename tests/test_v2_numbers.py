@@ -8,7 +8,7 @@ import numpy as np
 import orjson
 import pytest
 
-from app import v2_rest
+from app.http import v2 as v2_rest
 from tests.conftest import FEATURES
 
 

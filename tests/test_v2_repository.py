@@ -23,9 +23,9 @@ from tensorflow_serving.apis import model_management_pb2, model_service_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from app import settings as app_settings
-from app.settings import ModelConfig, Settings, SettingsError
-from app.v2_repository import config_entry
+from app.core.repository import config_entry
+from app.ops import settings as app_settings
+from app.ops.settings import ModelConfig, Settings, SettingsError
 from tests.conftest import Server, build_exact_model, integer_rows
 from tests.test_tfs_live_config import worker_channels
 
@@ -170,7 +170,7 @@ def test_restricted_calls_without_the_key_are_refused_and_logged(server, http, g
         assert allowed.status.error_code == 0
     log = server.log()
     warnings = [json.loads(line) for line in log.splitlines()
-                if line.startswith("{") and "refused" in line and '"app.v2_repository"' in line]
+                if line.startswith("{") and "refused" in line and '"app.core.repository"' in line]
     assert {entry["message"] for entry in warnings} >= {
         f"refused /v2/repository/index: no valid '{KEY}' header",
         f"refused /inference.GRPCInferenceService/RepositoryModelLoad: no valid '{KEY}' metadata key",

@@ -19,8 +19,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 
-from app import create_app, logs, shutdown_app
-from app.settings import Settings
+from app import create_app, shutdown_app
+from app.ops import logs
+from app.ops.settings import Settings
 from tests.conftest import Server, build_exact_model, integer_rows
 from tests.test_reliability import FEATURES, POISON, save_guarded_model
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import requests
 
-from app.batching import Batcher, BatchObserver
-from app.batching.rows import Padding, batch_key, join_padded
-from app.call import Call
-from app.errors import InvalidInput
-from app.settings import ModelConfig, Settings, SettingsError, model_configs
+from app.core.batching import Batcher, BatchObserver
+from app.core.batching.rows import Padding, batch_key, join_padded
+from app.core.call import Call
+from app.core.errors import InvalidInput
+from app.ops.settings import ModelConfig, Settings, SettingsError, model_configs
 from scripts.text_model import build_text_model, token_rows
 
 WAIT_S = 10  # upper bound for events that should come at once; never reached when passing
@@ -237,7 +237,7 @@ def padded_config(**kwargs) -> ModelConfig:
 
 
 def test_start_up_check_accepts_a_masking_model_and_refuses_one_that_does_not_mask(tmp_path, caplog):
-    from app import models, padding
+    from app.core import models, padding
 
     masking = models._from_keras(build_text_model(), name="text", version=1, source="test", method="function")
     plain = models._from_keras(build_text_model(mask=False), name="plain", version=1, source="test",
@@ -245,7 +245,7 @@ def test_start_up_check_accepts_a_masking_model_and_refuses_one_that_does_not_ma
     config = padded_config(length_buckets=(8, 32))
     assert padding.model_paddings(masking, config) == {"serving_default": Padding(
         inputs={"tokens": (0,)}, outputs={"token_scores": (0,)}, value=0.0, length_buckets=(8, 32))}
-    with caplog.at_level(logging.ERROR, logger="app.padding"):
+    with caplog.at_level(logging.ERROR, logger="app.core.padding"):
         assert padding.model_paddings(plain, config) == {"serving_default": None}
     message, = [record.getMessage() for record in caplog.records]
     assert "model 'plain' v1, signature 'serving_default': variable-length padding refused" in message
@@ -256,7 +256,7 @@ def test_start_up_check_accepts_a_masking_model_and_refuses_one_that_does_not_ma
 
 
 def test_warm_up_covers_every_batch_and_length_bucket_so_nothing_is_new_under_load():
-    from app import models, padding
+    from app.core import models, padding
 
     model = models._from_keras(build_text_model(), name="text", version=1, source="test", method="function")
     config = padded_config(length_buckets=(8, 16, 32))
@@ -290,7 +290,7 @@ def test_warm_up_covers_every_batch_and_length_bucket_so_nothing_is_new_under_lo
 
 
 def test_padded_to_the_longest_with_real_tensorflow_equals_each_request_alone():
-    from app import models, padding
+    from app.core import models, padding
 
     keras_model = build_text_model()
     model = models._from_keras(keras_model, name="text", version=1, source="test", method="function")

@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import requests
 
-from app import models
-from app.batching import Batcher, BatchObserver
-from app.call import Call, ModelSpec
-from app.errors import NotFound
-from app.models import LoadedModel, TensorInfo
-from app.registry import LiveConfig, ModelRegistry, Servable, wanted_versions
-from app.settings import ModelConfig, Settings, SettingsError, model_configs
+from app.core import models
+from app.core.batching import Batcher, BatchObserver
+from app.core.call import Call, ModelSpec
+from app.core.errors import NotFound
+from app.core.models import LoadedModel, TensorInfo
+from app.core.registry import LiveConfig, ModelRegistry, Servable, wanted_versions
+from app.ops.settings import ModelConfig, Settings, SettingsError, model_configs
 from tests.conftest import Server, wait_for
 
 TIMEOUT_S = 60
@@ -204,8 +204,8 @@ def test_poller_loads_a_new_version_before_serving_it_and_keeps_serving_through_
     stays (TF Serving's availability-preserving policy), and is not retried."""
     import prometheus_client
 
-    from app import registry as registry_module
-    from app.metrics import Metrics
+    from app.core import registry as registry_module
+    from app.ops.metrics import Metrics
 
     gate, running = threading.Event(), threading.Event()
     gate.set()

@@ -1,9 +1,9 @@
 """The worker's side of MODEL_PROCESSES: a registry whose batchers live in a model process.
 
-The request layer (app/serving.py) and the front doors use the same `ModelRegistry` and
+The request layer (app/core/serving.py) and the front doors use the same `ModelRegistry` and
 `Servable` as in the default mode, filled from the model process's description: versions,
 labels, states and signatures are resolved and checked here, in the worker. Only the
-batcher is remote: `RemoteBatcher` is an `Engine` (app/batching/engine.py) whose `predict`
+batcher is remote: `RemoteBatcher` is an `Engine` (app/core/batching/engine.py) whose `predict`
 hands the call, serialized once in the frame's header, and its rows to the model process,
 and waits for its answer until the call's deadline. Nothing here imports TensorFlow.
 """
@@ -20,15 +20,15 @@ from typing import Any
 
 from flask import Flask
 
-from app.batching import BatchResult, Engine, EngineInfo, Tensors
-from app.batching.batcher import given_ms
-from app.call import Call
-from app.errors import DeadlineExceeded
+from app.core.batching import BatchResult, Engine, EngineInfo, Tensors
+from app.core.batching.batcher import given_ms
+from app.core.call import Call
+from app.core.errors import DeadlineExceeded
+from app.core.registry import ModelRegistry, Servable
 from app.model_process import meta, protos
 from app.model_process.link import ModelProcessLink, batch_result
 from app.model_process.supervisor import FOLDER_VARIABLE, socket_path
-from app.registry import ModelRegistry, Servable
-from app.settings import Settings
+from app.ops.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from app import errors
-from app.batching import BatchResult
-from app.batching.work import settle
+from app.core import errors
+from app.core.batching import BatchResult
+from app.core.batching.work import settle
 from app.model_process import wire
 from app.model_process.arena import Arena
 

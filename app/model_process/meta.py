@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.core.models import LoadedModel, Signature, TensorInfo
+from app.core.registry import ModelRegistry
 from app.model_process.wire import dtype_from_text, dtype_text
-from app.models import LoadedModel, Signature, TensorInfo
-from app.registry import ModelRegistry
 
 
 def describe(registry: ModelRegistry) -> dict[str, Any]:

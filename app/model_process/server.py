@@ -8,7 +8,7 @@ submits their rows to the batchers; an answer goes back from the batch thread's
 done-callback, written into this process's arena for that worker.
 
 A reload (a worker's HandleReloadConfigRequest) is applied here and, through the run folder
-of app/shared_config.py, by every sibling model process; each pushes the new description to
+of app/core/shared_config.py, by every sibling model process; each pushes the new description to
 its workers and waits until they applied it before the reload answers. A worker that stops
 says so ("flush"): its requests queued here run without waiting out their batch window.
 
@@ -32,14 +32,15 @@ from typing import Any, cast
 
 from flask import Flask
 
-from app import loading, logs, metrics, registry, runtime
-from app.batching import Batcher, BatchResult
-from app.call import Call
-from app.errors import ClientGone, NotFound, PredictFailed, ServingError, Unavailable
+from app.core import loading, registry
+from app.core.batching import Batcher, BatchResult
+from app.core.call import Call
+from app.core.errors import ClientGone, NotFound, PredictFailed, ServingError, Unavailable
+from app.core.registry import RELOAD, ModelRegistry, Servable
 from app.model_process import meta, wire
 from app.model_process.arena import Arena
-from app.registry import RELOAD, ModelRegistry, Servable
-from app.settings import Settings
+from app.ops import logs, metrics, runtime
+from app.ops.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class WorkerConnection:
 
     def _reload(self, header: dict[str, Any]) -> None:
         """A worker's HandleReloadConfigRequest: applied here and by every sibling model process
-        (the run folder of app/shared_config.py), each of which tells its workers before this answers."""
+        (the run folder of app/core/shared_config.py), each of which tells its workers before this answers."""
         live = self.models.live_config
         try:
             if live is None:
@@ -227,7 +228,7 @@ class WorkerConnection:
 
 def _linked_trace(fields: list[Any]) -> Any:
     # Sent only with tracing on, so tracing is imported only then.
-    from app import tracing
+    from app.ops import tracing
 
     return tracing.LinkedTrace(fields)
 

@@ -13,7 +13,7 @@ model process with CUDA_VISIBLE_DEVICES naming one of them, so that TensorFlow i
 GPU alone and GPU_MEMORY_LIMIT_MB or GPU_MEMORY_FRACTION caps it there. Without a GPU each
 model process takes its share of the CPUs (runtime.configure).
 
-This module imports nothing of TensorFlow (nor does app.runtime at import): the master imports it.
+This module imports nothing of TensorFlow (nor does app.ops.runtime at import): the master imports it.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from app import runtime
-from app.settings import Settings
+from app.ops import runtime
+from app.ops.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import requests
 
-from app.settings import documented
+from app.ops.settings import documented
 from scripts.live_server import REPO, SERVER_COMMAND, LiveServer
 
 COMMAND = "python -m scripts.benchmark"
@@ -312,7 +312,7 @@ def run_child(function: str, log_path: Path, *, timeout_s: float = 900, **kwargs
 
 
 def save_wide_model(path: str) -> None:
-    from app.models import build_default_model
+    from app.core.models import build_default_model
 
     build_default_model(**WIDE_MODEL).save(path)
 

@@ -22,8 +22,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from app.batching import bucket_sizes
-from app.settings import Settings
+from app.core.batching import bucket_sizes
+from app.ops.settings import Settings
 
 from . import common
 from .common import FLOOR_APP, Config, Load, Server, fmt, log, markdown_table, ratio
@@ -158,8 +158,8 @@ def save_model_alone(out: str, model_path: str | None, batch_sizes: list[int], b
     """The child's side: both predict paths timed per batch size, then batch-1 calls after idling."""
     import numpy as np
 
-    from app import runtime
-    from app.models import example_batch, load_model
+    from app.core.models import example_batch, load_model
+    from app.ops import runtime
 
     # TensorFlow's thread pools as in one worker of a default server, so its calls are the ones timed here.
     runtime.configure(Settings(), workers=1)

@@ -1,7 +1,7 @@
 """The wide model on Keras's JAX backend on one GPU: the model alone, then served under load.
 `python -m scripts.benchmark gpu --out results/`, on a host with JAX's CUDA build.
 
-1. The model alone: app.models' jitted predict (host copies included) at B = 1 .. 256.
+1. The model alone: app.core.models' jitted predict (host copies included) at B = 1 .. 256.
 2. Served: MODEL_PROCESSES=1 (one model process holds the GPU), WORKERS workers, REST and v2
    only (gRPC needs TensorFlow's protos), GPU_MEMORY_LIMIT_MB as the cap. A local generator
    (processes x threads, one keep-alive connection each, one row per request) runs closed loops
@@ -42,7 +42,7 @@ def check_rows() -> np.ndarray:
 def save_model_alone(path: str, out: str, budget_s: float, small: bool) -> None:
     """Build and save the model, then time it: run in a process of its own, so that its JAX client
     (and the GPU memory JAX takes by default) is gone before the server's starts."""
-    from app.models import build_default_model, example_batch, load_model
+    from app.core.models import build_default_model, example_batch, load_model
 
     from .experiment import time_calls
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import requests
 
-from app.settings import Settings
+from app.ops.settings import Settings
 
 from . import common
 from .common import DOCS, FLOOR_APP, REPO, WIDE_MODEL, Config, Server, fmt, log, markdown_table, mean, ratio
@@ -204,7 +204,7 @@ def build_models(folder: str, names: list[str]) -> None:
     import keras
     import tensorflow as tf
 
-    from app.models import build_default_model
+    from app.core.models import build_default_model
 
     rng = np.random.default_rng(0)
     # Three decimals: what a client sends, and the same float32 whichever server parses it.

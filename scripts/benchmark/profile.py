@@ -35,26 +35,26 @@ from .load import run_locust
 PAGE = DOCS / "profile.md"
 PY_SPY = str(Path(sys.executable).parent / "py-spy")
 FLOOR, FLOOR_BATCHER = CONFIGS_BY_NAME["floor"], CONFIGS_BY_NAME["floor-batcher"]
-# The batching engine's files: app/batching/ (app/batching.py in trees before it was a package).
-ENGINE = "app/batching"
+# The batching engine's files: app/core/batching/ (app/batching/ and app/batching.py in older trees).
+ENGINE = ("app/core/batching/", "app/batching")
 BATCH_THREAD_STAGE = "batch thread: gather, pad, deliver"
 QUEUE_STAGE = "request thread: queue and wait"
 # (stage, substrings of a py-spy frame "function (path:line)"), tried in order for each frame
 # from the leaf up; the first frame that matches any names the stage.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("model: TensorFlow call", ("tensorflow/", "keras/", "app/models.py")),
-    # Before the decode row: both are in app/codec.py, told apart by function.
-    ("JSON encode", tuple(f"{name} (app/codec.py" for name in (
+    ("model: TensorFlow call", ("tensorflow/", "keras/", "app/models.py", "app/core/models.py")),
+    # Before the decode row: both are in the codec (app/wire/codec.py), told apart by function.
+    ("JSON encode", tuple(f"{name} ({path}" for path in ("app/codec.py", "app/wire/codec.py") for name in (
         "encode_response", "_answer_body", "_jsonable", "_squeezed", "_batch_size", "_non_finite_json", "_token",
         "_encode_strings"))),
-    ("JSON decode and checks", ("(app/codec.py", "(app/classify.py")),
-    ("access log", ("app/logs.py", "logging/")),
-    ("metrics", ("prometheus_client/", "app/metrics.py")),
+    ("JSON decode and checks", ("(app/codec.py", "(app/classify.py", "(app/wire/")),
+    ("access log", ("app/logs.py", "app/ops/logs.py", "logging/")),
+    ("metrics", ("prometheus_client/", "app/metrics.py", "app/ops/metrics.py")),
     # The engine's frames (and the futures it settles) count for the thread they run on: see stage_of.
     (BATCH_THREAD_STAGE, ()),
-    (QUEUE_STAGE, (ENGINE, "app/registry.py", "concurrent/futures/_base.py")),
-    ("body limits", ("app/limits.py",)),
-    ("views (app/api.py)", ("app/api.py", "app/errors.py")),
+    (QUEUE_STAGE, (*ENGINE, "app/registry.py", "app/core/registry.py", "concurrent/futures/_base.py")),
+    ("body limits", ("app/limits.py", "app/http/bodies.py")),
+    ("views (app/http/tfs.py)", ("app/api.py", "app/errors.py", "app/http/", "app/core/errors.py")),
     ("floor app: parse, hand to the model thread, wait", ("floor_app.py",)),
     ("Flask and Werkzeug", ("flask/", "werkzeug/")),
     ("Gunicorn: HTTP, threads, polling",
@@ -93,7 +93,7 @@ def on_batch_thread(stack: str) -> bool:
     """The thread's outermost frame past threading.py is the engine's (or the floor's model thread):
     told by file, so that no name inside the engine is needed."""
     root = next((frame for frame in stack.split(";") if "(threading.py" not in frame), "")
-    return ENGINE in root or "ModelThread._run" in root
+    return any(path in root for path in ENGINE) or "ModelThread._run" in root
 
 
 def read_raw(path: Path) -> collections.Counter:

@@ -1,0 +1,262 @@
+"""Triton's model repository extension of the Open Inference Protocol, over HTTP and gRPC.
+
+    POST /v2/repository/index                 every model of MODEL_REPOSITORY and every model served,
+                                              with each version's state (READY, LOADING, UNLOADING,
+                                              UNAVAILABLE and its reason); {"ready": true}: READY only
+    POST /v2/repository/models/{m}/load       serve MODEL_REPOSITORY/m (a base folder of numbered versions)
+    POST /v2/repository/models/{m}/unload     stop serving m
+
+and gRPC's RepositoryIndex, RepositoryModelLoad and RepositoryModelUnload of
+inference.GRPCInferenceService. Load and unload change the server's model config as TF Serving's
+HandleReloadConfigRequest does (LiveConfig.edit in app/core/registry.py): every worker has applied it
+before the call answers, and a model that fails to load is answered with its reason while the
+others go on. They are refused (503, UNAVAILABLE, Triton's words) unless MODEL_CONTROL_MODE is
+explicit.
+
+RESTRICTED_MODEL_CONTROL=key=value restricts these calls and HandleReloadConfigRequest to callers
+that send header (or gRPC metadata key) `key` with that value, as Triton's `--http-restricted-api`
+and `--grpc-restricted-protocol` do; anyone else gets 403 or PERMISSION_DENIED, and one warning
+line that names the call and the key, never a value.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import orjson
+from flask import Blueprint, Flask, Response, current_app, request
+from tritonclient.grpc import service_pb2
+
+from app.core.errors import BadRequest, Forbidden, NotFound, Unavailable
+from app.core.registry import AVAILABLE, END, LOADING, UNLOADING, ModelRegistry, get_registry
+from app.ops.settings import MODEL_NAME_PATTERN, ModelConfig, Settings
+from app.wire import codec
+
+log = logging.getLogger(__name__)
+
+_SERVICE = "/inference.GRPCInferenceService"
+# The calls RESTRICTED_MODEL_CONTROL guards on gRPC (REST: the blueprint's routes).
+RESTRICTED_METHODS = frozenset({f"{_SERVICE}/RepositoryIndex", f"{_SERVICE}/RepositoryModelLoad",
+                                f"{_SERVICE}/RepositoryModelUnload",
+                                "/tensorflow.serving.ModelService/HandleReloadConfigRequest"})
+# TF Serving's version states as Triton's index names them.
+_STATES = {AVAILABLE: "READY", LOADING: "LOADING", UNLOADING: "UNLOADING", END: "UNAVAILABLE"}
+
+bp = Blueprint("v2_repository", __name__, url_prefix="/v2/repository")
+
+
+class Repository:
+    """MODEL_REPOSITORY and the registry it changes, for both front doors."""
+
+    def __init__(self, settings: Settings, registry: ModelRegistry) -> None:
+        self.folder = Path(settings.model_repository) if settings.model_repository else None
+        self.explicit = settings.model_control_mode == "explicit"
+        key, _, value = settings.restricted_model_control.partition("=")
+        self.key, self._value = key, value.encode()
+        self._registry = registry
+
+    def check(self, call: str, sent: str | None, *, where: str) -> None:
+        """Refuse `call` unless it came with the restriction's key and value (`sent`: what it had)."""
+        if not self.key or (sent is not None and hmac.compare_digest(sent.encode(), self._value)):
+            return
+        log.warning("refused %s: no valid '%s' %s", call, self.key, where)
+        raise Forbidden(f"This API is restricted, expecting {where} '{self.key}'")
+
+    def index(self, *, ready: bool) -> list[dict[str, str]]:
+        registry = self._registry
+        names = {name for name, _ in registry.items()}
+        if self.folder is not None and self.folder.is_dir():
+            names.update(entry.name for entry in os.scandir(self.folder)
+                         if entry.is_dir() and MODEL_NAME_PATTERN.fullmatch(entry.name))
+        models = []
+        for name in sorted(names):
+            try:
+                statuses = registry.model_status(name)
+            except NotFound:  # in the folder, never loaded: Triton lists its name only
+                statuses = []
+            if not statuses and not ready:
+                models.append({"name": name})
+            for status in sorted(statuses, key=lambda entry: int(entry["version"])):
+                state = _STATES.get(status["state"], "UNKNOWN")
+                if ready and state != "READY":
+                    continue
+                reason = status["status"]["error_message"] or ("unloaded" if state == "UNAVAILABLE" else "")
+                models.append({"name": name, "version": status["version"], "state": state, "reason": reason})
+        return models
+
+    def load(self, name: str, parameters: dict[str, Any], *, timeout_s: float | None) -> None:
+        self._control(parameters, allowed=())
+        assert self.folder is not None  # the settings ask for it with MODEL_CONTROL_MODE=explicit
+        path = self.folder / name
+        if not MODEL_NAME_PATTERN.fullmatch(name) or not path.is_dir():
+            raise BadRequest(f"failed to load '{name}', failed to poll from model repository: no folder "
+                             f"'{name}' in MODEL_REPOSITORY")
+
+        def loaded(configs: list[ModelConfig]) -> dict[str, Any]:
+            entries = [config_entry(config) for config in configs if config.name != name]
+            return {"models": [*entries, {"name": name, "path": str(path)}],
+                    "default": entries[0]["name"] if entries else name}
+
+        try:
+            self._edit(loaded, timeout_s)
+        except BadRequest as exc:
+            raise BadRequest(f"failed to load '{name}': {exc.message}") from None
+
+    def unload(self, name: str, parameters: dict[str, Any], *, timeout_s: float | None) -> None:
+        # No model depends on another here: unload_dependents has nothing more to unload.
+        self._control(parameters, allowed=("unload_dependents",))
+        if not self._registry.versions(name):
+            return  # as Triton: unloading what is not served succeeds
+
+        def unloaded(configs: list[ModelConfig]) -> dict[str, Any]:
+            entries = [config_entry(config) for config in configs if config.name != name]
+            if not entries:
+                raise BadRequest(f"failed to unload '{name}': it is the only model served, and the server "
+                                 "serves at least one")
+            return {"models": entries}
+
+        self._edit(unloaded, timeout_s)
+
+    def _control(self, parameters: dict[str, Any], *, allowed: tuple[str, ...]) -> None:
+        if not self.explicit:
+            # Triton's words and status when its model control mode is not explicit.
+            raise Unavailable("explicit model load / unload is not allowed if polling is enabled")
+        unknown = sorted(set(parameters) - set(allowed))
+        if unknown:
+            raise BadRequest(f"parameter(s) {unknown} not supported: a model is loaded from its folder in "
+                             "MODEL_REPOSITORY as it is")
+
+    def _edit(self, change: Callable[[list[ModelConfig]], dict[str, Any]], timeout_s: float | None) -> None:
+        live = self._registry.live_config
+        if live is None:
+            raise Unavailable("this server's models come from no config it can change")
+        live.edit(change, timeout_s=timeout_s)
+
+
+def config_entry(config: ModelConfig) -> dict[str, Any]:
+    """A served model's config as a MODEL_CONFIG entry that reads back equal: unchanged by a reload."""
+    kind, value = config.version_policy
+    policy: dict[str, Any] = {}  # "all"
+    if kind == "latest":
+        policy = {"num_versions": value}
+    elif kind == "specific":
+        policy = {"versions": list(value)}  # type: ignore[arg-type]
+    entry: dict[str, Any] = {
+        "name": config.name, "max_batch_size": config.max_batch_size, "batch_timeout_ms": config.batch_timeout_ms,
+        "max_queue_rows": config.max_queue_rows, "max_request_rows": config.max_request_rows,
+        "pad_variable_length": config.pad_variable_length, "pad_value": config.pad_value,
+        "length_buckets": list(config.length_buckets), "model_version_policy": {kind: policy},
+        "version_labels": dict(config.version_labels)}
+    if config.path is not None:
+        entry["path"] = config.path
+    return entry
+
+
+def get(app: Flask) -> Repository:
+    repository = app.extensions.get("v2_repository")
+    if repository is None:  # made at first use: the routes may be registered in an app without models
+        repository = app.extensions["v2_repository"] = Repository(app.extensions["settings"], get_registry(app))
+    return repository
+
+
+# -- REST ---------------------------------------------------------------------------------
+
+
+@bp.before_request
+def restricted() -> None:
+    repository = get(current_app)
+    repository.check(request.path, request.headers.get(repository.key) if repository.key else None,
+                     where="header")
+
+
+def _body() -> dict[str, Any]:
+    data = request.get_data()
+    body = codec.loads(data) if data else {}  # whitespace alone is not JSON: refused as Triton refuses it
+    if not isinstance(body, dict):
+        raise BadRequest("the request must be a JSON object")
+    return body
+
+
+def _rest_parameters() -> dict[str, Any]:
+    parameters = _body().get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise BadRequest("'parameters' must be a JSON object")
+    return parameters
+
+
+@bp.post("/index")
+def index() -> Response:
+    ready = _body().get("ready", False)
+    if not isinstance(ready, bool):
+        raise BadRequest("'ready' must be true or false")
+    return Response(orjson.dumps(get(current_app).index(ready=ready)), content_type="application/json")
+
+
+@bp.post("/models/<model_name:name>/load")
+def load(name: str) -> Response:
+    get(current_app).load(name, _rest_parameters(), timeout_s=None)
+    return Response(b"", content_type="application/json")
+
+
+@bp.post("/models/<model_name:name>/unload")
+def unload(name: str) -> Response:
+    get(current_app).unload(name, _rest_parameters(), timeout_s=None)
+    return Response(b"", content_type="application/json")
+
+
+def init_app(app: Flask) -> None:
+    app.register_blueprint(bp)
+
+
+# -- gRPC ---------------------------------------------------------------------------------
+
+
+def restriction(repository: Repository) -> Callable[[str, Any], None]:
+    """RESTRICTED_MODEL_CONTROL on gRPC: check(method, metadata) raises Forbidden for a restricted
+    method called without the key; app/grpc/calls.py answers it PERMISSION_DENIED before its
+    handler runs."""
+    def check(method: str, metadata: Any) -> None:
+        if method not in RESTRICTED_METHODS or not repository.key:
+            return
+        sent = next((value for key, value in metadata or () if key == repository.key and isinstance(value, str)),
+                    None)
+        repository.check(method, sent, where="metadata key")
+
+    return check
+
+
+def serve_grpc(servicer: Any, repository: Repository, observed: Callable[[str, Callable], Callable]) -> None:
+    """Give v2's gRPC servicer the repository's three methods (before it is added to a server)."""
+    def index(request: Any, _record: Any, context: grpc.ServicerContext) -> Any:
+        _one_repository(request)
+        return service_pb2.RepositoryIndexResponse(models=[
+            service_pb2.RepositoryIndexResponse.ModelIndex(**model) for model in repository.index(ready=request.ready)])
+
+    def load(request: Any, _record: Any, context: grpc.ServicerContext) -> Any:
+        _one_repository(request)
+        repository.load(request.model_name, _grpc_parameters(request), timeout_s=context.time_remaining())
+        return service_pb2.RepositoryModelLoadResponse()
+
+    def unload(request: Any, _record: Any, context: grpc.ServicerContext) -> Any:
+        _one_repository(request)
+        repository.unload(request.model_name, _grpc_parameters(request), timeout_s=context.time_remaining())
+        return service_pb2.RepositoryModelUnloadResponse()
+
+    servicer.RepositoryIndex = observed(f"{_SERVICE}/RepositoryIndex", index)
+    servicer.RepositoryModelLoad = observed(f"{_SERVICE}/RepositoryModelLoad", load)
+    servicer.RepositoryModelUnload = observed(f"{_SERVICE}/RepositoryModelUnload", unload)
+
+
+def _one_repository(request: Any) -> None:
+    if request.repository_name:
+        raise BadRequest("'repository_name' specification is not supported")
+
+
+def _grpc_parameters(request: Any) -> dict[str, Any]:
+    return {key: request.parameters[key] for key in request.parameters}

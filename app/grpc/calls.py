@@ -1,0 +1,260 @@
+"""Every gRPC call's one path through a worker's server, around its handler.
+
+The worker's server is grpc.aio's: its calls live on one event loop thread, and a prediction
+awaits its rows without holding a thread (app/core/batching/engine.py, `awaited`). `CallPath` is the
+server's only interceptor. For each call, in order:
+
+1. Health checks skip to step 4, without a record or a place in the call limit, with a receive
+   timeout of at most HEALTH_RECEIVE_TIMEOUT_S: predictions filling every place cannot make the
+   probe fail.
+2. The record opens (app/grpc/exchange.py: access line, request metrics, the request id echoed in
+   the initial metadata), before anything can refuse the call, so every refusal is recorded.
+3. The call limit: at most THREADS calls at once per worker; the rest are refused at once with
+   RESOURCE_EXHAUSTED rather than wait where nothing sees them.
+4. The request message, within GRPC_RECEIVE_TIMEOUT_MS of the call's headers (grpc-core has no
+   such limit: every unary method is served as a client-streaming one that reads its one
+   message under a timer), else CANCELLED; a message that does not parse is INVALID_ARGUMENT
+   (grpc's own path answers INTERNAL and logs a traceback per call).
+5. RESTRICTED_MODEL_CONTROL: a restricted method without the key is PERMISSION_DENIED.
+6. The trace (TRACING): a SERVER span, continuing the trace in the call's metadata, ended with
+   the record, with the status its client got.
+7. The handler: `handler(request, record, context)`, on the loop where it awaits (a prediction's
+   `on_loop`), else on one of THREADS threads (metadata, status, reloads: calls that block).
+   Its ServingError becomes its status code (`STATUS_CODES`), anything else INTERNAL.
+8. The answer, serialized here: an answer that cannot be is INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent import futures
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import grpc
+
+from app.core import errors
+from app.core.errors import SignatureNotFound
+from app.core.serving import Requests
+from app.grpc.exchange import CallRecord
+from app.ops.logs import RequestRecord
+
+if TYPE_CHECKING:
+    from app.ops.tracing import Tracing
+
+log = logging.getLogger(__name__)
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+HEALTH_RECEIVE_TIMEOUT_S = 1.0
+CONCURRENCY_EXCEEDED = "Concurrent RPC limit exceeded!"
+
+# The one map from the server's errors to gRPC status codes; the most specific class wins.
+# TensorFlow Serving's own choices: model_servers/get_model_metadata_impl.cc and
+# predict_util.cc (INVALID_ARGUMENT, FAILED_PRECONDITION), core/server_core.cc (NOT_FOUND),
+# and the batching library's "Task size ... is larger than maximum input batch size"
+# (INVALID_ARGUMENT) for a request over the row limit.
+STATUS_CODES: dict[type[errors.ServingError], grpc.StatusCode] = {
+    errors.ServingError: grpc.StatusCode.INTERNAL,
+    errors.BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    SignatureNotFound: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.Forbidden: grpc.StatusCode.PERMISSION_DENIED,
+    errors.MethodNotAllowed: grpc.StatusCode.UNIMPLEMENTED,
+    errors.PayloadTooLarge: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.PredictFailed: grpc.StatusCode.INTERNAL,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.ClientGone: grpc.StatusCode.CANCELLED,
+}
+
+
+def status_code(exc: errors.ServingError) -> grpc.StatusCode:
+    return next(STATUS_CODES[cls] for cls in type(exc).__mro__ if cls in STATUS_CODES)
+
+
+def details(exc: errors.ServingError) -> str:
+    if isinstance(exc, SignatureNotFound):
+        # TF Serving's gRPC words (model_servers/predict_util.cc); REST's are the error's own.
+        return errors.bounded(f'Serving signature key "{exc.key}" not found.')
+    return exc.message
+
+
+Behavior = Callable[[Any, RequestRecord, Any], Any]
+
+
+class Handler(NamedTuple):
+    """A method's handler as a servicer declares it: `blocking(request, record, context)` runs
+    on a thread; `on_loop`, where given, is the same as a coroutine, awaited on the loop."""
+
+    blocking: Behavior
+    on_loop: Callable[[Any, RequestRecord, Any], Awaitable[Any]] | None = None
+
+
+def observed(_route: str, blocking: Behavior, on_loop: Callable[..., Awaitable[Any]] | None = None) -> Handler:
+    """A servicer's method, to be served through the call path (its route is the method's name)."""
+    return Handler(blocking, on_loop)
+
+
+class _Refused(Exception):
+    """Ends a call with a status of the path's own (not a handler's error)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class CallPath(grpc.aio.ServerInterceptor):
+    """The server's one interceptor: the module docstring's steps, for every unary method."""
+
+    def __init__(self, requests: Requests, *, max_calls: int, receive_timeout_s: float,
+                 threads: futures.ThreadPoolExecutor, tracing: Tracing | None = None,
+                 restricted: Callable[[str, Any], None] | None = None) -> None:
+        self._requests = requests
+        self._max_calls = max_calls
+        self._receive_timeout_s = receive_timeout_s
+        self._threads = threads
+        self._tracing = tracing
+        # Raises errors.Forbidden for a restricted method called without the key (app/core/repository.py).
+        self._restricted = restricted
+        self._methods: dict[str, Any] = {}
+        # Calls holding a place: on the loop, or on a thread until their handler returned.
+        self.active = 0
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details_: Any) -> Any:
+        # The handlers never change once the server started: each method is wrapped once.
+        method = details_.method
+        wrapped = self._methods.get(method)
+        if wrapped is None:
+            handler = await continuation(details_)
+            if handler is None or handler.unary_unary is None:
+                return handler
+            wrapped = self._methods[method] = self._wrap(method, handler)
+        return wrapped
+
+    def _wrap(self, method: str, handler: Any) -> Any:
+        behavior, parse, serialize = handler.unary_unary, handler.request_deserializer, handler.response_serializer
+
+        if method.startswith(HEALTH_PREFIX):
+            timeout_s = min(self._receive_timeout_s, HEALTH_RECEIVE_TIMEOUT_S)
+
+            async def probe(_messages: Any, context: grpc.aio.ServicerContext) -> bytes:
+                try:
+                    request = await _receive(context, timeout_s, parse)
+                    response = behavior(request, context)
+                    return serialize(response) if serialize is not None else response
+                except errors.ServingError as exc:
+                    await context.abort(status_code(exc), details(exc))
+                except _Refused as refused:
+                    await context.abort(refused.code, refused.message)
+                raise AssertionError("unreachable: abort raises")
+
+            return grpc.stream_unary_rpc_method_handler(probe)
+
+        async def serve(_messages: Any, context: grpc.aio.ServicerContext) -> bytes:
+            record = CallRecord(self._requests, method, context)
+            try:
+                await record.echo_id()
+                return await self._serve(method, behavior, parse, serialize, record, context)
+            except _Refused as refused:
+                await context.abort(refused.code, refused.message)
+            except grpc.aio.AbortError:
+                raise
+            except BaseException:
+                # Cancelled by grpc (its client left, its deadline passed), or ended under the
+                # handler by grpc-core itself (a call it refused before handing it over).
+                record.cancelled()
+                raise
+            raise AssertionError("unreachable: abort raises")
+
+        return grpc.stream_unary_rpc_method_handler(serve)
+
+    async def _serve(self, method: str, behavior: Any, parse: Any, serialize: Any, record: CallRecord,
+                     context: grpc.aio.ServicerContext) -> bytes:
+        if self.active >= self._max_calls:
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, CONCURRENCY_EXCEEDED)
+        self.active += 1
+        released = False
+        try:
+            request = await _receive(context, self._receive_timeout_s, parse)
+            if self._restricted is not None:
+                try:
+                    self._restricted(method, context.invocation_metadata())
+                except errors.Forbidden as exc:
+                    raise _Refused(grpc.StatusCode.PERMISSION_DENIED, exc.message) from None
+            if self._tracing is not None:
+                record.traced(self._tracing.grpc_span(method, context.invocation_metadata()),
+                              self._tracing.end_grpc_span)
+            try:
+                if isinstance(behavior, Handler):
+                    if behavior.on_loop is not None:
+                        response = await behavior.on_loop(request, record.record, context)
+                    else:
+                        # The place is held until the thread is done, even if the call ends first.
+                        loop = asyncio.get_running_loop()
+                        running = self._threads.submit(behavior.blocking, request, record.record, context)
+                        running.add_done_callback(lambda _running: self._release_from_thread(loop))
+                        released = True
+                        response = await asyncio.wrap_future(running)
+                else:
+                    # A probe or a servicer base class's UNIMPLEMENTED: quick, on the loop.
+                    response = behavior(request, context)
+            except errors.ServingError as exc:
+                raise _Refused(status_code(exc), details(exc)) from None
+            except (_Refused, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                code = context.code()
+                if code is not None:  # set by a base class's UNIMPLEMENTED
+                    raise _Refused(code, context.details()) from None
+                log.exception("unhandled error in %s", method)
+                raise _Refused(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}") from None
+            try:
+                return serialize(response) if serialize is not None else response
+            except Exception as exc:
+                log.exception("the answer of %s cannot be serialized", method)
+                raise _Refused(grpc.StatusCode.INTERNAL, f"the answer cannot be serialized: {type(exc).__name__}") \
+                    from None
+        finally:
+            if not released:
+                self._release()
+
+    def _release(self) -> None:
+        self.active -= 1
+
+    def _release_from_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            loop.call_soon_threadsafe(self._release)
+        except RuntimeError:
+            pass  # the server stopped and its loop closed: nothing counts places any more
+
+
+async def _receive(context: grpc.aio.ServicerContext, timeout_s: float, parse: Callable[[bytes], Any] | None) -> Any:
+    """The call's one request message, parsed; _Refused if it is late, missing or unparseable."""
+    task = asyncio.current_task()
+    assert task is not None
+    late: list[bool] = []
+
+    def too_late() -> None:
+        late.append(True)
+        task.cancel()
+
+    timer = asyncio.get_running_loop().call_later(timeout_s, too_late)
+    try:
+        raw = await context.read()
+    except asyncio.CancelledError:
+        if not late:
+            raise  # the call itself was cancelled
+        task.uncancel()
+        raise _Refused(grpc.StatusCode.CANCELLED,
+                       f"the request message did not arrive within {timeout_s * 1000:.0f} ms") from None
+    finally:
+        timer.cancel()
+    if raw is grpc.aio.EOF:
+        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
+    try:
+        return parse(raw) if parse is not None else raw
+    except Exception:
+        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the request message does not parse") from None

@@ -1,0 +1,159 @@
+"""The Open Inference Protocol (KServe v2) over gRPC: `inference.GRPCInferenceService`, on the
+gRPC port TF Serving's services use (kserve/open-inference-protocol, inference_grpc.md).
+
+ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer, ModelStatistics;
+the other methods of Triton's service (repository, shared memory, streaming) stay the base
+class's UNIMPLEMENTED. The messages are tritonclient's generated ones (tritonclient.grpc's
+service_pb2, package `inference`), the ones its client sends. KServe's own copy of the same
+protos declares the same `inference` package under another file name, so one process can load
+one of the two, never both (kserve issue 3099): this server loads tritonclient's.
+
+ModelInfer reads each input from `raw_input_contents` (in the order of `inputs`, BYTES
+elements length-prefixed, as tritonclient always sends) or from its typed `contents`, and
+answers every output in `raw_output_contents`. A version of digits names a version, any other
+a version label; the parameter `signature_name` picks the signature; the call's deadline, and
+the parameter `timeout` (microseconds) if given, cap the server's own.
+
+Only translation lives here: app/core/serving.py resolves, limits, times and records each call,
+app/wire/v2_tensors.py checks each tensor, and app/grpc/calls.py maps errors to codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from app.core import repository as v2_repository
+from app.core.call import Call
+from app.core.errors import BadRequest, NotFound
+from app.core.serving import Answer, Decode, RequestLayer
+from app.grpc import exchange as grpc_record
+from app.http import v2_statistics
+from app.ops.logs import RequestRecord
+from app.wire import priority, v2_tensors
+
+SERVICE = "/inference.GRPCInferenceService"
+# InferTensorContents: the typed field each datatype's values travel in (FP16 and BF16 have
+# none: raw_input_contents only).
+CONTENTS = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
+}
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, layer: RequestLayer, observed: Callable[..., Any]) -> None:
+        self._layer = layer
+        # Live and ready are probes: like grpc.health.v1, neither counted nor logged.
+        self.ModelReady = observed(f"{SERVICE}/ModelReady", self._model_ready)
+        self.ServerMetadata = observed(f"{SERVICE}/ServerMetadata", self._server_metadata)
+        self.ModelMetadata = observed(f"{SERVICE}/ModelMetadata", self._model_metadata)
+        self.ModelInfer = observed(f"{SERVICE}/ModelInfer", self._infer, self._infer_async)
+        self.ModelStatistics = observed(f"{SERVICE}/ModelStatistics", v2_statistics.grpc_handler(layer))
+
+    def ServerLive(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return service_pb2.ServerLiveResponse(live=True)
+
+    def ServerReady(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return service_pb2.ServerReadyResponse(ready=self._layer.ready)
+
+    def _model_ready(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        try:
+            servable = self._layer.model(v2_tensors.model_spec(request.name, request.version), record)
+        except NotFound:
+            return service_pb2.ModelReadyResponse(ready=False)
+        return service_pb2.ModelReadyResponse(ready=self._layer.servable_ready(servable))
+
+    def _server_metadata(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        return service_pb2.ServerMetadataResponse(name=v2_tensors.SERVER_NAME, version=v2_tensors.SERVER_VERSION,
+                                              extensions=v2_tensors.EXTENSIONS)
+
+    def _model_metadata(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        servable = self._layer.model(v2_tensors.model_spec(request.name, request.version), record)
+        metadata = v2_tensors.model_metadata(servable.model, self._layer.predict_signature(servable, ""),
+                                             self._layer.versions(servable))
+        return service_pb2.ModelMetadataResponse(
+            name=metadata["name"], versions=metadata["versions"], platform=metadata["platform"],
+            inputs=[service_pb2.ModelMetadataResponse.TensorMetadata(**tensor) for tensor in metadata["inputs"]],
+            outputs=[service_pb2.ModelMetadataResponse.TensorMetadata(**tensor) for tensor in metadata["outputs"]])
+
+    def _infer(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        call, decode = self._infer_call(request, record, context)
+        return _infer_response(request, self._layer.infer(call, decode))
+
+    async def _infer_async(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        call, decode = self._infer_call(request, record, context)
+        return _infer_response(request, await self._layer.infer_async(call, decode))
+
+    def _infer_call(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> tuple[Call, Decode]:
+        parameters = request.parameters
+        call = grpc_record.make_call(v2_tensors.model_spec(request.model_name, request.model_version), record, context,
+                                     self._layer.deadline_s(_timeout_s(parameters, context.time_remaining())),
+                                     signature=_signature_name(parameters),
+                                     outputs=tuple(output.name for output in request.outputs),
+                                     priority=priority.from_v2_grpc(parameters))
+        return call, lambda signature, max_rows: v2_tensors.decode_inputs(_tensors(request), signature,
+                                                                          max_rows=max_rows)
+
+
+def _infer_response(request: Any, answer: Answer) -> Any:
+    response = service_pb2.ModelInferResponse(model_name=answer.servable.model.name,
+                                              model_version=str(answer.servable.model.version), id=request.id)
+    for output in answer.selected:
+        array = v2_tensors.output_array(answer.outputs[output.name], output)
+        response.outputs.add(name=output.name, datatype=v2_tensors.datatype(output), shape=array.shape)
+        response.raw_output_contents.append(v2_tensors.to_bytes(array))
+    return response
+
+
+def _signature_name(parameters: Any) -> str:
+    if "signature_name" not in parameters:
+        return ""
+    if parameters["signature_name"].WhichOneof("parameter_choice") != "string_param":
+        raise BadRequest(v2_tensors.SIGNATURE_NAME_ERROR)
+    return parameters["signature_name"].string_param
+
+
+def _timeout_s(parameters: Any, remaining_s: float | None) -> float | None:
+    if "timeout" not in parameters:
+        return remaining_s
+    # Read from int64_param (tritonclient's) or uint64_param; any other kind, or a negative
+    # number, is refused as over REST rather than read as 0 (an immediate deadline).
+    timeout = parameters["timeout"]
+    choice = timeout.WhichOneof("parameter_choice")
+    if choice not in ("int64_param", "uint64_param") or getattr(timeout, choice) < 0:
+        raise BadRequest(v2_tensors.TIMEOUT_ERROR)
+    timeout_s = getattr(timeout, choice) / 1e6
+    return timeout_s if remaining_s is None else min(timeout_s, remaining_s)
+
+
+def _tensors(request: Any) -> list[v2_tensors.Tensor]:
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise BadRequest(f"raw_input_contents holds {len(raw)} tensors; the request has {len(request.inputs)} "
+                         "inputs (one each, in order)")
+    tensors = []
+    for index, tensor in enumerate(request.inputs):
+        shape = tuple(tensor.shape)
+        if raw and tensor.HasField("contents"):
+            # Triton refuses both too: reading one would silently drop the other's values.
+            raise BadRequest(f"input '{tensor.name}': contents must not be given with raw_input_contents")
+        if raw:
+            tensors.append(v2_tensors.Tensor(tensor.name, tensor.datatype, shape, raw=raw[index]))
+            continue
+        field = CONTENTS.get(tensor.datatype)
+        values = getattr(tensor.contents, field) if field else []
+        tensors.append(v2_tensors.Tensor(tensor.name, tensor.datatype, shape, values=values))
+    return tensors
+
+
+def add_to_server(server: grpc.aio.Server, layer: RequestLayer, observed: Callable[..., Any],
+                  repository: v2_repository.Repository | None = None) -> None:
+    servicer = InferenceServicer(layer, observed)
+    if repository is not None:  # the model repository extension's methods
+        v2_repository.serve_grpc(servicer, repository, observed)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)

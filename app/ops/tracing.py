@@ -1,0 +1,379 @@
+"""OpenTelemetry tracing of requests and predict calls; imported only when TRACING is on.
+
+Spans (docs/tracing.md is the manual):
+
+    request (SERVER: REST "POST /v1/models/<model_name:name>:predict", gRPC its full method)
+      ├─ decode      from the request's start to the queueing of its rows: body, parse, lookup, tensors
+      ├─ queue wait  from the queueing to the start of the predict call that runs the first rows
+      └─ encode      from the answer to the end of the front door: shaping and the response body
+    predict         one per predict call (a trace of its own), LINKED to each request it served
+
+With MODEL_PROCESSES the predict calls run in a model process: the request span's context
+travels in the call's frame (`RequestTrace.frame_fields`), the model process's BatchTracer
+links its predict span to it (`LinkedTrace`) and exports it with its own provider, and the call's start comes back
+in the answer to end the queue-wait span. The spans and links are the default mode's.
+
+A request continues the W3C `traceparent` it came with (the propagators OTEL_PROPAGATORS
+names, tracecontext and baggage by default). A predict call serves many requests, so it
+cannot be the child of one: its span starts a trace of its own with a link to each.
+
+Nothing here runs unless TRACING is on: app/core/serving.py then picks `TracedRequestLayer`, which
+wraps the one method every call goes through (`run`, and `run_async` on gRPC's loop),
+app/core/registry.py wraps each batcher's observer in a `BatchTracer`, and `init_app` puts the REST
+layer around the WSGI app (it leaves the trace in the environ, under serving.TRACE_KEY); gRPC's
+call path opens each call's span (`Tracing.grpc_span`, left on the call's record). A front
+door puts the trace in its Call. Off, no module of tracing is imported and a request's path
+holds no call of it.
+
+The batch thread is the server's one serial section, so it does the least: one span per
+call, built after the call with its links, and a timestamp on each request's trace; the
+queue-wait span is made by the request's own thread once its answer arrives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, cast
+
+import grpc
+from flask import Flask
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.propagators.textmap import Getter
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
+
+from app.core.batching import BatchObserver, Tensors
+from app.core.call import Call
+from app.core.models import LoadedModel, Signature
+from app.core.registry import Servable
+from app.core.serving import TRACE_KEY, Answer, Decode, RequestLayer
+from app.ops.logs import PROBE_PATHS
+from app.ops.metrics import ROUTE_KEY, Metrics
+from app.ops.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SERVICE_NAME = "model-server"
+
+_provider: TracerProvider | None = None
+_tracer: trace.Tracer | None = None
+
+
+class RequestTrace:
+    """One traced request: its span, and the marks its child spans are made from."""
+
+    __slots__ = ("span", "context", "predict_started_ns", "encode")
+
+    def __init__(self, span: trace.Span) -> None:
+        self.span = span
+        self.context = trace.set_span_in_context(span)
+        # Set by the batch thread when the first predict call that runs the request's rows starts.
+        self.predict_started_ns: int | None = None
+        self.encode: trace.Span | None = None
+
+    def end(self) -> None:
+        if self.encode is not None:
+            self.encode.end()
+        self.span.end()
+
+    def frame_fields(self) -> list[str | int]:
+        """What a model process needs of the trace to link its predict span to it (Call.frame):
+        the request span's context (W3C's trace id, span id and flags), as text the frame's JSON holds."""
+        context = self.span.get_span_context()
+        return [format(context.trace_id, "032x"), format(context.span_id, "016x"), int(context.trace_flags)]
+
+
+# -- the provider: one per process (a Gunicorn worker makes it after the fork) ------------------
+
+
+def provider(settings: Settings) -> TracerProvider:
+    """This process's TracerProvider, made on first use. The SDK reads the OTEL_* variables:
+    the sampler, the batch processor's delays and sizes, the exporter's endpoint and headers.
+
+    The provider shuts down at the process's exit (the SDK's own atexit handler), which exports
+    the spans still waiting: a Gunicorn worker gets there after worker_exit drained its batchers,
+    so the last requests' spans are in."""
+    global _provider, _tracer
+    if _provider is None:
+        _provider = TracerProvider(resource=_resource())
+        # Asked for once: get_tracer builds a new Tracer (and checks its arguments) on every call.
+        _tracer = _provider.get_tracer(__name__)
+        _provider.add_span_processor(BatchSpanProcessor(_exporter(settings.tracing)))
+        log.info("tracing on: %s exporter, service %s, pid %d", settings.tracing,
+                 _provider.resource.attributes.get(SERVICE_NAME), os.getpid())
+    return _provider
+
+
+def _resource() -> Resource:
+    resource = Resource.create({"process.pid": os.getpid()})
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
+    return resource
+
+
+def _exporter(kind: str) -> SpanExporter:
+    if kind == "console":
+        return ConsoleSpanExporter()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
+
+
+def tracer(settings: Settings) -> trace.Tracer:
+    """The tracer of this process's provider (made by whichever part asks first)."""
+    provider(settings)
+    assert _tracer is not None
+    return _tracer
+
+
+def batch_observer(metrics: Metrics, settings: Settings, model: LoadedModel, signature: str) -> BatchObserver:
+    """A batcher's observer with tracing on: a tracer of its predict calls around the batch metrics."""
+    return BatchTracer(metrics.observer(model.name), tracer(settings), model=model.name, version=model.version,
+                       signature=signature)
+
+
+class Tracing:
+    """The app's tracing: its tracer, and the gRPC call spans app/grpc/calls.py opens."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.provider = provider(settings)
+        self.tracer = tracer(settings)
+
+    def grpc_span(self, method: str, metadata: Any) -> RequestTrace:
+        """A SERVER span for a gRPC call (app/grpc/calls.py), continuing the trace in its metadata;
+        `end_grpc_span` ends it."""
+        service, _, name = method.lstrip("/").rpartition("/")
+        span = self.tracer.start_span(method.lstrip("/"), context=propagate.extract(dict(metadata or ())),
+                                      kind=SpanKind.SERVER,
+                                      attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+        return RequestTrace(span)
+
+    @staticmethod
+    def end_grpc_span(request: RequestTrace, status: str) -> None:
+        """End a gRPC call's span with the status its client got (its record's)."""
+        request.span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[status].value[0])
+        if status != grpc.StatusCode.OK.name:
+            request.span.set_status(Status(StatusCode.ERROR, status))
+        request.end()
+
+
+def init_app(app: Flask, settings: Settings) -> Callable[..., RequestLayer]:
+    """Trace `app`'s requests: the REST layer around it, the gRPC call spans (Tracing.grpc_span);
+    returns what makes the request layer, one that makes the child spans."""
+    tracing = Tracing(settings)
+    app.extensions["tracing"] = tracing
+    app.wsgi_app = _RestTracing(app.wsgi_app, tracing.tracer)  # type: ignore[method-assign]
+    return functools.partial(TracedRequestLayer, tracer_=tracing.tracer)
+
+
+# -- the request layer: decode, queue wait and encode ----------------------------------------
+
+
+class TracedRequestLayer(RequestLayer):
+    def __init__(self, *args: Any, tracer_: trace.Tracer, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tracer = tracer_
+
+    def run(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
+        with self._spans(call, decode) as (call, decode, answered):
+            return answered(super().run(call, servable, signature, decode))
+
+    async def run_async(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
+        with self._spans(call, decode) as (call, decode, answered):
+            return answered(await super().run_async(call, servable, signature, decode))
+
+    @contextlib.contextmanager
+    def _spans(self, call: Call, decode: Decode) -> Iterator[tuple[Call, Decode, Callable[[Answer], Answer]]]:
+        """The call's decode and queue-wait spans around its run, and what its answer adds: the
+        request span's attributes and the encode span, which the front door ends."""
+        request = call.trace
+        if request is None:
+            yield call, decode, _same
+            return
+        if not request.span.is_recording():
+            # Sampled out: no predict span links to it either.
+            yield call._replace(trace=None), decode, _same
+            return
+        tracer_ = self._tracer
+        marks: list[int] = []
+
+        def traced_decode(signature_: Signature, max_rows: int) -> Tensors:
+            inputs = decode(signature_, max_rows)
+            queued_ns = time.time_ns()
+            tracer_.start_span("decode", context=request.context,
+                               start_time=cast(ReadableSpan, request.span).start_time).end(queued_ns)
+            marks.append(queued_ns)
+            return inputs
+
+        def answered(answer: Answer) -> Answer:
+            request.span.set_attributes({
+                "model_server.model.name": answer.servable.model.name,
+                "model_server.model.version": answer.servable.model.version,
+                "model_server.model.signature": answer.signature.name,
+                "model_server.request.rows": answer.rows,
+                "model_server.batch.rows": answer.batch_rows,
+                "model_server.batch.requests": answer.batch_requests,
+            })
+            request.encode = tracer_.start_span("encode", context=request.context)
+            return answer
+
+        try:
+            yield call, traced_decode, answered
+        finally:
+            if marks:
+                # Ends where the first predict call serving it began, or now if none did (refused, expired).
+                tracer_.start_span("queue wait", context=request.context,
+                                   start_time=marks[0]).end(request.predict_started_ns or time.time_ns())
+
+
+def _same(answer: Answer) -> Answer:
+    return answer
+
+
+# -- the batch thread: one span per predict call -------------------------------------------
+
+
+class BatchTracer(BatchObserver):
+    """A batcher's observer (metrics) with its predict calls traced, each linked to its requests."""
+
+    traces = True
+
+    def __init__(self, observer: BatchObserver, tracer_: trace.Tracer, *, model: str, version: int,
+                 signature: str) -> None:
+        self._observer = observer
+        self._tracer = tracer_
+        self._attributes: dict[str, AttributeValue] = {
+            "model_server.model.name": model, "model_server.model.version": version,
+            "model_server.model.signature": signature}
+
+    def queue_depth(self, rows: int) -> None:
+        self._observer.queue_depth(rows)
+
+    def queue_wait(self, seconds: float) -> None:
+        self._observer.queue_wait(seconds)
+
+    def level_depth(self, level: int, rows: int) -> None:
+        self._observer.level_depth(level, rows)
+
+    def level_rejected(self, level: int) -> None:
+        self._observer.level_rejected(level)
+
+    def batch_done(self, *, rows: int, requests: int, padded_rows: int, predict_s: float) -> None:
+        self._observer.batch_done(rows=rows, requests=requests, padded_rows=padded_rows, predict_s=predict_s)
+
+    def call_answered(self, *, rows: int, requests: int, input_s: float, infer_s: float, output_s: float,
+                      finished_s: list[float]) -> None:
+        self._observer.call_answered(rows=rows, requests=requests, input_s=input_s, infer_s=infer_s,
+                                     output_s=output_s, finished_s=finished_s)
+
+    def requests_failed(self, waited_s: list[float]) -> None:
+        self._observer.requests_failed(waited_s)
+
+    def length_padding(self, *, real_elements: int, padded_elements: int) -> None:
+        self._observer.length_padding(real_elements=real_elements, padded_elements=padded_elements)
+
+    def rejected(self, reason: str) -> None:
+        self._observer.rejected(reason)
+
+    def predict_call(self, traces: list[Any], *, rows: int, padded_rows: int, predict_s: float,
+                     error: BaseException | None) -> None:
+        # Called as the call returns: its start is now less its duration, on the spans' clock.
+        ended_ns = time.time_ns()
+        started_ns = ended_ns - int(predict_s * 1e9)
+        links = []
+        for request in traces:
+            if request is None:
+                continue
+            if request.predict_started_ns is None:
+                request.predict_started_ns = started_ns
+            links.append(Link(request.span.get_span_context()))
+        if not links:
+            return
+        span = self._tracer.start_span("predict", context=Context(), kind=SpanKind.INTERNAL, links=links,
+                                   start_time=started_ns, attributes={
+                                       **self._attributes,
+                                       "model_server.batch.rows": rows,
+                                       "model_server.batch.padded_rows": padded_rows,
+                                       "model_server.batch.requests": len(traces),
+                                   })
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        span.end(ended_ns)
+
+
+# -- MODEL_PROCESSES: the request's trace in the frame, its predict span in the model process ----
+
+
+class LinkedTrace:
+    """A request's trace as a model process's BatchTracer sees it: the request span to link to
+    (remote, not recording), and the start of the first predict call that runs its rows, which
+    goes back to the worker in the answer and ends the request's queue-wait span there."""
+
+    __slots__ = ("span", "predict_started_ns")
+
+    def __init__(self, fields: list[str | int]) -> None:
+        trace_id, span_id, flags = fields
+        self.span = trace.NonRecordingSpan(trace.SpanContext(
+            int(str(trace_id), 16), int(str(span_id), 16), is_remote=True, trace_flags=trace.TraceFlags(int(flags))))
+        self.predict_started_ns: int | None = None
+
+
+# -- front doors: the request span -------------------------------------------------------------
+
+
+class _EnvironGetter(Getter[dict]):
+    """Reads a propagator's headers (traceparent, tracestate, baggage) from a WSGI environ."""
+
+    def get(self, carrier: dict, key: str) -> list[str] | None:
+        value = carrier.get("HTTP_" + key.upper().replace("-", "_"))
+        return None if value is None else [value]
+
+    def keys(self, carrier: dict) -> list[str]:
+        return [key[5:].lower().replace("_", "-") for key in carrier if key.startswith("HTTP_")]
+
+
+_ENVIRON = _EnvironGetter()
+
+
+class _RestTracing:
+    """WSGI layer: a SERVER span per request (probes left out), continuing the client's trace."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]], tracer_: trace.Tracer) -> None:
+        self.app = app
+        self.tracer = tracer_
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path in PROBE_PATHS:
+            return self.app(environ, start_response)
+        method = environ.get("REQUEST_METHOD", "")
+        span = self.tracer.start_span(method, context=propagate.extract(environ, getter=_ENVIRON),
+                                      kind=SpanKind.SERVER,
+                                      attributes={"http.request.method": method, "url.path": path})
+        request = RequestTrace(span)
+        environ[TRACE_KEY] = request
+
+        def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            code = int(status[:3])
+            span.set_attribute("http.response.status_code", code)
+            if code >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+            return start_response(status, headers, exc_info)
+
+        try:
+            return self.app(environ, start)
+        finally:
+            route = environ.get(ROUTE_KEY)
+            if route:
+                span.update_name(f"{method} {route}")
+                span.set_attribute("http.route", route)
+            request.end()
