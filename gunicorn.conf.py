@@ -133,33 +133,35 @@ def post_fork(server, worker):
 
 
 def post_worker_init(worker):
-    worker.wsgi.extensions["tensorflow"] = worker.tensorflow
+    services = getattr(worker.wsgi, "services", None)
+    if services is not None:  # the server's app (scripts/floor_app.py is a plain Flask app)
+        _serve(worker, services)
+    else:
+        worker.wsgi.tensorflow = worker.tensorflow
+    from app.ops import runtime
+
+    runtime.freeze_heap()
+
+
+def _serve(worker, services):
+    services.tensorflow.update(worker.tensorflow)
     # A worker whose batch thread died stops gracefully, so the master starts a fresh one.
-    worker.wsgi.extensions["replace_worker"] = lambda: os.kill(os.getpid(), signal.SIGTERM)
+    services.replace_worker = lambda: os.kill(os.getpid(), signal.SIGTERM)
     # A stopping worker's requests run at once, not once their batch window closes: on SIGTERM
     # gthread answers its open connections (some still being read) before worker_exit drains.
-    if _settings.model_processes:
-        from app.model_process import client
-
-        worker.when_stopping(lambda: client.stopping(worker.wsgi))
-    else:
-        from app.core.registry import get_registry
-
-        worker.when_stopping(lambda: get_registry(worker.wsgi).flush(later_too=True))
+    # With MODEL_PROCESSES the registry's flush tells the model process.
+    worker.when_stopping(lambda: services.registry.flush(later_too=True))
     # gRPC starts in the worker once its models are loaded: grpc's threads would not survive
     # a fork, so the master never imports it.
     if _settings.grpc_bind or _settings.grpc_socket_path:
         from app.grpc import server as grpc_server
 
         grpc_server.serve_in_worker(worker)
-    from app.ops import runtime
-
-    runtime.freeze_heap()
 
 
 def worker_exit(server, worker):
     app = getattr(worker, "wsgi", None)
-    if app is not None and "models" in getattr(app, "extensions", {}):
+    if getattr(app, "services", None) is not None:
         from app import shutdown_app
 
         # Accepted gRPC calls finish first: they still need the batchers.

@@ -3,75 +3,49 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-
-from flask import Flask
+from typing import TYPE_CHECKING
 
 from app.ops.settings import Settings
 
+if TYPE_CHECKING:
+    from app.http.app import HttpApp
 
-def create_app(settings: Settings | None = None, *, replace_worker: Callable[[], None] | None = None) -> Flask:
-    """The app, its models loaded and warmed.
+
+def create_app(settings: Settings | None = None, *, replace_worker: Callable[[], None] | None = None) -> HttpApp:
+    """The app, its models loaded and warmed, its services in `app.services`.
 
     `replace_worker` is how this process asks to be replaced once a model's batch thread has
-    died (app.extensions["replace_worker"]; Gunicorn's post_worker_init sets it in each worker).
-    None: the app never ends a process it was not told how to end. TensorFlow's thread pools
-    are the caller's to size first (`runtime.configure`, Gunicorn's post_fork); what it set
-    goes in app.extensions["tensorflow"], which /readyz shows.
+    died (Gunicorn's post_worker_init sets it in each worker). None: the app never ends a
+    process it was not told how to end. TensorFlow's thread pools are the caller's to size
+    first (`runtime.configure`, Gunicorn's post_fork); what it set goes in
+    `app.services.tensorflow`, which /readyz shows.
     """
-    from app.core import errors, loading, registry, serving
-    from app.http import bodies as limits
-    from app.http import openapi
-    from app.http import tfs as api
-    from app.http import v2 as v2_rest
-    from app.http.routes import DirectRoutes
-    from app.ops import logs, metrics, patches, runtime
+    from app.core import services
+    from app.http import app as http
+    from app.ops import logs, runtime
 
     settings = settings or Settings.from_env()
     logs.configure_logging(settings.log_level, settings.log_format)
-    app = patches.CachedEnsureSync(__name__)
-    app.session_interface = patches.NoSessions()
-    # Flask would take FLASK_DEBUG from the environment: a production server never debugs.
-    app.debug = False
-    app.extensions["settings"] = settings
-    app.extensions["replace_worker"] = replace_worker
-    app.extensions["tensorflow"] = {}
-    if not settings.model_processes:
-        runtime.import_tensorflow(settings)
-    # Innermost, so the access, metrics, limits and tracing layers wrap these routes as any other.
-    routes = [*api.PREDICT_ROUTES, *v2_rest.INFER_ROUTES]
-    app.wsgi_app = DirectRoutes(app.wsgi_app, app, routes)  # type: ignore[method-assign]
-    logs.init_app(app, access=settings.access_log, probes=settings.access_log_probes,
-                  writer=logs.start_access_writer())
-    serving_metrics = metrics.init_app(app)
     if settings.model_processes:
+        # The models load in the model processes (warmed there); this worker imports no TensorFlow.
         from app.model_process import client  # only in this mode: the default never imports it
 
-        models = client.init_app(app, settings)
+        registry, warm_up = client.connect(settings), None
     else:
-        models = registry.init_app(app, settings, serving_metrics, loading=loading.steps(settings))
-    limits.init_app(app, settings, models)
-    if settings.tracing_on:
-        from app.ops import tracing  # only when on: a server without tracing never imports it
+        runtime.import_tensorflow(settings)
+        from app.wire import warmup
 
-        serving.init_app(app, settings, models, make_layer=tracing.init_app(app, settings))
-    else:
-        serving.init_app(app, settings, models)
-    api.init_app(app)
-    v2_rest.init_app(app)
-    openapi.init_app(app)
-    errors.init_app(app)
-    return app
+        registry, warm_up = None, warmup.replay
+    from app.wire import prediction_log
+
+    return http.build(services.start(settings, warm_up=warm_up, to_record=prediction_log.record, registry=registry,
+                                     replace_worker=replace_worker))
 
 
-def shutdown_app(app: Flask, *, timeout_s: float | None = None) -> None:
+def shutdown_app(app: HttpApp, *, timeout_s: float | None = None) -> None:
     """Stop accepting predictions and answer every accepted one (Gunicorn's worker_exit)."""
-    from app.core.registry import get_registry
     from app.ops import logs
 
-    get_registry(app).close(drain=True, timeout_s=timeout_s)
-    if "model_process_link" in app.extensions:
-        from app.model_process import client
-
-        client.shutdown(app, timeout_s)
+    # With MODEL_PROCESSES the registry's close drains this worker's link to its model process.
+    app.services.registry.close(drain=True, timeout_s=timeout_s)
     logs.flush_access_log()
-

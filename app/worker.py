@@ -42,8 +42,8 @@ from typing import Any
 
 from gunicorn.workers import base, gthread
 
-from app.ops import patches
-from app.ops.patches import body_fully_read
+from app.http import patches
+from app.http.patches import body_fully_read
 
 __all__ = ["ThreadWorker", "body_fully_read", "raise_descriptor_limit"]
 
@@ -165,9 +165,10 @@ class ThreadWorker(patches.NextRequestInPlace, patches.KeepAliveWithoutDrain, gt
             self._sample_connections()
 
     def _sample_connections(self) -> None:
-        metrics = getattr(getattr(self, "wsgi", None), "extensions", {}).get("metrics")
-        if metrics is None:
+        services = getattr(getattr(self, "wsgi", None), "services", None)
+        if services is None:
             return
+        metrics = services.metrics
         metrics.connections.labels("rest").set(self.nr_conns)
         grpc_server = getattr(self, "grpc_server", None)
         if grpc_server is not None:

@@ -104,6 +104,6 @@ def model_metadata() -> Response:
 
 @app.get("/readyz")
 def readyz() -> Response:
-    tensorflow = app.extensions.get("tensorflow", {})  # gunicorn.conf.py's post_worker_init sets it
+    tensorflow = getattr(app, "tensorflow", {})  # gunicorn.conf.py's post_worker_init sets it
     return Response(orjson.dumps({"status": "ready", "pid": os.getpid(), "tensorflow": tensorflow}),
                     content_type="application/json")

@@ -311,7 +311,6 @@ def in_process_app() -> Iterator:
     import logging
 
     from app import create_app
-    from app.core.registry import get_registry
     from app.ops import logs
     from app.ops.settings import Settings
 
@@ -327,7 +326,7 @@ def in_process_app() -> Iterator:
 
     yield make
     for app in apps:
-        get_registry(app).close(drain=False)
+        app.services.registry.close(drain=False)
     logs.access_log.disabled = access_off
     logging.getLogger("app").setLevel(app_level)
 

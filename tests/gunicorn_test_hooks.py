@@ -36,18 +36,16 @@ GATE_RELEASE = signal.SIGRTMIN + 1
 
 
 def _hold_replacement(app):
-    replace, let_go = app.extensions["replace_worker"], threading.Event()
+    replace, let_go = app.services.replace_worker, threading.Event()
 
     def held() -> None:
         threading.Thread(target=lambda: let_go.wait() and replace(), daemon=True).start()
 
-    app.extensions["replace_worker"] = held
+    app.services.replace_worker = held
     signal.signal(signal.SIGRTMIN, lambda signum, frame: let_go.set())
 
 
 def _gate_predicts(app, folder: Path) -> None:
-    from app.core.serving import get_layer
-
     release = threading.Semaphore(0)
     signal.signal(GATE_RELEASE, lambda signum, frame: release.release())
     held = folder / f"held-{os.getpid()}"
@@ -62,7 +60,7 @@ def _gate_predicts(app, folder: Path) -> None:
 
         return run
 
-    for servable in get_layer(app).registry.servables():
+    for servable in app.services.registry.servables():
         for batcher in servable.batchers.values():
             batcher.executor._predict_fn = gated(batcher.executor._predict_fn)
 

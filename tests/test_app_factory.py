@@ -1,11 +1,11 @@
-"""The app's Flask subclass (app/ops/patches.py): what it changes of Flask's per-request work."""
+"""The app's Flask subclass (app/http/patches.py): what it changes of Flask's per-request work."""
 
 from __future__ import annotations
 
 from flask import Flask
 
 from app.core.call import Call
-from app.ops.patches import CachedEnsureSync
+from app.http.patches import CachedEnsureSync
 
 
 def test_flask_asks_once_per_function_whether_it_is_a_coroutine(monkeypatch):
@@ -33,7 +33,6 @@ def test_a_dead_batch_thread_calls_the_apps_own_replace_worker_once(exact_model_
 
     from app import create_app
     from app.core.errors import BatcherBroken
-    from app.core.registry import get_registry
     from app.ops.settings import Settings
     from tests.conftest import integer_rows
 
@@ -44,7 +43,7 @@ def test_a_dead_batch_thread_calls_the_apps_own_replace_worker_once(exact_model_
     app = create_app(Settings(model_path=str(exact_model_path), access_log=False, model_poll_seconds=0),
                      replace_worker=lambda: calls.append("replace"))
     try:
-        servable = get_registry(app).get()
+        servable = app.services.registry.get()
         batcher = servable.batcher
         (tensor,) = servable.signature().inputs
         for thread in threading.enumerate():
@@ -59,7 +58,7 @@ def test_a_dead_batch_thread_calls_the_apps_own_replace_worker_once(exact_model_
         batcher.join(60)
         assert batcher.broken and calls == ["replace"]
     finally:
-        get_registry(app).close(drain=False)
+        app.services.registry.close(drain=False)
 
 
 _CONFIGURE_TWICE = """

@@ -26,7 +26,8 @@ from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc
 from app.core.call import Call, ModelSpec
 from app.core.errors import ClientGone
 from app.core.registry import ModelRegistry
-from app.core.serving import RequestLayer, examples_decode, socket_client_gone
+from app.core.serving import RequestLayer, examples_decode
+from app.http.layers import socket_client_gone
 from app.ops.metrics import Metrics
 from tests.conftest import Server, integer_rows, wait_for
 from tests.nginx_front import Nginx

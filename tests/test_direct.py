@@ -164,8 +164,8 @@ def test_an_unexpected_error_gets_flasks_500_and_its_log_line(in_process_app, ex
     for routes in (direct_layer(app).routes, []):
         monkeypatch.setattr(direct_layer(app), "routes", routes)
         caplog.clear()
-        with caplog.at_level(logging.ERROR, logger="app.core.errors"):
+        with caplog.at_level(logging.ERROR, logger="app.http.errors"):
             response = client.post("/predict", json={"instances": [[1, 2, 3, 4]]}, headers={"X-Request-ID": "bug-1"})
         got.append((response.status_code, response.get_json(),
-                    [entry.getMessage() for entry in caplog.records if entry.name == "app.core.errors"]))
+                    [entry.getMessage() for entry in caplog.records if entry.name == "app.http.errors"]))
     assert got[0] == got[1] == (500, {"error": "internal error: RuntimeError"}, ["unhandled error, request_id=bug-1"])

@@ -644,14 +644,13 @@ def test_every_serving_error_has_its_status_code():
 def test_health_turns_not_serving_and_predict_unavailable_once_the_batchers_stop(in_process_app, exact_model_path):
     # In this process: the batchers of a Gunicorn worker only stop as it exits, and
     # in_process_app's can be stopped while its gRPC server still answers.
-    from app.core.registry import get_registry
     from app.grpc import server as grpc_server
     from tests.conftest import free_port
 
     app = in_process_app(model_path=str(exact_model_path))
     target = f"127.0.0.1:{free_port()}"
     seen = []
-    with grpc_server.serving(app, bind=target), grpc.insecure_channel(target) as channel:
+    with grpc_server.serving(app.services, bind=target), grpc.insecure_channel(target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
         for _ in range(2):
@@ -662,7 +661,7 @@ def test_health_turns_not_serving_and_predict_unavailable_once_the_batchers_stop
             except grpc.RpcError as exc:
                 code = f"{exc.code().name}: {exc.details()}"
             seen.append([health_pb2.HealthCheckResponse.ServingStatus.Name(status), code])
-            get_registry(app).close(drain=True)
+            app.services.registry.close(drain=True)
 
     assert seen == [["SERVING", "OK"], ["NOT_SERVING", "UNAVAILABLE: the server is shutting down"]]
 

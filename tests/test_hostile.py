@@ -20,8 +20,8 @@ import orjson
 import pytest
 import requests
 
+from app.core.limits import derived_max_request_bytes, max_request_bytes
 from app.core.models import STRING, LoadedModel, TensorInfo
-from app.http.bodies import derived_max_request_bytes, max_request_bytes
 from app.ops.settings import Settings
 from tests.conftest import FEATURES, Server, integer_rows
 from tests.test_reliability import POISON, expected_scores, save_guarded_model

@@ -27,6 +27,7 @@ import pytest
 import requests
 from flask import Flask
 
+from app.http.layers import AccessLayer
 from app.ops import logs, runtime
 from tests.conftest import REPO, Server, integer_rows
 
@@ -206,7 +207,7 @@ def test_python_records_made_while_native_lines_are_captured_go_out_as_themselve
 ])
 def test_probes_are_access_logged_only_when_asked(caplog, probes, logged):
     app = Flask("probe-logs")
-    logs.init_app(app, probes=probes)
+    app.wsgi_app = AccessLayer(app.wsgi_app, probes=probes, writer=None)  # type: ignore[method-assign]
     for path in ("/healthz", "/readyz", "/metrics", "/predict"):
         app.add_url_rule(path, path, lambda: "ok")
     with caplog.at_level(logging.INFO, logger="app.access"), app.test_client() as client:

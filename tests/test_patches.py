@@ -1,4 +1,5 @@
-"""Each framework patch (app/ops/patches.py) was measured on one version: a new one must be re-measured."""
+"""Each framework patch (app/ops/patches.py, app/http/patches.py) was measured on one version:
+a new one must be re-measured."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import flask
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from app.ops.patches import MEASURED_ON, CachedEnsureSync, HistogramCounts, NoSessions, value_of
+from app.http.patches import CachedEnsureSync, NoSessions
+from app.ops.patches import MEASURED_ON, HistogramCounts, value_of
 
 
 @pytest.mark.parametrize("package", ["flask", "gunicorn", "prometheus-client"])

@@ -24,6 +24,7 @@ from conftest import Server, integer_rows, wait_for
 from app.core.models import TensorInfo
 from app.ops import payload_log, tfs_config
 from app.ops.settings import Settings, SettingsError, configs_from_document
+from app.wire import prediction_log
 
 NAME = "exact"
 
@@ -100,7 +101,7 @@ def test_records_hold_what_was_sent_and_answered(exact_app, exact_model, tmp_pat
     v2 = client.post(f"/v2/models/{NAME}/infer", json={"inputs": [
         {"name": "features", "shape": [2, 4], "datatype": "FP32", "data": rows[:2].reshape(-1).tolist()}]})
     assert rest.status_code == 200 and v2.status_code == 200, (rest.json, v2.json)
-    app.extensions["payload_log"].close()
+    app.services.payload_log.close()
 
     (name, records), = read_records(tmp_path / "log").items()
     assert re.fullmatch(rf"prediction_log\.[^.]+\.{os.getpid()}\.\d{{8}}T\d+Z\.00000\.tfrecord", name)
@@ -126,7 +127,7 @@ def test_sampling_keeps_a_request_when_its_draw_is_under_the_rate(tmp_path):
     drops: list[str] = []
     log = payload_log.PayloadLog(rates={"a": 0.5, "off": 0.0}, default_rate=0.0, directory=str(tmp_path), url="",
                                  max_file_bytes=1 << 20, buffer_records=10, count_drop=drops.append,
-                                 sample=lambda: next(draws))
+                                 to_record=prediction_log.record, sample=lambda: next(draws))
     for index in range(4):
         log.offer({"x": np.array([[float(index)]], np.float32)}, fake_answer("a", index), f"id-{index}")
     log.offer({"x": np.array([[9.0]], np.float32)}, fake_answer("off", 9), "id-off")  # rate 0: no draw taken
@@ -164,7 +165,7 @@ def test_files_rotate_before_passing_the_size(tmp_path, writer):
 def test_full_buffer_drops_and_counts_without_delaying_requests(exact_app, receiver):
     receiver.gate.clear()  # the receiver holds the writer on the first event
     app, client = exact_app(payload_log_sampling_rate=1.0, payload_log_url=receiver.url, payload_log_buffer_records=1)
-    metrics = app.extensions["metrics"]
+    metrics = app.services.metrics
     rows = integer_rows(1)
     try:
         assert client.post(f"/v1/models/{NAME}:predict", json={"instances": rows.tolist()}).status_code == 200
@@ -176,7 +177,7 @@ def test_full_buffer_drops_and_counts_without_delaying_requests(exact_app, recei
                                                  {"reason": "buffer_full"}) == 2
     finally:
         receiver.gate.set()
-    app.extensions["payload_log"].close()
+    app.services.payload_log.close()
     assert len(receiver.events) == 4  # entries 1 and 2, request and response each
 
 
@@ -186,7 +187,7 @@ def test_cloud_events_carry_request_and_response(exact_app, receiver, exact_mode
     answer = client.post(f"/v1/models/{NAME}:predict", json={"instances": rows.tolist()},
                          headers={"X-Request-ID": "trace-me-1"})
     assert answer.status_code == 200
-    app.extensions["payload_log"].close()
+    app.services.payload_log.close()
 
     (request_headers, request_body), (response_headers, response_body) = receiver.events
     for headers, kind in ((request_headers, "org.kubeflow.serving.inference.request"),
@@ -207,7 +208,7 @@ def test_cloud_events_carry_request_and_response(exact_app, receiver, exact_mode
 def test_sampling_with_nowhere_to_log_stops_start_up():
     with pytest.raises(SettingsError, match="payload logging is asked for default but neither PAYLOAD_LOG_DIR "
                                             "nor PAYLOAD_LOG_URL says where to"):
-        payload_log.init_app(None, Settings(payload_log_sampling_rate=0.5))  # type: ignore[arg-type]
+        payload_log.start(Settings(payload_log_sampling_rate=0.5), None, None)  # type: ignore[arg-type]
 
 
 def test_logging_config_sampling_rate_is_the_models_rate():

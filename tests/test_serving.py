@@ -13,10 +13,9 @@ import logging
 
 import numpy as np
 import pytest
-from flask import Flask
 from prometheus_client import CollectorRegistry
 
-from app.core import serving
+from app.core import services, serving
 from app.core.batching import Batcher, check_rows
 from app.core.call import Call, ModelSpec
 from app.core.errors import (
@@ -261,15 +260,13 @@ def test_rows_up_to_the_limit_pass_and_one_more_is_refused(layer, registry):
                                     "(MAX_REQUEST_ROWS)")
 
 
-def test_the_byte_limit_comes_from_settings_not_from_flask(registry, metrics):
-    app = Flask("layer")
-    app.extensions["metrics"] = metrics
-
-    layer = serving.init_app(app, Settings(max_request_bytes=12345, request_timeout_ms=250), registry)
+def test_the_byte_limit_comes_from_settings_not_from_flask(registry):
+    # No Flask app is involved at all: tests/test_structure.py holds app/core to that.
+    served = services.start(Settings(max_request_bytes=12345, request_timeout_ms=250), registry=registry)
+    layer = served.layer
 
     assert (layer.max_request_bytes, layer.timeout_s) == (12345, 0.25)
-    assert serving.get_layer(app) is layer
-    assert "MAX_CONTENT_LENGTH" not in app.config or app.config["MAX_CONTENT_LENGTH"] is None
+    assert served.registry is registry
 
 
 # -- the deadline -----------------------------------------------------------------------------

@@ -272,12 +272,14 @@ def test_a_route_without_a_description_stops_start_up():
 
     from app.http import tfs as api
     from app.http import v2 as v2_rest
-    from app.ops import metrics
+    from app.http import v2_repository
+    from app.http.app import metrics_view
 
     probe = Flask("probe")
     api.init_app(probe)
-    metrics.init_app(probe)
+    probe.add_url_rule("/metrics", "metrics", metrics_view, methods=["GET"])
     v2_rest.init_app(probe)
+    v2_repository.init_app(probe)
     probe.add_url_rule("/v2/secret", "secret", lambda: "", methods=["GET"])
     with pytest.raises(RuntimeError, match=r"not described \[\('/v2/secret', 'get'\)\], described but not "
                                            r"served \[\]"):

@@ -26,8 +26,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from flask import Flask
-
 from app.core import models, padding, shared_config
 from app.core.batching import Batcher, BatchObserver, BatchResult, Engine, Tensors, awaited, bucket_sizes
 from app.core.call import Call
@@ -660,13 +658,9 @@ class ConfigPoller(_Poller):
             log.info("MODEL_CONFIG applied: serving %s", [config.name for config in configs])
 
 
-def init_app(app: Flask, settings: Settings, metrics: Metrics, *, loading: Loading = Loading()) -> ModelRegistry:
-    def on_broken(_batcher: Batcher) -> None:
-        # Read when it happens: Gunicorn's post_worker_init names it once the app is loaded.
-        replace_worker = app.extensions.get("replace_worker")
-        if replace_worker is not None:
-            replace_worker()
-
+def start(settings: Settings, metrics: Metrics, *, loading: Loading = Loading(),
+          on_broken: Callable[[Batcher], None] | None = None) -> ModelRegistry:
+    """The registry of this process, its models loaded, kept in line with the model config."""
     # Joined before the config is read: a reload published from now on reaches this worker.
     shared = shared_config.join()
     polled_config = settings.model_config is not None and settings.model_config_poll_seconds > 0
@@ -693,9 +687,4 @@ def init_app(app: Flask, settings: Settings, metrics: Metrics, *, loading: Loadi
     if shared is not None:
         live.shared = shared
         shared.listen(live.apply_generation)
-    app.extensions["models"] = registry
     return registry
-
-
-def get_registry(app: Flask) -> ModelRegistry:
-    return app.extensions["models"]

@@ -1,17 +1,11 @@
-"""Triton's model repository extension of the Open Inference Protocol, over HTTP and gRPC.
+"""Triton's model repository extension: what MODEL_REPOSITORY holds, and loading and unloading it.
 
-    POST /v2/repository/index                 every model of MODEL_REPOSITORY and every model served,
-                                              with each version's state (READY, LOADING, UNLOADING,
-                                              UNAVAILABLE and its reason); {"ready": true}: READY only
-    POST /v2/repository/models/{m}/load       serve MODEL_REPOSITORY/m (a base folder of numbered versions)
-    POST /v2/repository/models/{m}/unload     stop serving m
-
-and gRPC's RepositoryIndex, RepositoryModelLoad and RepositoryModelUnload of
-inference.GRPCInferenceService. Load and unload change the server's model config as TF Serving's
-HandleReloadConfigRequest does (LiveConfig.edit in app/core/registry.py): every worker has applied it
-before the call answers, and a model that fails to load is answered with its reason while the
-others go on. They are refused (503, UNAVAILABLE, Triton's words) unless MODEL_CONTROL_MODE is
-explicit.
+The index lists every model of MODEL_REPOSITORY and every model served, with each version's state
+(READY, LOADING, UNLOADING, UNAVAILABLE and its reason). Load and unload change the server's model
+config as TF Serving's HandleReloadConfigRequest does (LiveConfig.edit in app/core/registry.py):
+every worker has applied it before the call answers, and a model that fails to load is answered
+with its reason while the others go on. They are refused (503, UNAVAILABLE, Triton's words)
+unless MODEL_CONTROL_MODE is explicit. Its doors: app/http/v2_repository.py and app/grpc/v2.py.
 
 RESTRICTED_MODEL_CONTROL=key=value restricts these calls and HandleReloadConfigRequest to callers
 that send header (or gRPC metadata key) `key` with that value, as Triton's `--http-restricted-api`
@@ -28,27 +22,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
-import orjson
-from flask import Blueprint, Flask, Response, current_app, request
-from tritonclient.grpc import service_pb2
-
 from app.core.errors import BadRequest, Forbidden, NotFound, Unavailable
-from app.core.registry import AVAILABLE, END, LOADING, UNLOADING, ModelRegistry, get_registry
+from app.core.registry import AVAILABLE, END, LOADING, UNLOADING, ModelRegistry
 from app.ops.settings import MODEL_NAME_PATTERN, ModelConfig, Settings
-from app.wire import codec
 
 log = logging.getLogger(__name__)
 
-_SERVICE = "/inference.GRPCInferenceService"
-# The calls RESTRICTED_MODEL_CONTROL guards on gRPC (REST: the blueprint's routes).
-RESTRICTED_METHODS = frozenset({f"{_SERVICE}/RepositoryIndex", f"{_SERVICE}/RepositoryModelLoad",
-                                f"{_SERVICE}/RepositoryModelUnload",
-                                "/tensorflow.serving.ModelService/HandleReloadConfigRequest"})
 # TF Serving's version states as Triton's index names them.
 _STATES = {AVAILABLE: "READY", LOADING: "LOADING", UNLOADING: "UNLOADING", END: "UNAVAILABLE"}
-
-bp = Blueprint("v2_repository", __name__, url_prefix="/v2/repository")
 
 
 class Repository:
@@ -158,105 +139,9 @@ def config_entry(config: ModelConfig) -> dict[str, Any]:
     return entry
 
 
-def get(app: Flask) -> Repository:
-    repository = app.extensions.get("v2_repository")
-    if repository is None:  # made at first use: the routes may be registered in an app without models
-        repository = app.extensions["v2_repository"] = Repository(app.extensions["settings"], get_registry(app))
-    return repository
-
-
 # -- REST ---------------------------------------------------------------------------------
-
-
-@bp.before_request
-def restricted() -> None:
-    repository = get(current_app)
-    repository.check(request.path, request.headers.get(repository.key) if repository.key else None,
-                     where="header")
-
-
-def _body() -> dict[str, Any]:
-    data = request.get_data()
-    body = codec.loads(data) if data else {}  # whitespace alone is not JSON: refused as Triton refuses it
-    if not isinstance(body, dict):
-        raise BadRequest("the request must be a JSON object")
-    return body
-
-
-def _rest_parameters() -> dict[str, Any]:
-    parameters = _body().get("parameters", {})
-    if not isinstance(parameters, dict):
-        raise BadRequest("'parameters' must be a JSON object")
-    return parameters
-
-
-@bp.post("/index")
-def index() -> Response:
-    ready = _body().get("ready", False)
-    if not isinstance(ready, bool):
-        raise BadRequest("'ready' must be true or false")
-    return Response(orjson.dumps(get(current_app).index(ready=ready)), content_type="application/json")
-
-
-@bp.post("/models/<model_name:name>/load")
-def load(name: str) -> Response:
-    get(current_app).load(name, _rest_parameters(), timeout_s=None)
-    return Response(b"", content_type="application/json")
-
-
-@bp.post("/models/<model_name:name>/unload")
-def unload(name: str) -> Response:
-    get(current_app).unload(name, _rest_parameters(), timeout_s=None)
-    return Response(b"", content_type="application/json")
-
-
-def init_app(app: Flask) -> None:
-    app.register_blueprint(bp)
 
 
 # -- gRPC ---------------------------------------------------------------------------------
 
 
-def restriction(repository: Repository) -> Callable[[str, Any], None]:
-    """RESTRICTED_MODEL_CONTROL on gRPC: check(method, metadata) raises Forbidden for a restricted
-    method called without the key; app/grpc/calls.py answers it PERMISSION_DENIED before its
-    handler runs."""
-    def check(method: str, metadata: Any) -> None:
-        if method not in RESTRICTED_METHODS or not repository.key:
-            return
-        sent = next((value for key, value in metadata or () if key == repository.key and isinstance(value, str)),
-                    None)
-        repository.check(method, sent, where="metadata key")
-
-    return check
-
-
-def serve_grpc(servicer: Any, repository: Repository, observed: Callable[[str, Callable], Callable]) -> None:
-    """Give v2's gRPC servicer the repository's three methods (before it is added to a server)."""
-    def index(request: Any, _record: Any, context: grpc.ServicerContext) -> Any:
-        _one_repository(request)
-        return service_pb2.RepositoryIndexResponse(models=[
-            service_pb2.RepositoryIndexResponse.ModelIndex(**model) for model in repository.index(ready=request.ready)])
-
-    def load(request: Any, _record: Any, context: grpc.ServicerContext) -> Any:
-        _one_repository(request)
-        repository.load(request.model_name, _grpc_parameters(request), timeout_s=context.time_remaining())
-        return service_pb2.RepositoryModelLoadResponse()
-
-    def unload(request: Any, _record: Any, context: grpc.ServicerContext) -> Any:
-        _one_repository(request)
-        repository.unload(request.model_name, _grpc_parameters(request), timeout_s=context.time_remaining())
-        return service_pb2.RepositoryModelUnloadResponse()
-
-    servicer.RepositoryIndex = observed(f"{_SERVICE}/RepositoryIndex", index)
-    servicer.RepositoryModelLoad = observed(f"{_SERVICE}/RepositoryModelLoad", load)
-    servicer.RepositoryModelUnload = observed(f"{_SERVICE}/RepositoryModelUnload", unload)
-
-
-def _one_repository(request: Any) -> None:
-    if request.repository_name:
-        raise BadRequest("'repository_name' specification is not supported")
-
-
-def _grpc_parameters(request: Any) -> dict[str, Any]:
-    return {key: request.parameters[key] for key in request.parameters}

@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import select
-import socket
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
-from flask import Flask
 
 from app.core.batching import BatchResult, Tensors
-from app.core.call import Call, ClientGonePredicate, ModelSpec
+from app.core.call import Call, ModelSpec
 from app.core.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidInput, MethodNotAllowed
 from app.core.models import (
     CLASSIFY_METHOD,
@@ -48,13 +45,10 @@ from app.core.models import (
     TensorInfo,
 )
 from app.core.registry import ModelRegistry, Servable
-from app.http.bodies import max_request_bytes
 from app.ops import logs
 from app.ops.logs import RequestRecord
 from app.ops.metrics import Metrics, RequestCounts
 from app.ops.payload_log import PayloadLog
-from app.ops.payload_log import init_app as init_payload_log
-from app.ops.settings import Settings
 
 CLASSIFY, REGRESS = "classify", "regress"
 # The signature keys TF Serving's classify and regress read (tensorflow/cc/saved_model/signature_constants.h).
@@ -62,45 +56,16 @@ EXAMPLES_INPUT = "inputs"
 _EXAMPLE_METHODS = {CLASSIFY: (CLASSIFY_METHOD, "classification"), REGRESS: (REGRESS_METHOD, "regression")}
 _TASK_METHODS = {CLASSIFY_METHOD: CLASSIFY, REGRESS_METHOD: REGRESS}
 
-# The WSGI environ key under which tracing's layer leaves a request's trace (app/ops/tracing.py).
-TRACE_KEY = "model_server.trace"
 
 # A front door's decoding of its request's inputs against the signature the call resolved to,
 # refusing more than `max_rows` rows before it builds any array: decode(signature, max_rows).
 Decode = Callable[[Signature, int], Tensors]
 
 
-# Linux's "the peer closed its end" poll event; where it is missing, leaving is not seen.
-_PEER_CLOSED = getattr(select, "POLLRDHUP", None)
 
 
-def socket_client_gone(sock: socket.socket | None) -> ClientGonePredicate | None:
-    """Whether the HTTP client on `sock` has closed its connection (None where that cannot be seen).
-
-    One poll(2) that does not wait and reads nothing: the client closing its end (POLLRDHUP), a
-    reset or an error (POLLHUP, POLLERR) mean it has gone; bytes to read (a pipelined next
-    request, TLS records) or nothing yet mean it still waits. A non-blocking MSG_PEEK recv tells
-    the same, but raises BlockingIOError for every client that waits, which costs several times
-    more. A client that only shuts down its sending side and still reads is taken for gone
-    (HTTP clients do not do that).
-    """
-    if sock is None or _PEER_CLOSED is None:
-        return None
-    return SocketClientGone(sock, _PEER_CLOSED)
 
 
-class SocketClientGone:
-    """socket_client_gone's predicate; `sock` lets a model process's client watch it (one poll set for all)."""
-
-    __slots__ = ("sock", "_poller")
-
-    def __init__(self, sock: socket.socket, events: int) -> None:
-        self.sock = sock
-        self._poller = select.poll()
-        self._poller.register(sock, events)
-
-    def __call__(self) -> bool:
-        return bool(self._poller.poll(0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,16 +199,6 @@ class RequestLayer:
         """How long a call may take: REQUEST_TIMEOUT_MS, or less if the client gave less (a call
         whose time is up is refused when it runs). `Call.within` makes it the call's deadline."""
         return self.timeout_s if client_timeout_s is None else min(self.timeout_s, client_timeout_s)
-
-    def http_call(self, environ: dict[str, Any], spec: ModelSpec, signature: str, outputs: tuple[str, ...] = (),
-                  client_timeout_s: float | None = None, priority: int = 0) -> Call:
-        """An HTTP front door's Call for the request of `environ`: its record, its trace, and a
-        client_gone that watches its connection (Gunicorn hands the app the client's socket;
-        Flask's test client has none)."""
-        return Call.within(self.deadline_s(client_timeout_s), model=spec, signature=signature, outputs=outputs,
-                           client_gone=socket_client_gone(environ.get("gunicorn.socket")),
-                           record=environ.get(logs.RECORD_KEY) or logs.RequestRecord(""),
-                           trace=environ.get(TRACE_KEY), priority=priority)
 
     # -- the prediction -------------------------------------------------------------------
 
@@ -471,18 +426,3 @@ def regressions(outputs: dict[str, np.ndarray], rows: int) -> np.ndarray:
 def braced(names: Any) -> str:
     """Names as TF Serving lists them in its messages: {a,b,c}, sorted."""
     return "{" + ",".join(sorted(names)) + "}"
-
-
-def init_app(app: Flask, settings: Settings, registry: ModelRegistry, *,
-             make_layer: Callable[..., RequestLayer] = RequestLayer) -> RequestLayer:
-    """The app's request layer; `make_layer` is its class, or tracing's (app/ops/tracing.py) when on."""
-    layer = make_layer(registry, timeout_s=settings.request_timeout_ms / 1000.0,
-                       max_request_bytes=max_request_bytes(settings, registry), metrics=app.extensions["metrics"],
-                       check_method_name=settings.enable_signature_method_name_check)
-    app.extensions["serving"] = layer
-    layer.payload_log = init_payload_log(app, settings)
-    return layer
-
-
-def get_layer(app: Flask) -> RequestLayer:
-    return app.extensions["serving"]

@@ -35,7 +35,6 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-from flask import Flask
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tensorflow.core.example import example_pb2
 from tensorflow_serving.apis import (
@@ -52,10 +51,10 @@ from tensorflow_serving.apis import (
 )
 
 from app.core import errors
-from app.core import repository as v2_repository
 from app.core.batching import check_rows
 from app.core.call import Call, ModelSpec
 from app.core.models import LoadedModel, Signature
+from app.core.services import Services
 from app.core.serving import (
     Answer,
     Classes,
@@ -64,7 +63,6 @@ from app.core.serving import (
     Task,
     braced,
     examples_decode,
-    get_layer,
     multi_inference_spec,
 )
 from app.grpc import calls as grpc_calls
@@ -314,9 +312,9 @@ class GrpcServer:
     """One worker's gRPC server, on an event loop thread of its own: start after the app loaded,
     stop with every accepted call answered."""
 
-    def __init__(self, app: Flask, *, bind: str, threads: int) -> None:
+    def __init__(self, services: Services, *, bind: str, threads: int) -> None:
         self.bind = bind
-        self.health = HealthServicer(get_layer(app))
+        self.health = HealthServicer(services.layer)
         self._stopped: threading.Event | None = None
         self._lock = threading.Lock()
         self._threads = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc")
@@ -324,20 +322,18 @@ class GrpcServer:
         self._loop_thread = threading.Thread(target=self._run_loop, name="grpc-loop", daemon=True)
         self._loop_thread.start()
         try:
-            self._server, self.port = self._on_loop(self._build(app, bind, threads))
+            self._server, self.port = self._on_loop(self._build(services, bind, threads))
         except BaseException:
             self._close_loop()
             raise
 
-    async def _build(self, app: Flask, bind: str, threads: int) -> tuple[grpc.aio.Server, int]:
-        models = get_layer(app)
-        settings = app.extensions["settings"]
+    async def _build(self, services: Services, bind: str, threads: int) -> tuple[grpc.aio.Server, int]:
+        models, settings = services.layer, services.settings
         max_bytes = models.max_request_bytes  # REST's body limit: MAX_REQUEST_BYTES, or derived from the models
-        repository = v2_repository.get(app)
+        repository = services.repository
         path = grpc_calls.CallPath(
             models.requests, max_calls=threads, receive_timeout_s=settings.grpc_receive_timeout_ms / 1000.0,
-            threads=self._threads, tracing=app.extensions.get("tracing"),
-            restricted=v2_repository.restriction(repository))
+            threads=self._threads, tracing=services.tracing, restricted=v2_grpc.restriction(repository))
         # Connections, streams, metadata and messages (app/grpc/limits.py); calls and their
         # message's wait, the record, the trace, errors to codes (app/grpc/calls.py).
         server = grpc_limits.build_server(settings, max_bytes=max_bytes, threads=self._threads, path=path)
@@ -345,7 +341,7 @@ class GrpcServer:
             PredictionServicer(models, grpc_calls.observed, max_bytes=max_bytes,
                                tensor_content=settings.grpc_tensor_content), server)
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(models, grpc_calls.observed), server)
-        v2_grpc.add_to_server(server, models, grpc_calls.observed, repository)
+        v2_grpc.add_to_server(server, models, repository, grpc_calls.observed)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             port = tls.add_port(server, bind, settings.grpc_ssl_config_file)
@@ -396,14 +392,14 @@ def serve_in_worker(worker: Any) -> GrpcServer | None:
     locks and starts a thread, and a second signal would interrupt the first one's handler
     while it holds them (app/worker.py). None when the worker was asked to stop while starting.
     """
-    app = worker.wsgi
-    if app is None or not worker.alive:
+    services = getattr(worker.wsgi, "services", None)
+    if services is None or not worker.alive:
         return None
     grace_s = float(worker.cfg.graceful_timeout)
-    settings = app.extensions["settings"]
+    settings = services.settings
 
     def serve(bind: str) -> GrpcServer:
-        return GrpcServer(app, bind=bind, threads=worker.cfg.threads).start()
+        return GrpcServer(services, bind=bind, threads=worker.cfg.threads).start()
 
     if settings.grpc_socket_path:
         # One worker at a time serves the Unix socket; the others wait to take it over.
@@ -419,9 +415,9 @@ def serve_in_worker(worker: Any) -> GrpcServer | None:
 
 
 @contextmanager
-def serving(app: Flask, *, bind: str, threads: int = 16) -> Iterator[GrpcServer]:
-    """A gRPC server for `app` outside Gunicorn (tests, a plain `flask run`)."""
-    server = GrpcServer(app, bind=bind, threads=threads).start()
+def serving(services: Services, *, bind: str, threads: int = 16) -> Iterator[GrpcServer]:
+    """A gRPC server for `services` outside Gunicorn (tests, a plain `flask run`)."""
+    server = GrpcServer(services, bind=bind, threads=threads).start()
     try:
         yield server
     finally:

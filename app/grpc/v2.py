@@ -1,9 +1,9 @@
 """The Open Inference Protocol (KServe v2) over gRPC: `inference.GRPCInferenceService`, on the
 gRPC port TF Serving's services use (kserve/open-inference-protocol, inference_grpc.md).
 
-ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer, ModelStatistics;
-the other methods of Triton's service (repository, shared memory, streaming) stay the base
-class's UNIMPLEMENTED. The messages are tritonclient's generated ones (tritonclient.grpc's
+ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer, ModelStatistics,
+and the model repository extension (app/core/repository.py); shared memory and streaming stay
+the base class's UNIMPLEMENTED. The messages are tritonclient's generated ones (tritonclient.grpc's
 service_pb2, package `inference`), the ones its client sends. KServe's own copy of the same
 protos declares the same `inference` package under another file name, so one process can load
 one of the two, never both (kserve issue 3099): this server loads tritonclient's.
@@ -24,14 +24,15 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from app.core import repository as v2_repository
 from app.core.call import Call
 from app.core.errors import BadRequest, NotFound
+from app.core.model_stats import statistics
+from app.core.repository import Repository
 from app.core.serving import Answer, Decode, RequestLayer
 from app.grpc import exchange as grpc_record
-from app.http import v2_statistics
 from app.ops.logs import RequestRecord
 from app.wire import priority, v2_tensors
 
@@ -46,14 +47,18 @@ CONTENTS = {
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, layer: RequestLayer, observed: Callable[..., Any]) -> None:
+    def __init__(self, layer: RequestLayer, repository: Repository, observed: Callable[..., Any]) -> None:
         self._layer = layer
+        self._repository = repository
         # Live and ready are probes: like grpc.health.v1, neither counted nor logged.
         self.ModelReady = observed(f"{SERVICE}/ModelReady", self._model_ready)
         self.ServerMetadata = observed(f"{SERVICE}/ServerMetadata", self._server_metadata)
         self.ModelMetadata = observed(f"{SERVICE}/ModelMetadata", self._model_metadata)
         self.ModelInfer = observed(f"{SERVICE}/ModelInfer", self._infer, self._infer_async)
-        self.ModelStatistics = observed(f"{SERVICE}/ModelStatistics", v2_statistics.grpc_handler(layer))
+        self.ModelStatistics = observed(f"{SERVICE}/ModelStatistics", self._statistics)
+        self.RepositoryIndex = observed(f"{SERVICE}/RepositoryIndex", self._repository_index)
+        self.RepositoryModelLoad = observed(f"{SERVICE}/RepositoryModelLoad", self._repository_load)
+        self.RepositoryModelUnload = observed(f"{SERVICE}/RepositoryModelUnload", self._repository_unload)
 
     def ServerLive(self, request: Any, context: grpc.ServicerContext) -> Any:
         return service_pb2.ServerLiveResponse(live=True)
@@ -98,6 +103,32 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                                      priority=priority.from_v2_grpc(parameters))
         return call, lambda signature, max_rows: v2_tensors.decode_inputs(_tensors(request), signature,
                                                                           max_rows=max_rows)
+
+
+    def _statistics(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+        """Triton's statistics extension (app/core/model_stats.py)."""
+        record.model = request.name or None
+        # Under Gunicorn the counts are read from the multiprocess files alone.
+        body = statistics(self._layer.registry, None, request.name, request.version)
+        return json_format.ParseDict(body, service_pb2.ModelStatisticsResponse(), ignore_unknown_fields=True)
+
+    # -- Triton's model repository extension (app/core/repository.py) ---------------------------
+
+    def _repository_index(self, request: Any, _record: Any, context: grpc.ServicerContext) -> Any:
+        _one_repository(request)
+        return service_pb2.RepositoryIndexResponse(models=[
+            service_pb2.RepositoryIndexResponse.ModelIndex(**model)
+            for model in self._repository.index(ready=request.ready)])
+
+    def _repository_load(self, request: Any, _record: Any, context: grpc.ServicerContext) -> Any:
+        _one_repository(request)
+        self._repository.load(request.model_name, _grpc_parameters(request), timeout_s=context.time_remaining())
+        return service_pb2.RepositoryModelLoadResponse()
+
+    def _repository_unload(self, request: Any, _record: Any, context: grpc.ServicerContext) -> Any:
+        _one_repository(request)
+        self._repository.unload(request.model_name, _grpc_parameters(request), timeout_s=context.time_remaining())
+        return service_pb2.RepositoryModelUnloadResponse()
 
 
 def _infer_response(request: Any, answer: Answer) -> Any:
@@ -151,9 +182,35 @@ def _tensors(request: Any) -> list[v2_tensors.Tensor]:
     return tensors
 
 
-def add_to_server(server: grpc.aio.Server, layer: RequestLayer, observed: Callable[..., Any],
-                  repository: v2_repository.Repository | None = None) -> None:
-    servicer = InferenceServicer(layer, observed)
-    if repository is not None:  # the model repository extension's methods
-        v2_repository.serve_grpc(servicer, repository, observed)
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+def add_to_server(server: grpc.aio.Server, layer: RequestLayer, repository: Repository,
+                  observed: Callable[..., Any]) -> None:
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(layer, repository, observed), server)
+
+
+# The calls RESTRICTED_MODEL_CONTROL guards on gRPC (REST: the repository's routes).
+RESTRICTED_METHODS = frozenset({f"{SERVICE}/RepositoryIndex", f"{SERVICE}/RepositoryModelLoad",
+                                f"{SERVICE}/RepositoryModelUnload",
+                                "/tensorflow.serving.ModelService/HandleReloadConfigRequest"})
+
+
+def restriction(repository: Repository) -> Callable[[str, Any], None]:
+    """RESTRICTED_MODEL_CONTROL on gRPC: check(method, metadata) raises Forbidden for a restricted
+    method called without the key; app/grpc/calls.py answers it PERMISSION_DENIED before its
+    handler runs."""
+    def check(method: str, metadata: Any) -> None:
+        if method not in RESTRICTED_METHODS or not repository.key:
+            return
+        sent = next((value for key, value in metadata or () if key == repository.key and isinstance(value, str)),
+                    None)
+        repository.check(method, sent, where="metadata key")
+
+    return check
+
+
+def _one_repository(request: Any) -> None:
+    if request.repository_name:
+        raise BadRequest("'repository_name' specification is not supported")
+
+
+def _grpc_parameters(request: Any) -> dict[str, Any]:
+    return {key: request.parameters[key] for key in request.parameters}

@@ -30,12 +30,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from flask import Flask, request
+from flask import request
 
 from app.core.errors import BadRequest, PayloadTooLarge, ServingError, Unavailable, UnsupportedEncoding
 from app.core.models import STRING, LoadedModel, Signature
-from app.core.registry import ModelRegistry
-from app.ops.settings import Settings
 
 try:
     from gunicorn.http.errors import NoMoreData, ParseException
@@ -262,31 +260,8 @@ def raise_refusal(environ: dict[str, Any]) -> None:
         raise refusal
 
 
-def _raise_refusal() -> None:
+def raise_refusal_before_a_view() -> None:
     # An unknown route or method says more than the body's size; only POST routes read a
     # body, the others answer as if it was empty (it was read and dropped).
     if request.routing_exception is None and request.method == "POST":
         raise_refusal(request.environ)
-
-
-def max_request_bytes(settings: Settings, registry: ModelRegistry) -> int:
-    """MAX_REQUEST_BYTES, or derived from the models loaded at start (a later version keeps it)."""
-    if settings.max_request_bytes:
-        return settings.max_request_bytes
-    # Every signature of every version served: :classify and other signatures take bodies too.
-    return max(derived_max_request_bytes(servable.model.signatures[key], batcher.info.max_request_rows)
-               for servable in registry.servables()
-               for key, batcher in servable.batchers.items())
-
-
-def init_app(app: Flask, settings: Settings, registry: ModelRegistry) -> BodyLimits:
-    max_bytes = max_request_bytes(settings, registry)
-    # Werkzeug's own check answers the same 413, should anything reach it.
-    app.config["MAX_CONTENT_LENGTH"] = max_bytes
-    # Registered after the logging and metrics hooks, so a refusal is logged and counted.
-    app.before_request(_raise_refusal)
-    limits = BodyLimits(app.wsgi_app, max_bytes=max_bytes, large_bytes=settings.large_body_bytes,
-                        large_slots=settings.large_body_slots, wait_s=settings.request_timeout_ms / 1000.0)
-    app.wsgi_app = limits  # type: ignore[method-assign]
-    app.extensions["body_limits"] = limits
-    return limits

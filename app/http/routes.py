@@ -9,7 +9,7 @@ function with the WSGI environ; every other request, and any POST it does not ma
 Flask. Flask keeps the same rules, so the other methods get its 405 with Allow, /openapi.json
 lists them, and the two tables are checked against each other (tests/test_direct.py).
 
-An error is answered by app/core/errors.py's handlers, the same body, status and headers Flask
+An error is answered by app/http/errors.py's handlers, the same body, status and headers Flask
 would send; the access line, the request metrics (under the Flask rule's name) and the trace
 are the outer layers', as for any request.
 """
@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
-from flask import Flask, Response
+from flask import Response, current_app
 
-from app.core import errors
+from app.core.services import Services
 from app.http import bodies as limits
-from app.ops.logs import RECORD_KEY
-from app.ops.metrics import ROUTE_KEY
+from app.http import errors
+from app.http.layers import RECORD_KEY, ROUTE_KEY
+
+
+def services() -> Services:
+    """The services of the app handling the current request (for a Flask view)."""
+    return cast(Services, current_app.services)  # type: ignore[attr-defined]
 
 
 class Reply(NamedTuple):
@@ -53,9 +58,9 @@ class Route(NamedTuple):
 class DirectRoutes:
     """WSGI layer: POSTs to `routes` answered without Flask; everything else passed to `app`."""
 
-    def __init__(self, app: Callable[..., Iterable[bytes]], flask_app: Flask, routes: Sequence[Route]) -> None:
+    def __init__(self, app: Callable[..., Iterable[bytes]], *, services: Services, routes: Sequence[Route]) -> None:
         self.app = app
-        self.flask_app = flask_app
+        self.services = services
         self.routes = [(re.compile(route.pattern), route.rule, route.handler) for route in routes]
 
     def match(self, environ: dict[str, Any]) -> tuple[str, Handler, Sequence[Any]] | None:
@@ -77,7 +82,7 @@ class DirectRoutes:
         environ[ROUTE_KEY] = rule
         try:
             limits.raise_refusal(environ)
-            reply = handler(self.flask_app.extensions["serving"], environ, groups)
+            reply = handler(self.services.layer, environ, groups)
         except Exception as exc:  # noqa: BLE001 - answered as Flask's error handlers answer it
             record = environ.get(RECORD_KEY)
             answer = errors.answer_for(exc, record.request_id or None if record is not None else None)

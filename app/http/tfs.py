@@ -18,10 +18,10 @@ from werkzeug.routing import BaseConverter, IntegerConverter
 from app.core.batching import Tensors, check_rows
 from app.core.call import ModelSpec
 from app.core.models import Signature
-from app.core.registry import get_registry
-from app.core.serving import CLASSIFY, REGRESS, Answer, RequestLayer, examples_decode, get_layer
+from app.core.serving import CLASSIFY, REGRESS, Answer, RequestLayer, examples_decode
 from app.http import bodies as limits
-from app.http.routes import Reply, Route
+from app.http.layers import http_call
+from app.http.routes import Reply, Route, services
 from app.ops.settings import MODEL_NAME_PATTERN
 from app.wire import classify, codec, metadata, priority
 
@@ -50,14 +50,14 @@ def predict(layer: RequestLayer, environ: dict[str, Any], spec: ModelSpec) -> Re
         check_rows(parsed.rows, max_rows)  # before any array is built
         return codec.decode_inputs(parsed, signature)
 
-    answer = layer.infer(layer.http_call(environ, spec, parsed.signature_name, priority=_priority(environ)), decode)
+    answer = layer.infer(http_call(layer, environ, spec, parsed.signature_name, priority=_priority(environ)), decode)
     return _reply(answer, codec.encode_response(answer.outputs, answer.signature, parsed))
 
 
 def _classify_or_regress(spec: ModelSpec, method: str) -> Response:
-    layer, environ = get_layer(current_app), request.environ
+    layer, environ = services().layer, request.environ
     signature_name, examples = classify.parse(limits.body(environ), method)
-    call = layer.http_call(environ, spec, signature_name, priority=_priority(environ))
+    call = http_call(layer, environ, spec, signature_name, priority=_priority(environ))
     decode = examples_decode(examples)
     if method == CLASSIFY:
         answer, classes = layer.classify(call, decode)
@@ -93,22 +93,22 @@ PREDICT_ROUTES = [
 # answer wherever app/http/routes.py is not in front (tests/test_direct.py checks the two agree).
 @bp.post("/predict")
 def predict_default() -> Response:
-    return predict(get_layer(current_app), request.environ, ModelSpec()).response()
+    return predict(services().layer, request.environ, ModelSpec()).response()
 
 
 @bp.post("/v1/models/<model_name:name>:predict")
 def predict_model(name: str) -> Response:
-    return predict(get_layer(current_app), request.environ, ModelSpec(name)).response()
+    return predict(services().layer, request.environ, ModelSpec(name)).response()
 
 
 @bp.post("/v1/models/<model_name:name>/versions/<int:version>:predict")
 def predict_version(name: str, version: int) -> Response:
-    return predict(get_layer(current_app), request.environ, ModelSpec(name, version)).response()
+    return predict(services().layer, request.environ, ModelSpec(name, version)).response()
 
 
 @bp.post("/v1/models/<model_name:name>/labels/<model_name:label>:predict")
 def predict_label(name: str, label: str) -> Response:
-    return predict(get_layer(current_app), request.environ, ModelSpec(name, label=label)).response()
+    return predict(services().layer, request.environ, ModelSpec(name, label=label)).response()
 
 
 def _tf_example_route(method: str):
@@ -130,7 +130,7 @@ _tf_example_route(REGRESS)
 @bp.get("/v1/models/<model_name:name>/versions/<int:version>")
 @bp.get("/v1/models/<model_name:name>/labels/<model_name:label>")
 def model_status(name: str, version: int | None = None, label: str | None = None) -> Response:
-    statuses = get_layer(current_app).model_status(ModelSpec(name, version, label))
+    statuses = services().layer.model_status(ModelSpec(name, version, label))
     return _json(orjson.dumps({"model_version_status": statuses}))
 
 
@@ -138,14 +138,14 @@ def model_status(name: str, version: int | None = None, label: str | None = None
 @bp.get("/v1/models/<model_name:name>/versions/<int:version>/metadata")
 @bp.get("/v1/models/<model_name:name>/labels/<model_name:label>/metadata")
 def model_metadata(name: str, version: int | None = None, label: str | None = None) -> Response:
-    servable = get_layer(current_app).model(ModelSpec(name, version, label))
+    servable = services().layer.model(ModelSpec(name, version, label))
     return _json(orjson.dumps(metadata.describe(servable.model)))
 
 
 @bp.get("/healthz")
 def healthz() -> Response:
     # Liveness: a worker whose batch thread died is replacing itself; until it is gone it is not alive.
-    broken = sorted({batcher.info.name for servable in get_registry(current_app).servables()
+    broken = sorted({batcher.info.name for servable in services().registry.servables()
                      for batcher in servable.batchers.values() if batcher.broken})
     if broken:
         return _json(orjson.dumps({"error": f"the batch thread of model(s) {broken} died"}), status=503)
@@ -154,18 +154,19 @@ def healthz() -> Response:
 
 @bp.get("/readyz")
 def readyz() -> Response:
-    registry = get_registry(current_app)
+    served = services()
+    registry = served.registry
     ready = registry.ready
     # File paths and the pid tell an attacker about the host: shown only when asked for.
-    detail = current_app.extensions["settings"].readyz_detail
+    detail = served.settings.readyz_detail
     models = {name: servable.status() for name, servable in registry.items()}
     if not detail:
         for status in models.values():
             status.pop("source", None)
     body = {
         "ready": ready,
-        "tensorflow": current_app.extensions["tensorflow"],
-        "large_bodies_in_flight": current_app.extensions["body_limits"].large_bodies_in_flight,
+        "tensorflow": served.tensorflow,
+        "large_bodies_in_flight": current_app.body_limits.large_bodies_in_flight,  # type: ignore[attr-defined]
         # Objects start-up left out of the garbage collector's full passes (runtime.freeze_heap).
         "gc_frozen_objects": gc.get_freeze_count(),
         "models": models,

@@ -7,7 +7,7 @@ Routes (kserve/open-inference-protocol, specification/protocol/inference_rest.md
     GET  /v2/models/{m}[/versions/{v}]           model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready
     POST /v2/models/{m}[/versions/{v}]/infer
-    GET  /v2/models[/{m}[/versions/{v}]]/stats  Triton's statistics (app/http/v2_statistics.py)
+    GET  /v2/models[/{m}[/versions/{v}]]/stats  Triton's statistics (app/core/model_stats.py)
 
 A version of digits names a version, any other a version label ("stable"). The signature is
 the request parameter `signature_name` (serving_default without it); the request parameter
@@ -31,14 +31,14 @@ from typing import Any
 import numpy as np
 import orjson
 import simdjson
-from flask import Blueprint, Flask, Response, current_app, request
+from flask import Blueprint, Flask, Response, request
 
-from app.core import repository as v2_repository
 from app.core.errors import BadRequest, Unavailable
-from app.core.serving import Answer, RequestLayer, get_layer
+from app.core.model_stats import statistics
+from app.core.serving import Answer, RequestLayer
 from app.http import bodies as limits
-from app.http import v2_statistics
-from app.http.routes import Reply, Route
+from app.http.layers import http_call
+from app.http.routes import Reply, Route, services
 from app.ops.settings import MODEL_NAME_PATTERN
 from app.wire import codec, priority, v2_tensors
 
@@ -66,7 +66,7 @@ def live() -> Response:
 
 @bp.get("/health/ready")
 def ready() -> Response:
-    if not get_layer(current_app).ready:
+    if not services().layer.ready:
         raise Unavailable("not every model is ready")
     return _json({"ready": True})
 
@@ -74,7 +74,7 @@ def ready() -> Response:
 @bp.get("/models/<model_name:name>")
 @bp.get("/models/<model_name:name>/versions/<version>")
 def model_metadata(name: str, version: str | None = None) -> Response:
-    layer = get_layer(current_app)
+    layer = services().layer
     servable = layer.model(v2_tensors.model_spec(name, version))
     signature = layer.predict_signature(servable, request.args.get("signature_name", ""))
     return _json(v2_tensors.model_metadata(servable.model, signature, layer.versions(servable)))
@@ -83,17 +83,28 @@ def model_metadata(name: str, version: str | None = None) -> Response:
 @bp.get("/models/<model_name:name>/ready")
 @bp.get("/models/<model_name:name>/versions/<version>/ready")
 def model_ready(name: str, version: str | None = None) -> Response:
-    layer = get_layer(current_app)
+    layer = services().layer
     servable = layer.model(v2_tensors.model_spec(name, version))
     if not layer.servable_ready(servable):
         raise Unavailable(f"model '{servable.model.name}' v{servable.model.version} cannot serve")
     return _json({"name": servable.model.name, "ready": True})
 
 
-# Triton's statistics extension (app/http/v2_statistics.py); a static rule wins over a model name "stats".
-bp.add_url_rule("/models/stats", "all_model_stats", v2_statistics.all_models_view, methods=["GET"])
-bp.add_url_rule("/models/<model_name:name>/stats", "model_stats", v2_statistics.model_view, methods=["GET"])
-bp.add_url_rule("/models/<model_name:name>/versions/<version>/stats", "model_stats", v2_statistics.model_view,
+def all_models_view() -> Response:
+    return model_view("")
+
+
+def model_view(name: str, version: str = "") -> Response:
+    """Triton's statistics extension (app/core/model_stats.py)."""
+    served = services()
+    return Response(orjson.dumps(statistics(served.registry, served.metrics, name, version)),
+                    content_type="application/json")
+
+
+# A static rule wins over a model name "stats".
+bp.add_url_rule("/models/stats", "all_model_stats", all_models_view, methods=["GET"])
+bp.add_url_rule("/models/<model_name:name>/stats", "model_stats", model_view, methods=["GET"])
+bp.add_url_rule("/models/<model_name:name>/versions/<version>/stats", "model_stats", model_view,
                 methods=["GET"])
 
 
@@ -101,7 +112,7 @@ bp.add_url_rule("/models/<model_name:name>/versions/<version>/stats", "model_sta
 @bp.post("/models/<model_name:name>/versions/<version>/infer")
 def infer_view(name: str, version: str | None = None) -> Response:
     # app/http/routes.py answers these POSTs first (INFER_ROUTES); this is Flask's rule for the same URLs.
-    return infer(get_layer(current_app), request.environ, name, version).response()
+    return infer(services().layer, request.environ, name, version).response()
 
 
 def infer(layer: RequestLayer, environ: dict[str, Any], name: str, version: str | None = None) -> Reply:
@@ -113,7 +124,7 @@ def infer(layer: RequestLayer, environ: dict[str, Any], name: str, version: str 
     if not isinstance(signature_name, str):
         raise BadRequest(v2_tensors.SIGNATURE_NAME_ERROR)
     wanted = _requested_outputs(body)
-    call = layer.http_call(environ, v2_tensors.model_spec(name, version), signature_name,
+    call = http_call(layer, environ, v2_tensors.model_spec(name, version), signature_name,
                            tuple(output for output, _ in wanted), _timeout_s(parameters),
                            priority.from_v2_rest(parameters))
     answer = layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
@@ -323,4 +334,3 @@ def _inputs(body: dict[str, Any], data: memoryview, json_text: bytes) -> list[v2
 
 def init_app(app: Flask) -> None:
     app.register_blueprint(bp)
-    v2_repository.init_app(app)

@@ -18,8 +18,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from flask import Flask
-
 from app.core.batching import BatchResult, Engine, EngineInfo, Tensors
 from app.core.batching.batcher import given_ms
 from app.core.call import Call
@@ -34,9 +32,20 @@ log = logging.getLogger(__name__)
 
 
 class RemoteRegistry(ModelRegistry):
-    """The registry of the default mode, but a reload of the model config is the model processes' to apply."""
+    """The registry of the default mode, but a reload of the model config is the model processes' to
+    apply, and a flush or a close is this worker's link's: its rows live in the model process."""
 
     link: ModelProcessLink | None = None
+
+    def flush(self, *, later_too: bool = False) -> None:
+        """A stop was asked (the worker's when_stopping): this worker's rows wait out no batch window."""
+        if self.link is not None:
+            self.link.stopping()
+
+    def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
+        super().close(drain=drain, timeout_s=timeout_s)
+        if self.link is not None:
+            self.link.drain(timeout_s)
 
     def reload_config(self, document: dict[str, Any], *, timeout_s: float | None) -> None:
         """Applied by every model process, and by each of their workers, before it returns."""
@@ -256,7 +265,7 @@ class RemoteModels:
         return Servable(meta.loaded_model(name, version), batchers)
 
 
-def init_app(app: Flask, settings: Settings) -> ModelRegistry:
+def connect(settings: Settings) -> RemoteRegistry:
     """The worker's registry, filled from its model process (the first connection waits for it)."""
     # Before gRPC's front door (post_worker_init) imports TF Serving's protos.
     protos.without_tensorflow()
@@ -271,19 +280,4 @@ def init_app(app: Flask, settings: Settings) -> ModelRegistry:
     holder.append(remote)
     remote.apply(link.connect())
     registry.link = link
-    app.extensions["models"] = registry
-    app.extensions["model_process_link"] = link
     return registry
-
-
-def stopping(app: Flask) -> None:
-    """A stop was asked (the worker's when_stopping): this worker's rows wait out no batch window."""
-    link: ModelProcessLink | None = app.extensions.get("model_process_link")
-    if link is not None:
-        link.stopping()
-
-
-def shutdown(app: Flask, timeout_s: float | None) -> None:
-    link: ModelProcessLink | None = app.extensions.get("model_process_link")
-    if link is not None:
-        link.drain(timeout_s)

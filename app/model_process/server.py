@@ -30,17 +30,16 @@ import threading
 from collections.abc import Callable
 from typing import Any, cast
 
-from flask import Flask
-
-from app.core import loading, registry
+from app.core import registry, services
 from app.core.batching import Batcher, BatchResult
 from app.core.call import Call
 from app.core.errors import ClientGone, NotFound, PredictFailed, ServingError, Unavailable
 from app.core.registry import RELOAD, ModelRegistry, Servable
 from app.model_process import meta, wire
 from app.model_process.arena import Arena
-from app.ops import logs, metrics, runtime
+from app.ops import logs, runtime
 from app.ops.settings import Settings
+from app.wire import warmup
 
 log = logging.getLogger(__name__)
 
@@ -240,8 +239,6 @@ class ModelProcess:
         self.settings = settings
         self.socket_path = socket_path
         self.drain_s = drain_s
-        self.app = Flask(__name__)  # only a holder for the parts' extensions, as in a worker
-        self.app.extensions["replace_worker"] = self.stop
         self.stopping = threading.Event()
         self.connections: list[WorkerConnection] = []
         # What the workers were last told the models are; one push at a time.
@@ -250,9 +247,11 @@ class ModelProcess:
         self._listener: socket.socket | None = None
 
     def load(self) -> None:
-        self.app.extensions["tensorflow"] = runtime.configure(self.settings, workers=self.settings.model_processes)
-        serving_metrics = metrics.Metrics()
-        self.models = registry.init_app(self.app, self.settings, serving_metrics, loading=loading.steps(self.settings))
+        tensorflow = runtime.configure(self.settings, workers=self.settings.model_processes)
+        # Loaded and warmed as in a worker of the default mode; a batch thread that dies stops this process.
+        self.services = services.start(self.settings, warm_up=warmup.replay, replace_worker=self.stop)
+        self.services.tensorflow.update(tensorflow)
+        self.models = self.services.registry
         if self.models.live_config is not None:
             self.models.live_config.on_applied = self.tell_workers
         self._watch_versions()

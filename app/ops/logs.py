@@ -25,12 +25,10 @@ import re
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from flask import Flask
 
 from app.ops import patches
 
@@ -41,9 +39,6 @@ REQUEST_ID_HEADER = "X-Request-ID"
 _SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Asked every few seconds by orchestrators and Prometheus: not worth a line each.
 PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
-# Where a request's RequestRecord lives in its WSGI environ.
-RECORD_KEY = "model_server.request"
-_REQUEST_ID_ENVIRON = "HTTP_" + REQUEST_ID_HEADER.upper().replace("-", "_")
 # Marks the handler this module installs, so configuring again never adds a second one.
 _HANDLER_MARK = "model_server"
 
@@ -249,15 +244,8 @@ class RequestRecord:
         }
 
 
-def record() -> RequestRecord:
-    """The current request's record (a detached one outside the access-log layer)."""
-    environ = patches.request_environ()
-    found = environ.get(RECORD_KEY) if environ is not None else None
-    return found if found is not None else RequestRecord("")
 
 
-def current_request_id() -> str | None:
-    return record().request_id or None
 
 
 class AccessWriter:
@@ -369,45 +357,5 @@ def write_access(record: RequestRecord, *, writer: AccessWriter | None = None) -
         log_access(record.access_fields(), writer=writer)
 
 
-class _AccessLayer:
-    """WSGI layer: every request gets an id, echoed in X-Request-ID, and one access line.
-
-    A WSGI layer rather than Flask before/after hooks: a hook costs Flask an
-    `iscoroutinefunction` check and the request-local proxies on every call, and this is
-    all per-request work.
-    """
-
-    def __init__(self, app: Callable[..., Iterable[bytes]], *, probes: bool, writer: AccessWriter | None) -> None:
-        self.app = app
-        self.probes = probes
-        self.writer = writer
-
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        entry = RequestRecord(accept_request_id(environ.get(_REQUEST_ID_ENVIRON, "")),
-                              environ.get("REQUEST_METHOD", ""))
-        environ[RECORD_KEY] = entry
-
-        def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-            entry.status = int(status[:3])
-            headers.append((REQUEST_ID_HEADER, entry.request_id))
-            return start_response(status, headers, exc_info)
-
-        try:
-            return self.app(environ, start)
-        finally:
-            self._log(environ, entry)
-
-    def _log(self, environ: dict[str, Any], entry: RequestRecord) -> None:
-        if not access_log.isEnabledFor(logging.INFO):
-            return
-        # As Werkzeug's request.path reads it (werkzeug.wsgi.get_path_info, and a leading "/").
-        entry.path = "/" + environ.get("PATH_INFO", "").encode("latin1").decode(errors="replace").lstrip("/")
-        if entry.path in PROBE_PATHS and not self.probes:
-            return
-        log_access(entry.access_fields(), writer=self.writer)
 
 
-def init_app(app: Flask, *, access: bool = True, probes: bool = False, writer: AccessWriter | None = None) -> None:
-    """Request ids and access lines for `app`; with a writer, lines are written off the request threads."""
-    app.wsgi_app = _AccessLayer(app.wsgi_app, probes=probes, writer=writer)  # type: ignore[method-assign]
-    access_log.disabled = not access

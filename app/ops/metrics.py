@@ -10,13 +10,9 @@ page at a second path (TF Serving's monitoring config).
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterable
 from typing import Any
 
-from flask import Flask, Response, current_app
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -198,8 +194,6 @@ class _ModelObserver(BatchObserver):
         (child if child is not None else self._rejections.labels(self._model, reason)).inc()
 
 
-def get_metrics(app: Flask) -> Metrics:
-    return app.extensions["metrics"]
 
 
 # Label values come only from these sets: a client choosing the method or the path must not
@@ -209,9 +203,6 @@ HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTI
 OTHER = "other"
 
 
-# Where the matched URL rule of a request is left for other layers (tracing names its span by
-# it): Flask clears environ["werkzeug.request"] when its request context ends.
-ROUTE_KEY = "model_server.route"
 
 
 class RequestCounts:
@@ -238,58 +229,7 @@ class RequestCounts:
         timer.observe(seconds)
 
 
-class _MetricsLayer:
-    """WSGI layer: HTTP requests in flight, and each answer counted by its URL rule (RequestCounts)."""
-
-    def __init__(self, app: Callable[..., Iterable[bytes]], metrics: Metrics) -> None:
-        self.app = app
-        self.metrics = metrics
-        self._in_flight = patches.value_of(metrics.in_flight)
-        self._counts = RequestCounts(metrics)
-
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        started = time.perf_counter()
-        status = [500]
-
-        def start(line: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-            status[0] = int(line[:3])
-            # Flask answers inside its request context, so its request (and the rule it matched,
-            # None for a 404 or 405) is still in the environ here, and no longer once it returns.
-            # A route answered below Flask (app/http/routes.py) has left its rule's text already.
-            if ROUTE_KEY not in environ:
-                flask_request = environ.get("werkzeug.request")
-                rule = flask_request.url_rule if flask_request is not None else None
-                environ[ROUTE_KEY] = rule.rule if rule is not None else None
-            return start_response(line, headers, exc_info)
-
-        self._in_flight.inc(1)
-        try:
-            return self.app(environ, start)
-        finally:
-            self._in_flight.inc(-1)
-            self._count(environ, status[0], time.perf_counter() - started)
-
-    def _count(self, environ: dict[str, Any], status: int, seconds: float) -> None:
-        # The URL rule, not the path: unknown paths must not grow a series each.
-        route = environ.get(ROUTE_KEY) or OTHER
-        method = environ.get("REQUEST_METHOD", "")
-        if method not in HTTP_METHODS:
-            method = OTHER
-        self._counts.count(route, method, str(status), seconds)
 
 
-def metrics_view() -> Response:
-    return Response(get_metrics(current_app).exposition(), content_type=CONTENT_TYPE_LATEST)
 
 
-def init_app(app: Flask, metrics: Metrics | None = None) -> Metrics:
-    metrics = metrics or Metrics()
-    app.extensions["metrics"] = metrics
-    app.wsgi_app = _MetricsLayer(app.wsgi_app, metrics)  # type: ignore[method-assign]
-    app.add_url_rule("/metrics", "metrics", metrics_view, methods=["GET"])
-    settings = app.extensions.get("settings")
-    path = settings.metrics_path if settings is not None else ""
-    if path and path != "/metrics":
-        # METRICS_PATH: where TF Serving's --monitoring_config_file puts them, same exposition.
-        app.add_url_rule(path, "metrics_path", metrics_view, methods=["GET"])
-    return metrics

@@ -7,11 +7,12 @@ rate is the model's `payload_log_sampling_rate` in MODEL_CONFIG (a ModelServerCo
 
 A kept prediction becomes one `tensorflow.serving.PredictionLog` with `predict_log` (the
 request's inputs and the answer's outputs as TensorProtos, the model spec of the version
-that answered) and `log_metadata`, written to TFRecord files under PAYLOAD_LOG_DIR, the
-format warm-up reads (app/wire/warmup.py). Every protocol is logged as a predict: a v2 request's
-tensors map one to one onto the inputs, and classify or regress log their serialized
-examples as the `inputs` tensor. With PAYLOAD_LOG_URL each one is also posted as two
-CloudEvents (binary mode, as KServe's logger sends them): the request, then the response.
+that answered) and `log_metadata` (built by app/wire/prediction_log.py, handed in as `to_record`),
+written to TFRecord files under PAYLOAD_LOG_DIR, the format warm-up reads (app/wire/warmup.py).
+Every protocol is logged as a predict: a v2 request's tensors map one to one onto the inputs,
+and classify or regress log their serialized examples as the `inputs` tensor. With
+PAYLOAD_LOG_URL each one is also posted as two CloudEvents (binary mode, as KServe's logger
+sends them): the request, then the response.
 
 Logging never slows or fails a request: the request thread only draws the sample and puts
 the arrays on a bounded queue; a full queue drops the record and counts it. One daemon
@@ -41,12 +42,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
-from flask import Flask
 
-from app.core.model_types import STRING
-from app.ops.metrics import get_metrics
+from app.ops.metrics import Metrics
 from app.ops.settings import Settings, SettingsError, model_configs
-from app.wire.tensor_proto import from_ndarray
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +73,10 @@ class PayloadLog:
 
     def __init__(self, *, rates: dict[str, float], default_rate: float, directory: str | None, url: str,
                  max_file_bytes: int, buffer_records: int, count_drop: Callable[[str], None],
-                 sample: Callable[[], float] = random.random) -> None:
+                 to_record: Callable[[Entry], bytes], sample: Callable[[], float] = random.random) -> None:
         self._rates = rates
+        # An entry's serialized PredictionLog (app/wire/prediction_log.py): the record format is the wire's.
+        self._to_record = to_record
         self._default_rate = default_rate
         self._sample = sample
         self._count_drop = count_drop
@@ -127,7 +127,7 @@ class PayloadLog:
         # Anything may go wrong with a disk or a receiver; the thread must outlive it.
         if self._files is not None:
             try:
-                self._files.write(prediction_log(entry).SerializeToString())
+                self._files.write(self._to_record(entry))
             except Exception:
                 log.exception("payload log: a record could not be written")
                 self._count_drop("write_failed")
@@ -139,39 +139,8 @@ class PayloadLog:
                 self._count_drop("send_failed")
 
 
-def prediction_log(entry: Entry) -> Any:
-    """The PredictionLog TF Serving writes for a predict: request, response and metadata."""
-    from tensorflow_serving.apis import prediction_log_pb2
-
-    record = prediction_log_pb2.PredictionLog()
-    metadata = record.log_metadata
-    for spec in (metadata.model_spec, record.predict_log.request.model_spec,
-                 record.predict_log.response.model_spec):
-        spec.name = entry.model_name
-        spec.version.value = entry.version
-        spec.signature_name = entry.signature_name
-    metadata.sampling_config.sampling_rate = entry.rate
-    metadata.saved_model_tags.append("serve")
-    metadata.timestamp_secs = int(entry.timestamp)
-    # Raw tensor_content, as tf.make_tensor_proto writes it: the same values, many times cheaper than
-    # the typed fields for large tensors (strings stay in string_val).
-    for name, array in entry.inputs.items():
-        from_ndarray(array, entry.tf_dtypes.get(name, _tf_dtype(array)), record.predict_log.request.inputs[name],
-                     tensor_content=True)
-    for name, array in entry.outputs.items():
-        from_ndarray(array, entry.tf_dtypes.get(name, _tf_dtype(array)), record.predict_log.response.outputs[name],
-                     tensor_content=True)
-    return record
 
 
-def _tf_dtype(array: np.ndarray) -> str:
-    if array.dtype == STRING:
-        return "DT_STRING"
-    from tensorflow.core.framework import types_pb2
-
-    names = {"float32": "DT_FLOAT", "float64": "DT_DOUBLE", "bool": "DT_BOOL", "float16": "DT_HALF"}
-    name = names.get(array.dtype.name, f"DT_{array.dtype.name.upper()}")
-    return name if name in types_pb2.DataType.keys() else "DT_STRING"
 
 
 RECORD_OVERHEAD = 16  # a TFRecord's length, its CRC and the data's CRC
@@ -291,7 +260,7 @@ def tensors_json(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
 
 
 def _jsonable(array: np.ndarray) -> Any:
-    if array.dtype == STRING:
+    if array.dtype == object:  # a string tensor's bytes
         flat = [{"b64": base64.b64encode(item if isinstance(item, bytes) else str(item).encode()).decode()}
                 for item in array.flat]
         return np.array(flat, dtype=object).reshape(array.shape).tolist() if array.ndim else flat[0]
@@ -320,7 +289,7 @@ def send_cloud_events(url: str, entry: Entry) -> None:
             response.read()
 
 
-def init_app(app: Flask, settings: Settings) -> PayloadLog | None:
+def start(settings: Settings, metrics: Metrics, to_record: Callable[[Entry], bytes]) -> PayloadLog | None:
     """This process's payload log, or None where no model is sampled; SettingsError where one is
     sampled and there is nowhere to log to (TF Serving refuses a logging_config without a logger)."""
     rates = {config.name: config.payload_log_sampling_rate for config in model_configs(settings)}
@@ -330,12 +299,11 @@ def init_app(app: Flask, settings: Settings) -> PayloadLog | None:
         sampled = sorted(name for name, rate in rates.items() if rate > 0) or ["(PAYLOAD_LOG_SAMPLING_RATE)"]
         raise SettingsError(f"payload logging is asked for {', '.join(sampled)} but neither PAYLOAD_LOG_DIR "
                             "nor PAYLOAD_LOG_URL says where to")
-    dropped = get_metrics(app).payload_log_dropped
+    dropped = metrics.payload_log_dropped
     payload_log = PayloadLog(rates=rates, default_rate=settings.payload_log_sampling_rate,
                              directory=settings.payload_log_dir, url=settings.payload_log_url,
                              max_file_bytes=settings.payload_log_max_file_bytes,
                              buffer_records=settings.payload_log_buffer_records,
-                             count_drop=lambda reason: dropped.labels(reason).inc())
-    app.extensions["payload_log"] = payload_log
+                             count_drop=lambda reason: dropped.labels(reason).inc(), to_record=to_record)
     atexit.register(payload_log.close)
     return payload_log

@@ -7,7 +7,7 @@ logical device of that size; with neither, memory grows as needed.
 Gunicorn's post_fork hook calls `configure()` once in each worker, before the app loads its
 models, with the worker count, so that N workers share the usable CPUs (`usable_cpus()`: the
 affinity, capped by a cgroup CPU quota) instead of each starting pools as wide as the machine.
-It returns what it set; the hooks hand that to the app (app.extensions["tensorflow"]).
+It returns what it set; the hooks hand that to the app's services (Services.tensorflow).
 
 TensorFlow's C++ libraries write start-up lines (oneDNN, CPU features, absl's "before
 InitializeLog" banner) straight to file descriptor 2 while `import tensorflow` runs, in

@@ -19,8 +19,8 @@ cannot be the child of one: its span starts a trace of its own with a link to ea
 
 Nothing here runs unless TRACING is on: app/core/serving.py then picks `TracedRequestLayer`, which
 wraps the one method every call goes through (`run`, and `run_async` on gRPC's loop),
-app/core/registry.py wraps each batcher's observer in a `BatchTracer`, and `init_app` puts the REST
-layer around the WSGI app (it leaves the trace in the environ, under serving.TRACE_KEY); gRPC's
+app/core/registry.py wraps each batcher's observer in a `BatchTracer`, and `Tracing.rest_layer` is
+the REST layer around the WSGI app (it leaves the trace in the environ, under TRACE_KEY); gRPC's
 call path opens each call's span (`Tracing.grpc_span`, left on the call's record). A front
 door puts the trace in its Call. Off, no module of tracing is imported and a request's path
 holds no call of it.
@@ -41,7 +41,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import grpc
-from flask import Flask
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter
@@ -55,9 +54,10 @@ from app.core.batching import BatchObserver, Tensors
 from app.core.call import Call
 from app.core.models import LoadedModel, Signature
 from app.core.registry import Servable
-from app.core.serving import TRACE_KEY, Answer, Decode, RequestLayer
+from app.core.serving import Answer, Decode, RequestLayer
+from app.http.layers import ROUTE_KEY, TRACE_KEY
 from app.ops.logs import PROBE_PATHS
-from app.ops.metrics import ROUTE_KEY, Metrics
+from app.ops.metrics import Metrics
 from app.ops.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -148,6 +148,14 @@ class Tracing:
         self.provider = provider(settings)
         self.tracer = tracer(settings)
 
+    def rest_layer(self, app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+        """The WSGI layer that opens each REST request's span, around `app`."""
+        return _RestTracing(app, self.tracer)
+
+    def request_layer(self) -> Callable[..., RequestLayer]:
+        """What makes the request layer: one that makes each call's decode, queue-wait and encode spans."""
+        return functools.partial(TracedRequestLayer, tracer_=self.tracer)
+
     def grpc_span(self, method: str, metadata: Any) -> RequestTrace:
         """A SERVER span for a gRPC call (app/grpc/calls.py), continuing the trace in its metadata;
         `end_grpc_span` ends it."""
@@ -164,15 +172,6 @@ class Tracing:
         if status != grpc.StatusCode.OK.name:
             request.span.set_status(Status(StatusCode.ERROR, status))
         request.end()
-
-
-def init_app(app: Flask, settings: Settings) -> Callable[..., RequestLayer]:
-    """Trace `app`'s requests: the REST layer around it, the gRPC call spans (Tracing.grpc_span);
-    returns what makes the request layer, one that makes the child spans."""
-    tracing = Tracing(settings)
-    app.extensions["tracing"] = tracing
-    app.wsgi_app = _RestTracing(app.wsgi_app, tracing.tracer)  # type: ignore[method-assign]
-    return functools.partial(TracedRequestLayer, tracer_=tracing.tracer)
 
 
 # -- the request layer: decode, queue wait and encode ----------------------------------------

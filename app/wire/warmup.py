@@ -76,9 +76,8 @@ def replay(servable: Any, settings: Settings, metrics: Metrics) -> int:
     # Imported here: the gRPC front door and its protos only where a model has a warm-up file.
     from tensorflow_serving.apis import prediction_log_pb2
 
-    from app.core import serving
+    from app.core import limits, serving
     from app.grpc import server as grpc_server
-    from app.http import bodies as limits
 
     model = servable.model
     registry = ModelRegistry(model.name)

@@ -1,0 +1,85 @@
+"""The HTTP app: Flask with the server's services, its routes, and the WSGI layers around it.
+
+    app = build(services)      # create_app's last step
+    app.services               # what the views and the layers read; nothing in app.extensions
+
+`wsgi_layers` lists the layers, outermost first.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from flask import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from app.core.services import Services
+from app.http import errors, openapi, tfs, v2, v2_repository
+from app.http.bodies import BodyLimits, raise_refusal_before_a_view
+from app.http.layers import AccessLayer, MetricsLayer
+from app.http.patches import CachedEnsureSync, NoSessions
+from app.http.routes import DirectRoutes, services
+from app.ops import logs
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+# A WSGI layer: made with the app inside it.
+Layer = Callable[[WsgiApp], WsgiApp]
+
+
+class HttpApp(CachedEnsureSync):
+    """Flask, with the services of the server it serves."""
+
+    services: Services
+    body_limits: BodyLimits
+
+
+def build(services: Services) -> HttpApp:
+    settings = services.settings
+    app = HttpApp("app")
+    app.services = services
+    app.session_interface = NoSessions()
+    # Flask would take FLASK_DEBUG from the environment: a production server never debugs.
+    app.debug = False
+    tfs.init_app(app)
+    v2.init_app(app)
+    v2_repository.init_app(app)
+    app.add_url_rule("/metrics", "metrics", metrics_view, methods=["GET"])
+    if settings.metrics_path and settings.metrics_path != "/metrics":
+        # METRICS_PATH: where TF Serving's --monitoring_config_file puts them, same exposition.
+        app.add_url_rule(settings.metrics_path, "metrics_path", metrics_view, methods=["GET"])
+    openapi.init_app(app)
+    errors.init_app(app)
+    # Werkzeug's own check answers the same 413, should anything reach it.
+    app.config["MAX_CONTENT_LENGTH"] = services.layer.max_request_bytes
+    # After the access and metrics layers saw the request, so a refusal is logged and counted.
+    app.before_request(raise_refusal_before_a_view)
+    logs.access_log.disabled = not settings.access_log
+    wsgi: WsgiApp = app.wsgi_app
+    for layer in reversed(wsgi_layers(services)):
+        wsgi = layer(wsgi)
+        if isinstance(wsgi, BodyLimits):
+            app.body_limits = wsgi
+    app.wsgi_app = wsgi  # type: ignore[method-assign,assignment]
+    return app
+
+
+def wsgi_layers(services: Services) -> list[Layer]:
+    """The WSGI layers around the Flask app, outermost first."""
+    settings = services.settings
+    tracing = [services.tracing.rest_layer] if services.tracing is not None else []
+    return [
+        *tracing,
+        functools.partial(BodyLimits, max_bytes=services.layer.max_request_bytes,
+                          large_bytes=settings.large_body_bytes, large_slots=settings.large_body_slots,
+                          wait_s=settings.request_timeout_ms / 1000.0),
+        functools.partial(MetricsLayer, metrics=services.metrics),
+        functools.partial(AccessLayer, probes=settings.access_log_probes, writer=logs.start_access_writer()),
+        # Innermost, so the layers above wrap these routes as any other.
+        functools.partial(DirectRoutes, services=services, routes=[*tfs.PREDICT_ROUTES, *v2.INFER_ROUTES]),
+    ]
+
+
+def metrics_view() -> Response:
+    return Response(services().metrics.exposition(), content_type=CONTENT_TYPE_LATEST)
