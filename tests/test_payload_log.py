@@ -1,8 +1,10 @@
 """Payload logging: sampled predictions as TF Serving PredictionLog records, and as CloudEvents.
 
 In-process (the real app and engine, Flask's test client) for sampling, the records' content,
-rotation, drops and CloudEvents; one live Gunicorn server with two workers for the files of
-each process and TF Serving's logging_config read from a ModelServerConfig.
+rotation, drops and CloudEvents; the files and the sender alone, each held by a gate, for what
+one must not wait on; one live Gunicorn server with two workers, its CloudEvents sink stalled,
+for the files of each process under a flow of requests and TF Serving's logging_config read
+from a ModelServerConfig.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import dataclasses
 import json
 import os
 import re
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -125,9 +129,11 @@ def test_records_hold_what_was_sent_and_answered(exact_app, exact_model, tmp_pat
 def test_sampling_keeps_a_request_when_its_draw_is_under_the_rate(tmp_path):
     draws = iter([0.1, 0.5, 0.49, 0.9, 0.0])
     drops: list[str] = []
-    log = payload_log.PayloadLog(rates={"a": 0.5, "off": 0.0}, default_rate=0.0, directory=str(tmp_path), url="",
-                                 max_file_bytes=1 << 20, buffer_records=10, count_drop=drops.append,
-                                 to_record=prediction_log.record, sample=lambda: next(draws))
+    records = payload_log.RecordFiles(str(tmp_path), 1 << 20, open_file=payload_log.record_writer())
+    files = payload_log.FileWriter(records, buffer_records=10, count_drop=drops.append,
+                                   to_record=prediction_log.record)
+    log = payload_log.PayloadLog(rates={"a": 0.5, "off": 0.0}, default_rate=0.0, files=files, events=None,
+                                 sample=lambda: next(draws))
     for index in range(4):
         log.offer({"x": np.array([[float(index)]], np.float32)}, fake_answer("a", index), f"id-{index}")
     log.offer({"x": np.array([[9.0]], np.float32)}, fake_answer("off", 9), "id-off")  # rate 0: no draw taken
@@ -173,12 +179,167 @@ def test_full_buffer_drops_and_counts_without_delaying_requests(exact_app, recei
         statuses = [client.post(f"/v1/models/{NAME}:predict", json={"instances": rows.tolist()}).status_code
                     for _ in range(3)]  # entry 2 fills the buffer, 3 and 4 are dropped
         assert statuses == [200, 200, 200]
-        assert metrics.registry.get_sample_value("model_server_payload_log_dropped_records_total",
-                                                 {"reason": "buffer_full"}) == 2
+        assert metrics.registry.get_sample_value("model_server_payload_log_dropped_events_total",
+                                                 {"reason": "buffer_full"}) == 4  # two events each
     finally:
         receiver.gate.set()
     app.services.payload_log.close()
     assert len(receiver.events) == 4  # entries 1 and 2, request and response each
+
+
+# -- the files and the sender, each held by a gate: neither waits on the other -------------------
+
+class Held:
+    """The far end of one destination (a sink, a disk): takes each item, but only once `gate` is set.
+    `arrived` is set as the first comes in; `wait_taken(n)` waits until n were taken."""
+
+    def __init__(self, *, held: bool) -> None:
+        self.gate = threading.Event()
+        if not held:
+            self.gate.set()
+        self.arrived = threading.Event()
+        self.taken: list = []
+        self._count = threading.Semaphore(0)
+
+    def take(self, item) -> None:
+        self.arrived.set()
+        self.gate.wait()
+        self.taken.append(item)
+        self._count.release()
+
+    def wait_taken(self, count: int) -> bool:
+        return all(self._count.acquire(timeout=30) for _ in range(count))
+
+
+class HeldFile:
+    """A record file (RecordFiles' open_file) whose writes go to `disk`."""
+
+    def __init__(self, disk: Held) -> None:
+        self.write = disk.take
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def gated_log(tmp_path, *, sink: Held, disk: Held, files_buffer: int = 10, events_buffer: int = 10,
+              stop_timeout_s: float = 5.0) -> tuple[payload_log.PayloadLog, list[str], list[str]]:
+    """A payload log at rate 1 whose files write to `disk` and whose events go to `sink`; with the
+    reasons of the records and of the events it dropped."""
+    records_dropped: list[str] = []
+    events_dropped: list[str] = []
+    records = payload_log.RecordFiles(str(tmp_path), 1 << 20, open_file=lambda path: HeldFile(disk))
+    files = payload_log.FileWriter(records, buffer_records=files_buffer, count_drop=records_dropped.append,
+                                   to_record=prediction_log.record)
+    events = payload_log.EventSender("http://sink.invalid/", buffer_records=events_buffer,
+                                     count_drop=events_dropped.append, stop_timeout_s=stop_timeout_s,
+                                     send=lambda url, headers, body: sink.take((headers["ce-type"], json.loads(body))))
+    log = payload_log.PayloadLog(rates={"a": 1.0}, default_rate=0.0, files=files, events=events)
+    return log, records_dropped, events_dropped
+
+
+def offer(log: payload_log.PayloadLog, value: int) -> None:
+    log.offer({"x": np.array([[float(value)]], np.float32)}, fake_answer("a", value), f"id-{value}")
+
+
+def record_values(taken: list[bytes]) -> list[float]:
+    from tensorflow_serving.apis import prediction_log_pb2
+
+    return [tensor(prediction_log_pb2.PredictionLog.FromString(data).predict_log.request.inputs["x"]).item()
+            for data in taken]
+
+
+def event_values(taken: list[tuple[str, dict]]) -> list[tuple[str, float]]:
+    return [(kind.rsplit(".", 1)[1], next(iter((body.get("inputs") or body["outputs"]).values()))[0][0])
+            for kind, body in taken]
+
+
+def test_files_take_every_record_while_the_sink_holds_the_sender(tmp_path):
+    sink, disk = Held(held=True), Held(held=False)
+    log, records_dropped, events_dropped = gated_log(tmp_path, sink=sink, disk=disk, events_buffer=2)
+    try:
+        offer(log, 0)
+        assert sink.arrived.wait(30)  # the sender holds record 0's request event; its buffer is empty
+        for value in range(1, 5):
+            offer(log, value)  # the sender's buffer takes 1 and 2; 3 and 4 are dropped there
+        assert disk.wait_taken(5)  # and the files took all five meanwhile
+        assert record_values(disk.taken) == [0.0, 1.0, 2.0, 3.0, 4.0]
+        assert records_dropped == [] and events_dropped == ["buffer_full"] * 4
+    finally:
+        sink.gate.set()
+    log.close()
+    assert event_values(sink.taken) == [("request", 0.0), ("response", 0.0), ("request", 1.0), ("response", 1.0),
+                                        ("request", 2.0), ("response", 2.0)]
+
+
+def test_events_are_sent_while_the_disk_holds_the_files(tmp_path):
+    sink, disk = Held(held=False), Held(held=True)
+    log, records_dropped, events_dropped = gated_log(tmp_path, sink=sink, disk=disk, files_buffer=2)
+    try:
+        offer(log, 0)
+        assert disk.arrived.wait(30)  # the files hold record 0; their buffer is empty
+        for value in range(1, 5):
+            offer(log, value)  # the files' buffer takes 1 and 2; 3 and 4 are dropped there
+        assert sink.wait_taken(10)  # and the sender sent all five meanwhile
+        assert event_values(sink.taken)[::2] == [("request", float(value)) for value in range(5)]
+        assert records_dropped == ["buffer_full"] * 2 and events_dropped == []
+    finally:
+        disk.gate.set()
+    log.close()
+    assert record_values(disk.taken) == [0.0, 1.0, 2.0]
+
+
+def test_stop_writes_the_files_and_leaves_a_stalled_sink_behind(tmp_path):
+    sink, disk = Held(held=True), Held(held=False)
+    log, records_dropped, events_dropped = gated_log(tmp_path, sink=sink, disk=disk, stop_timeout_s=0.0)
+    try:
+        for value in range(3):
+            offer(log, value)
+        assert sink.arrived.wait(30)  # record 0's request event is in flight, 1 and 2 are buffered
+        stopped = threading.Event()
+        threading.Thread(target=lambda: (log.close(timeout_s=60), stopped.set()), daemon=True).start()
+        assert stopped.wait(30)  # while the sink still holds the sender
+        assert record_values(disk.taken) == [0.0, 1.0, 2.0]
+        assert events_dropped == ["send_failed"] * 4  # records 1 and 2: never sent
+    finally:
+        sink.gate.set()
+    assert log._events is not None and log._events.join(time.monotonic() + 30)
+    # The send in flight returned; record 0's response event was not tried after the stop.
+    assert event_values(sink.taken) == [("request", 0.0)]
+    assert events_dropped == ["send_failed"] * 5 and records_dropped == []
+
+
+def test_send_failed_counts_each_event_not_sent(tmp_path):
+    sent: list[tuple[str, dict]] = []
+
+    def send(url: str, headers: dict[str, str], body: bytes) -> None:
+        if headers["ce-type"] == payload_log.REQUEST_TYPE:
+            raise ConnectionResetError("the sink refused the request event")
+        sent.append((headers["ce-type"], json.loads(body)))
+
+    events_dropped: list[str] = []
+    events = payload_log.EventSender("http://sink.invalid/", buffer_records=10, count_drop=events_dropped.append,
+                                     send=send)
+    log = payload_log.PayloadLog(rates={"a": 1.0}, default_rate=0.0, files=None, events=events)
+    for value in range(3):
+        offer(log, value)
+    log.close()
+    assert events_dropped == ["send_failed"] * 3
+    assert event_values(sent) == [("response", 0.0), ("response", 1.0), ("response", 2.0)]  # each tried
+
+
+def test_a_refusing_sink_counts_both_events_of_each_record():
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]  # a port nothing listens on once this is closed
+    events_dropped: list[str] = []
+    events = payload_log.EventSender(f"http://127.0.0.1:{port}/", buffer_records=10, count_drop=events_dropped.append)
+    log = payload_log.PayloadLog(rates={"a": 1.0}, default_rate=0.0, files=None, events=events)
+    for value in range(3):
+        offer(log, value)
+    log.close(timeout_s=60)
+    assert events_dropped == ["send_failed"] * 6
 
 
 def test_cloud_events_carry_request_and_response(exact_app, receiver, exact_model):
@@ -221,7 +382,35 @@ def test_logging_config_sampling_rate_is_the_models_rate():
         configs_from_document(tfs_config.model_config_json(text.replace("0.25", "1.5")), Settings(), "MODEL_CONFIG")
 
 
-# -- one live server: two workers, the rate from a ModelServerConfig ----------------------------
+# -- one live server: two workers, the rate from a ModelServerConfig, a stalled sink --------------
+
+class StalledSink:
+    """A CloudEvents sink, a real socket, that accepts every connection and never reads nor answers."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/events"
+        self.connections: list[socket.socket] = []
+        self.accepted = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            self.connections.append(connection)
+            self.accepted.set()
+
+    def close(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        self.listener.close()
+        self.thread.join()
+        for connection in self.connections:
+            connection.close()
+
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, exact_model_path):
@@ -229,11 +418,28 @@ def served(tmp_path_factory, exact_model_path):
     config = folder / "models.config"
     config.write_text(f'model_config_list {{ config {{ name: "{NAME}" base_path: "{exact_model_path}" '
                       'model_platform: "tensorflow" logging_config { sampling_config { sampling_rate: 1.0 } } } }')
-    server = Server(tmp_path_factory.mktemp("payload-server"),
-                    {"MODEL_CONFIG": str(config), "PAYLOAD_LOG_DIR": str(folder / "payload")})
-    server.start(workers=2)
-    yield server, folder / "payload"
-    server.stop()
+    sink = StalledSink()
+    server = Server(tmp_path_factory.mktemp("payload-server"), {
+        "MODEL_CONFIG": str(config), "PAYLOAD_LOG_DIR": str(folder / "payload"), "PAYLOAD_LOG_URL": sink.url})
+    try:
+        server.start(workers=2)
+        yield server, folder / "payload", sink
+    finally:
+        sink.close()  # first: sends then fail at once, and the workers' stop has nothing to wait out
+        server.stop()
+
+
+def record_counts(directory: Path) -> dict[str, int]:
+    return {name: len(records) for name, records in read_records(directory).items()}
+
+
+def records_since(directory: Path, before: dict[str, int], count: int) -> dict[str, list] | None:
+    """The records written since `before` (each file's count then), by file, once there are `count`."""
+    try:
+        records = {name: file_records[before.get(name, 0):] for name, file_records in read_records(directory).items()}
+    except Exception:  # a record being written: read again
+        return None
+    return records if sum(map(len, records.values())) == count else None
 
 
 def grpc_predict(server: Server, rows: np.ndarray) -> np.ndarray:
@@ -251,11 +457,13 @@ def grpc_predict(server: Server, rows: np.ndarray) -> np.ndarray:
 
 @pytest.mark.server
 def test_each_worker_writes_its_own_files(served, exact_model):
-    server, directory = served
+    server, directory, _ = served
+    before = record_counts(directory)
     sent: list[np.ndarray] = []
 
-    def pids_seen() -> set[int]:
-        return {int(path.name.split(".")[2]) for path in directory.glob("*.tfrecord")}
+    def pids_written() -> set[int]:
+        records = wait_for(lambda: records_since(directory, before, len(sent)), what="the records sent")
+        return {int(name.split(".")[2]) for name, file_records in records.items() if file_records}
 
     def send_until_two_workers_wrote() -> bool:
         rows = integer_rows(1, seed=len(sent))
@@ -263,22 +471,15 @@ def test_each_worker_writes_its_own_files(served, exact_model):
         assert requests.post(f"{server.url}/v1/models/{NAME}:predict", json={"instances": rows.tolist()},
                              timeout=60).status_code == 200
         sent.append(rows)
-        return len(pids_seen()) == 2
+        return len(pids_written()) == 2
 
     wait_for(send_until_two_workers_wrote, within_s=120, what="records from both workers")
     sent.append(grpc_predict(server, integer_rows(2, seed=1000)))  # TF Serving's own client, gRPC
     workers = {process.pid for process in server.processes()} - set(server.model_process_pids())
-    assert pids_seen() <= workers
+    assert pids_written() <= workers
 
-    def all_written() -> dict[str, list] | None:
-        try:
-            records = read_records(directory)
-        except Exception:  # a record being written: read again
-            return None
-        return records if sum(map(len, records.values())) == len(sent) else None
-
-    records = wait_for(all_written, what="every sampled record written")
-    assert len(records) == 2  # one file per worker
+    records = wait_for(lambda: records_since(directory, before, len(sent)), what="every sampled record written")
+    assert len(read_records(directory)) == 2  # one file per worker
     logged = sorted(tensor(record.predict_log.request.inputs["features"]).tolist()
                     for file_records in records.values() for record in file_records)
     assert logged == sorted(rows.tolist() for rows in sent)  # HTTP's and gRPC's, each once
@@ -288,3 +489,37 @@ def test_each_worker_writes_its_own_files(served, exact_model):
             (output,) = record.predict_log.response.outputs.values()
             np.testing.assert_array_equal(tensor(output), exact_model(inputs).numpy())
             assert record.log_metadata.sampling_config.sampling_rate == 1.0
+
+
+@pytest.mark.server
+def test_a_stalled_sink_costs_the_files_nothing(served, exact_model):
+    """Requests flow from four clients while the sink holds each worker's sender (5 s a send):
+    every request is answered and every sampled record reaches the files, none dropped."""
+    server, directory, sink = served
+    before = record_counts(directory)
+    batches = [integer_rows(3, seed=2000 + index) for index in range(200)]
+    answers: dict[int, requests.Response] = {}
+
+    def client(indices: range) -> None:
+        with requests.Session() as session:
+            for index in indices:
+                answers[index] = session.post(f"{server.url}/v1/models/{NAME}:predict",
+                                              json={"instances": batches[index].tolist()}, timeout=60)
+
+    clients = [threading.Thread(target=client, args=(range(start, len(batches), 4),)) for start in range(4)]
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join()
+    assert sorted(answers) == list(range(len(batches)))
+    for index, answer in answers.items():
+        assert answer.status_code == 200, answer.text
+        np.testing.assert_array_equal(np.asarray(answer.json()["predictions"], np.float32),
+                                      exact_model(batches[index]).numpy())
+    assert sink.accepted.wait(30)  # a sender is held by the sink
+
+    records = wait_for(lambda: records_since(directory, before, len(batches)), what="every sampled record written")
+    logged = sorted(tensor(record.predict_log.request.inputs["features"]).tolist()
+                    for file_records in records.values() for record in file_records)
+    assert logged == sorted(rows.tolist() for rows in batches)
+    assert server.metric("model_server_payload_log_dropped_records_total") == 0

@@ -74,7 +74,7 @@ def unexpected_answer(exc: Exception, request_id: str | None) -> Response:
 
 
 def answer_for(exc: Exception, request_id: str | None) -> Response:
-    """The answer the handlers below give `exc`, for a route answered outside Flask (app/direct.py,
+    """The answer the handlers below give `exc`, for a route answered outside Flask (app/http/routes.py,
     whose functions raise no Werkzeug HTTPException)."""
     if isinstance(exc, ServingError):
         return serving_error_answer(exc, request_id)

@@ -13,7 +13,7 @@ app/ops/patches.py's `MEASURED_ON` names (tests/test_patches.py checks it).
 - `KeepAliveWithoutDrain` (Gunicorn's gthread worker): after each response gthread drains
   what the application left unread of the body, bounded by a socket timeout: `settimeout`
   before and after, each an `ioctl` that releases the GIL and, under load, hands the
-  interpreter to another request thread. The body-limits layer (app/limits.py) reads every
+  interpreter to another request thread. The body-limits layer (app/http/bodies.py) reads every
   body to its end, so a body known to be read to its last byte skips the drain. Anything
   else (a chunked body, a body left unread, a failed read) takes Gunicorn's own path.
 - `NextRequestInPlace` (Gunicorn's gthread worker): after a keep-alive response gthread hands

@@ -98,10 +98,14 @@ class Metrics:
         # what to see, not the sum. Sampled by the worker's loop (app/worker.py).
         self.connections = Gauge("model_server_connections", "Open client connections of each worker, by protocol.",
                                  ["protocol"], registry=reg, multiprocess_mode="liveall")
-        # Payload logging (app/ops/payload_log.py) drops rather than slow a request: each drop, by why.
+        # Payload logging (app/ops/payload_log.py) drops rather than slow a request: each drop, by why. The
+        # files and the CloudEvents have a buffer each, so a counter each; an event is half a record.
         self.payload_log_dropped = Counter("model_server_payload_log_dropped_records",
-                                           "Sampled payload records not logged: buffer_full, write_failed "
-                                           "or send_failed.", ["reason"], registry=reg)
+                                           "Sampled payload records not written to the files: buffer_full or "
+                                           "write_failed.", ["reason"], registry=reg)
+        self.payload_log_dropped_events = Counter("model_server_payload_log_dropped_events",
+                                                  "CloudEvents of sampled payloads not sent, two per record: "
+                                                  "buffer_full or send_failed.", ["reason"], registry=reg)
 
     def _declare_statistics(self, reg: CollectorRegistry | None) -> None:
         # The v2 statistics extension (app/core/model_stats.py) is read back from these, per version,

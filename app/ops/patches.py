@@ -7,7 +7,7 @@ tests/test_patches.py fails when the installed or pinned version differs: then r
 (docs/performance.md says how) and either move the pin here or drop the patch.
 
 - `batched_writes` (logging): access lines reach each plain StreamHandler's stream in a
-  few large writes instead of one write and flush per line (app/logs.py's access writer).
+  few large writes instead of one write and flush per line (app/ops/logs.py's access writer).
 - `value_of`, `HistogramCounts` (prometheus_client): the metrics a request or a batch updates
   write their values directly, as the metric's own `inc`/`observe` would after checks that a
   child made once has passed; a histogram finds its bucket by bisection, not a walk.

@@ -15,10 +15,11 @@ PAYLOAD_LOG_URL each one is also posted as two CloudEvents (binary mode, as KSer
 sends them): the request, then the response.
 
 Logging never slows or fails a request: the request thread only draws the sample and puts
-the arrays on a bounded queue; a full queue drops the record and counts it. One daemon
-thread per process serializes, writes and sends. Each process writes its own files
-(host, pid and start time in the name), rotated at PAYLOAD_LOG_MAX_FILE_BYTES; TensorFlow's
-TFRecordWriter writes them where the process has TensorFlow, records framed here where not.
+the arrays on each destination's bounded buffer; a full buffer drops the entry and counts it.
+The files and the CloudEvents each have their own buffer and daemon thread, so a sink that
+stalls or refuses costs the files nothing. Each process writes its own files (host, pid and
+start time in the name), rotated at PAYLOAD_LOG_MAX_FILE_BYTES; TensorFlow's TFRecordWriter
+writes them where the process has TensorFlow, records framed here where not.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 
 REQUEST_TYPE = "org.kubeflow.serving.inference.request"
 RESPONSE_TYPE = "org.kubeflow.serving.inference.response"
+EVENT_TYPES = (REQUEST_TYPE, RESPONSE_TYPE)  # a record's two CloudEvents, in the order they are sent
 SEND_TIMEOUT_S = 5.0
 
 
@@ -69,22 +71,16 @@ class Entry:
 
 
 class PayloadLog:
-    """Samples predictions onto a bounded queue; a daemon thread writes and sends them."""
+    """Samples predictions and hands each kept one to the files and to the CloudEvents sender."""
 
-    def __init__(self, *, rates: dict[str, float], default_rate: float, directory: str | None, url: str,
-                 max_file_bytes: int, buffer_records: int, count_drop: Callable[[str], None],
-                 to_record: Callable[[Entry], bytes], sample: Callable[[], float] = random.random) -> None:
+    def __init__(self, *, rates: dict[str, float], default_rate: float, files: FileWriter | None,
+                 events: EventSender | None, sample: Callable[[], float] = random.random) -> None:
         self._rates = rates
-        # An entry's serialized PredictionLog (app/wire/prediction_log.py): the record format is the wire's.
-        self._to_record = to_record
         self._default_rate = default_rate
         self._sample = sample
-        self._count_drop = count_drop
-        self._queue: queue.Queue[Entry | None] = queue.Queue(maxsize=buffer_records)
-        self._files = RecordFiles(directory, max_file_bytes, open_file=record_writer()) if directory else None
-        self._url = url
-        self._thread = threading.Thread(target=self._run, name="payload-log", daemon=True)
-        self._thread.start()
+        self._files = files
+        self._events = events
+        self._destinations = [destination for destination in (files, events) if destination is not None]
 
     def rate(self, model_name: str) -> float:
         return self._rates.get(model_name, self._default_rate)
@@ -99,48 +95,167 @@ class PayloadLog:
         tf_dtypes = {spec.name: spec.tf_dtype for spec in (*signature.inputs, *signature.outputs)}
         entry = Entry(request_id, model.name, model.version, signature.name, rate, time.time(), inputs,
                       answer.outputs, tf_dtypes)
+        for destination in self._destinations:
+            destination.put(entry)
+
+    def close(self, timeout_s: float = SEND_TIMEOUT_S) -> None:
+        """Write what the files' buffer holds and close them, and send what the sender's holds, within
+        `timeout_s`; the sender has at most its `stop_timeout_s`, so a stalled sink cannot hold up a
+        stop: what it has not sent by then counts as not sent, and its thread is left behind."""
+        start = time.monotonic()
+        for destination in self._destinations:
+            destination.close()
+        if self._files is not None:
+            self._files.join(start + timeout_s)
+        if self._events is not None and not self._events.join(start + min(timeout_s, self._events.stop_timeout_s)):
+            self._events.abandon()
+
+
+class _Destination:
+    """One destination of sampled entries, with its own bounded buffer and daemon thread: the
+    request thread never waits on it (a full buffer drops and counts), nor does any other one."""
+
+    def __init__(self, name: str, *, buffer_records: int) -> None:
+        self._queue: queue.Queue[Entry | None] = queue.Queue(maxsize=buffer_records)
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, entry: Entry) -> None:
         try:
             self._queue.put_nowait(entry)
         except queue.Full:
-            self._count_drop("buffer_full")
+            self._dropped("buffer_full")
 
-    def close(self, timeout_s: float | None = 5.0) -> None:
-        """Write what is queued (if the queue has room for the stop mark), then stop the thread."""
+    def close(self) -> None:
+        """Take no more; the thread finishes what its buffer holds, then ends."""
+        self._closing = True
         try:
-            self._queue.put(None, timeout=timeout_s)
+            self._queue.put_nowait(None)
         except queue.Full:
-            pass
-        self._thread.join(timeout_s)
+            pass  # the thread is busy, not waiting: it sees _closing once its buffer is empty
+
+    def join(self, deadline: float) -> bool:
+        """Wait for the thread to end, until `deadline` (time.monotonic); True if it ended."""
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:
-            entry = self._queue.get()
+            try:
+                entry = self._queue.get(block=not self._closing)
+            except queue.Empty:
+                break
             if entry is None:
                 break
-            self._handle(entry)
-            if self._files is not None and self._queue.empty():
-                self._files.flush()  # a reader sees whole records whenever the writer is idle
-        if self._files is not None:
-            self._files.close()
+            self._take(entry)
+            if self._queue.empty():
+                self._idle()
+        self._finish()
 
-    def _handle(self, entry: Entry) -> None:
-        # Anything may go wrong with a disk or a receiver; the thread must outlive it.
-        if self._files is not None:
+    def _dropped(self, reason: str) -> None:
+        raise NotImplementedError
+
+    def _take(self, entry: Entry) -> None:
+        raise NotImplementedError
+
+    def _idle(self) -> None:
+        pass
+
+    def _finish(self) -> None:
+        pass
+
+
+class FileWriter(_Destination):
+    """Writes each entry as the record `to_record` makes of it (a PredictionLog's bytes:
+    app/wire/prediction_log.py); `count_drop(reason)` once per record not written."""
+
+    def __init__(self, files: RecordFiles, *, buffer_records: int, count_drop: Callable[[str], None],
+                 to_record: Callable[[Entry], bytes]) -> None:
+        self._files = files
+        self._count_drop = count_drop
+        self._to_record = to_record
+        super().__init__("payload-log-files", buffer_records=buffer_records)
+
+    def _dropped(self, reason: str) -> None:
+        self._count_drop(reason)
+
+    def _take(self, entry: Entry) -> None:
+        # Anything may go wrong with a disk; the thread must outlive it.
+        try:
+            self._files.write(self._to_record(entry))
+        except Exception:
+            log.exception("payload log: a record could not be written")
+            self._count_drop("write_failed")
+
+    def _idle(self) -> None:
+        try:
+            self._files.flush()  # a reader sees whole records whenever the writer is idle
+        except Exception:
+            log.exception("payload log: the records could not be flushed")
+
+    def _finish(self) -> None:
+        self._files.close()
+
+
+class EventSender(_Destination):
+    """Posts each entry as two CloudEvents, request then response; `count_drop(reason)` once per
+    event not sent. A failure is logged when sending starts failing, not for every event."""
+
+    def __init__(self, url: str, *, buffer_records: int, count_drop: Callable[[str], None],
+                 send: Callable[[str, dict[str, str], bytes], None] | None = None,
+                 stop_timeout_s: float = SEND_TIMEOUT_S) -> None:
+        self._url = url
+        self.stop_timeout_s = stop_timeout_s
+        self._count_drop = count_drop
+        self._send = send or post_event
+        self._failing = False
+        self._abandoned = False
+        super().__init__("payload-log-events", buffer_records=buffer_records)
+
+    def abandon(self) -> None:
+        """The stop's time is up: count what is buffered (and, when its send returns, what the
+        thread holds) as not sent. The thread is a daemon: it does not hold up the exit."""
+        self._abandoned = True
+        while True:
             try:
-                self._files.write(self._to_record(entry))
-            except Exception:
-                log.exception("payload log: a record could not be written")
-                self._count_drop("write_failed")
-        if self._url:
-            try:
-                send_cloud_events(self._url, entry)
-            except Exception as exc:
-                log.warning("payload log: CloudEvents to %s failed: %s", self._url, exc)
+                entry = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if entry is not None:
+                self._dropped("send_failed")
+
+    def _dropped(self, reason: str) -> None:
+        for _ in EVENT_TYPES:
+            self._count_drop(reason)
+
+    def _take(self, entry: Entry) -> None:
+        # Anything may go wrong with an entry or a receiver; the thread must outlive it.
+        try:
+            events = cloud_events(entry)
+        except Exception:
+            log.exception("payload log: a record's CloudEvents could not be made")
+            self._dropped("send_failed")
+            return
+        for headers, body in events:
+            if self._abandoned:
                 self._count_drop("send_failed")
+            else:
+                self._send_one(headers, body)
 
-
-
-
+    def _send_one(self, headers: dict[str, str], body: bytes) -> None:
+        try:
+            self._send(self._url, headers, body)
+        except Exception as exc:
+            self._count_drop("send_failed")
+            if not self._failing:
+                log.warning("payload log: CloudEvents to %s failed (counted; logged again once one is sent): %s",
+                            self._url, exc)
+            self._failing = True
+        else:
+            if self._failing:
+                log.info("payload log: CloudEvents to %s are sent again", self._url)
+            self._failing = False
 
 
 RECORD_OVERHEAD = 16  # a TFRecord's length, its CRC and the data's CRC
@@ -267,10 +382,11 @@ def _jsonable(array: np.ndarray) -> Any:
     return array.tolist()
 
 
-def send_cloud_events(url: str, entry: Entry) -> None:
-    """The request and the response, each one CloudEvent in HTTP binary mode."""
-    for kind, body in ((REQUEST_TYPE, {"inputs": tensors_json(entry.inputs)}),
-                       (RESPONSE_TYPE, {"outputs": tensors_json(entry.outputs)})):
+def cloud_events(entry: Entry) -> list[tuple[dict[str, str], bytes]]:
+    """The request and the response, each one CloudEvent in HTTP binary mode: headers and body."""
+    events = []
+    for kind, body in zip(EVENT_TYPES, ({"inputs": tensors_json(entry.inputs)},
+                                        {"outputs": tensors_json(entry.outputs)}), strict=True):
         headers = {
             "Content-Type": "application/json",
             "ce-specversion": "1.0",
@@ -284,9 +400,14 @@ def send_cloud_events(url: str, entry: Entry) -> None:
             "ce-endpoint": "",
             "ce-modelversion": str(entry.version),
         }
-        request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
-        with urllib.request.urlopen(request, timeout=SEND_TIMEOUT_S) as response:
-            response.read()
+        events.append((headers, json.dumps(body).encode()))
+    return events
+
+
+def post_event(url: str, headers: dict[str, str], body: bytes) -> None:
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=SEND_TIMEOUT_S) as response:
+        response.read()
 
 
 def start(settings: Settings, metrics: Metrics, to_record: Callable[[Entry], bytes]) -> PayloadLog | None:
@@ -299,11 +420,16 @@ def start(settings: Settings, metrics: Metrics, to_record: Callable[[Entry], byt
         sampled = sorted(name for name, rate in rates.items() if rate > 0) or ["(PAYLOAD_LOG_SAMPLING_RATE)"]
         raise SettingsError(f"payload logging is asked for {', '.join(sampled)} but neither PAYLOAD_LOG_DIR "
                             "nor PAYLOAD_LOG_URL says where to")
-    dropped = metrics.payload_log_dropped
-    payload_log = PayloadLog(rates=rates, default_rate=settings.payload_log_sampling_rate,
-                             directory=settings.payload_log_dir, url=settings.payload_log_url,
-                             max_file_bytes=settings.payload_log_max_file_bytes,
-                             buffer_records=settings.payload_log_buffer_records,
-                             count_drop=lambda reason: dropped.labels(reason).inc(), to_record=to_record)
+    files = events = None
+    if settings.payload_log_dir:
+        records = RecordFiles(settings.payload_log_dir, settings.payload_log_max_file_bytes, open_file=record_writer())
+        files = FileWriter(records, buffer_records=settings.payload_log_buffer_records,
+                           count_drop=lambda reason: metrics.payload_log_dropped.labels(reason).inc(),
+                           to_record=to_record)
+    if settings.payload_log_url:
+        events = EventSender(settings.payload_log_url, buffer_records=settings.payload_log_buffer_records,
+                             count_drop=lambda reason: metrics.payload_log_dropped_events.labels(reason).inc())
+    payload_log = PayloadLog(rates=rates, default_rate=settings.payload_log_sampling_rate, files=files,
+                             events=events)
     atexit.register(payload_log.close)
     return payload_log

@@ -455,8 +455,8 @@ class Settings:
         section="Payload logging")
     payload_log_buffer_records: int = _env(
         "PAYLOAD_LOG_BUFFER_RECORDS", validate_pos_int, 1000,
-        "Sampled records waiting per process to be written; beyond, they are dropped and counted in "
-        "`model_server_payload_log_dropped_records`.", section="Payload logging")
+        "Sampled records waiting per process, in each of two buffers (files, CloudEvents); beyond, dropped "
+        "and counted.", section="Payload logging")
     payload_log_url: str = _env(
         "PAYLOAD_LOG_URL", validate_optional_text, "",
         "Also post each sampled request and response as CloudEvents here, as KServe's logger does; empty: "
