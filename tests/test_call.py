@@ -5,15 +5,13 @@ from __future__ import annotations
 import numpy as np
 import orjson
 import pytest
-from prometheus_client import CollectorRegistry
 
 from app.core.batching import Batcher
 from app.core.call import Call, ModelSpec
 from app.core.errors import DeadlineExceeded
 from app.core.registry import ModelRegistry, Servable
 from app.core.serving import RequestLayer
-from app.ops.metrics import Metrics
-from tests.test_serving import _record, _servable
+from tests.test_serving import _exchange, _servable
 
 WAIT_S = 10  # upper bound for answers that should come at once; never reached when passing
 
@@ -27,7 +25,7 @@ class _Trace:
 
 def test_a_call_crosses_into_a_model_process_whole():
     sent = Call(ModelSpec("m", None, "stable"), "serving_default", ("y",), deadline=1234.5, priority=2,
-                client_gone=lambda: False, record=_record(), trace=_Trace())
+                client_gone=lambda: False, exchange=_exchange(), trace=_Trace())
     fields = orjson.loads(orjson.dumps(sent.frame()))  # as the frame's JSON header carries it
     gone = []
 
@@ -37,7 +35,7 @@ def test_a_call_crosses_into_a_model_process_whole():
     assert received.model == ModelSpec("m", None, "stable") and received.model.pinned
     assert (received.signature, received.deadline, received.priority) == ("serving_default", 1234.5, 2)
     assert received.trace == ("linked", ("0" * 31 + "1", "0" * 15 + "2", 1))
-    assert received.record is None and received.outputs == ()
+    assert received.exchange is None and received.outputs == ()
     assert received.client_gone is not None and not received.client_gone()
 
 
@@ -65,7 +63,7 @@ def test_the_queued_work_item_keeps_the_call_and_its_priority():
 def layer():
     registry = ModelRegistry("m")
     registry.add(_servable(1))
-    layer = RequestLayer(registry, timeout_s=30, max_request_bytes=1 << 20, metrics=Metrics(CollectorRegistry()))
+    layer = RequestLayer(registry, timeout_s=30, max_request_bytes=1 << 20)
     yield layer
     registry.close(drain=False)
 
@@ -79,7 +77,7 @@ def test_a_call_looks_its_signature_up_once(layer, monkeypatch):
         return lookup(servable, name)
 
     monkeypatch.setattr(Servable, "signature", counted)
-    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), signature="takes_floats", record=_record())
+    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), signature="takes_floats", exchange=_exchange())
 
     answer = layer.infer(call, lambda _signature, _rows: {"x": np.array([[1, 2]], np.float32)})
 
@@ -89,7 +87,7 @@ def test_a_call_looks_its_signature_up_once(layer, monkeypatch):
 
 def test_the_deadline_is_the_calls_own_not_one_counted_from_the_queueing(layer):
     # The deadline was set when the call was built: by the time it is queued, it has passed.
-    call = Call.within(layer.deadline_s(0.0), model=ModelSpec("m"), record=_record())
+    call = Call.within(layer.deadline_s(0.0), model=ModelSpec("m"), exchange=_exchange())
 
     with pytest.raises(DeadlineExceeded, match="deadline passed before it was queued"):
         layer.infer(call, lambda _signature, _rows: {"x": np.ones((1, 2), np.float32)})

@@ -20,7 +20,6 @@ import numpy as np
 import psutil
 import pytest
 import requests
-from prometheus_client import CollectorRegistry
 from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc, prediction_service_pb2_grpc
 
 from app.core.call import Call, ModelSpec
@@ -28,11 +27,10 @@ from app.core.errors import ClientGone
 from app.core.registry import ModelRegistry
 from app.core.serving import RequestLayer, examples_decode
 from app.http.layers import socket_client_gone
-from app.ops.metrics import Metrics
 from tests.conftest import Server, integer_rows, wait_for
 from tests.nginx_front import Nginx
 from tests.test_grpc import predict_request, scores
-from tests.test_serving import _record, _servable
+from tests.test_serving import _exchange, _servable
 
 BATCH_ROWS = 8
 MODEL = "default"
@@ -149,15 +147,15 @@ def test_http_client_that_closed_its_connection_is_left_out_of_its_batch(server,
 
 CALLS = {
     "predict": lambda on, client_gone: on.infer(
-        Call.within(on.deadline_s(), model=ModelSpec("m"), client_gone=client_gone, record=_record()),
+        Call.within(on.deadline_s(), model=ModelSpec("m"), client_gone=client_gone, exchange=_exchange()),
         lambda _signature, _rows: {"x": np.ones((1, 2), np.float32)}),
     "classify": lambda on, client_gone: on.classify(
         Call.within(on.deadline_s(), model=ModelSpec("m"), signature="classify", client_gone=client_gone,
-                    record=_record()),
+                    exchange=_exchange()),
         examples_decode(lambda _rows: np.array([b"e"], object))),
     "regress": lambda on, client_gone: on.regress(
         Call.within(on.deadline_s(), model=ModelSpec("m"), signature="regress", client_gone=client_gone,
-                    record=_record()),
+                    exchange=_exchange()),
         examples_decode(lambda _rows: np.array([b"e"], object))),
 }
 SIGNATURES = {"predict": "serving_default", "classify": "classify", "regress": "regress"}
@@ -168,7 +166,7 @@ def layer_and_registry():
     """The request layer over tests/test_serving.py's model 'm': plain Python signatures, no TensorFlow."""
     registry = ModelRegistry("m")
     registry.add(_servable(1))
-    layer = RequestLayer(registry, timeout_s=30, max_request_bytes=1 << 20, metrics=Metrics(CollectorRegistry()))
+    layer = RequestLayer(registry, timeout_s=30, max_request_bytes=1 << 20)
     yield layer, registry
     registry.close(drain=False)
 

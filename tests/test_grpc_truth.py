@@ -27,7 +27,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc, prediction_service_pb2_grpc
 
-from app.core.serving import Requests
+from app.core.exchange import Exchanges
 from app.grpc import calls as grpc_calls
 from app.ops import logs
 from app.ops.metrics import Metrics
@@ -183,7 +183,7 @@ def test_an_answer_that_cannot_be_serialized_is_logged_internal():
 
     async def call() -> grpc.aio.AioRpcError:
         threads = futures.ThreadPoolExecutor(max_workers=2)
-        path = grpc_calls.CallPath(Requests(metrics), max_calls=2, receive_timeout_s=30, threads=threads)
+        path = grpc_calls.CallPath(Exchanges(metrics), max_calls=2, receive_timeout_s=30, threads=threads)
         server = grpc.aio.server(interceptors=[path])
         server.add_generic_rpc_handlers((_Unserializable(),))
         port = server.add_insecure_port("127.0.0.1:0")

@@ -26,9 +26,12 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import requests
 from flask import Flask
+from prometheus_client import CollectorRegistry
 
-from app.http.layers import AccessLayer
+from app.core.exchange import Exchanges
+from app.http.layers import ExchangeLayer
 from app.ops import logs, runtime
+from app.ops.metrics import Metrics
 from tests.conftest import REPO, Server, integer_rows
 
 WORKERS = 2
@@ -207,7 +210,8 @@ def test_python_records_made_while_native_lines_are_captured_go_out_as_themselve
 ])
 def test_probes_are_access_logged_only_when_asked(caplog, probes, logged):
     app = Flask("probe-logs")
-    app.wsgi_app = AccessLayer(app.wsgi_app, probes=probes, writer=None)  # type: ignore[method-assign]
+    app.wsgi_app = ExchangeLayer(app.wsgi_app, exchanges=Exchanges(Metrics(CollectorRegistry())), timeout_s=None,  # type: ignore[method-assign]
+                                 probes=probes)
     for path in ("/healthz", "/readyz", "/metrics", "/predict"):
         app.add_url_rule(path, path, lambda: "ok")
     with caplog.at_level(logging.INFO, logger="app.access"), app.test_client() as client:

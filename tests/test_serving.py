@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from app.core import services, serving
 from app.core.batching import Batcher, check_rows
-from app.core.call import Call, ModelSpec
+from app.core.call import Call, Exchange, ModelSpec
 from app.core.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -27,6 +27,7 @@ from app.core.errors import (
     PayloadTooLarge,
     SignatureNotFound,
 )
+from app.core.exchange import Exchanges
 from app.core.models import (
     CLASSIFY_METHOD,
     DEFAULT_SIGNATURE,
@@ -103,11 +104,11 @@ def metrics():
 
 @pytest.fixture
 def layer(registry, metrics):
-    return RequestLayer(registry, timeout_s=TIMEOUT_S, max_request_bytes=1 << 20, metrics=metrics)
+    return RequestLayer(registry, timeout_s=TIMEOUT_S, max_request_bytes=1 << 20)
 
 
-def _record():
-    return logs.RequestRecord("test-request")
+def _exchange():
+    return Exchange("test-request")
 
 
 # -- which model, version, label ------------------------------------------------------------
@@ -120,7 +121,7 @@ def _record():
     (ModelSpec("m", label="stable"), 1),
 ])
 def test_a_spec_resolves_to_its_version_and_the_record_names_the_model(layer, spec, version):
-    record = _record()
+    record = _exchange()
 
     assert layer.model(spec, record).model.version == version
     assert record.model == "m"
@@ -132,7 +133,7 @@ def test_a_spec_resolves_to_its_version_and_the_record_names_the_model(layer, sp
     (ModelSpec("m", label="canary"), BadRequest, "Unrecognized servable version label: canary"),
 ])
 def test_an_unknown_model_version_or_label_is_refused_in_tf_servings_words(layer, spec, error, message):
-    record = _record()
+    record = _exchange()
 
     with pytest.raises(error) as raised:
         layer.model(spec, record)
@@ -218,7 +219,7 @@ def test_a_signature_that_does_not_fit_is_refused_in_tf_servings_words(layer, re
                                    "Was: tensorflow/serving/classify")),
 ])
 def test_with_the_method_name_check_a_signature_must_say_its_method(registry, metrics, name, method, message):
-    checking = RequestLayer(registry, timeout_s=TIMEOUT_S, max_request_bytes=1 << 20, metrics=metrics,
+    checking = RequestLayer(registry, timeout_s=TIMEOUT_S, max_request_bytes=1 << 20,
                             check_method_name=True)
 
     with pytest.raises(BadRequest) as raised:
@@ -281,10 +282,10 @@ def test_the_clients_deadline_caps_the_servers(layer, client_s, expected_s):
 def test_a_deadline_already_passed_is_refused_before_queueing(layer, registry, client_s):
     servable = registry.get("m")
     signature = servable.model.signatures[DEFAULT_SIGNATURE]
-    record = _record()
+    record = _exchange()
 
     with pytest.raises(DeadlineExceeded, match="deadline passed before it was queued"):
-        layer.run(Call.within(layer.deadline_s(client_s), record=record), servable, signature,
+        layer.run(Call.within(layer.deadline_s(client_s), exchange=record), servable, signature,
                   lambda _signature, _rows: {"x": np.ones((1, 2), np.float32)})
     assert servable.batchers[DEFAULT_SIGNATURE].batches_run == 0
 
@@ -295,10 +296,10 @@ def test_a_deadline_already_passed_is_refused_before_queueing(layer, registry, c
 def test_a_prediction_answers_its_rows_and_fills_the_record(layer, registry):
     servable = layer.model(ModelSpec("m", 1))
     signature = layer.predict_signature(servable, "")
-    record = _record()
+    record = _exchange()
     x = np.array([[1, 2], [3, 4]], np.float32)
 
-    answer = layer.infer(Call.within(layer.deadline_s(), model=ModelSpec("m", 1), record=record),
+    answer = layer.infer(Call.within(layer.deadline_s(), model=ModelSpec("m", 1), exchange=record),
                          lambda _signature, _rows: {"x": x})
 
     assert answer.servable is servable and answer.signature is signature
@@ -308,10 +309,10 @@ def test_a_prediction_answers_its_rows_and_fills_the_record(layer, registry):
 
 
 def test_classify_answers_labels_and_scores_per_example(layer, registry):
-    record = _record()
+    record = _exchange()
     examples = np.array([b"e1", b"e2", b"e3"], dtype=object)
 
-    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), signature="classify", record=record)
+    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), signature="classify", exchange=record)
     answer, classes = layer.classify(call, examples_decode(lambda _rows: examples))
 
     assert answer.signature.name == "classify" and record.rows == 3
@@ -321,7 +322,7 @@ def test_classify_answers_labels_and_scores_per_example(layer, registry):
 
 
 def test_regress_answers_one_float32_per_example(layer, registry):
-    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), signature="regress", record=_record())
+    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), signature="regress", exchange=_exchange())
     answer, values = layer.regress(call, examples_decode(lambda _rows: np.array([b"e1", b"e2"], dtype=object)))
 
     assert answer.signature.name == "regress"
@@ -359,14 +360,15 @@ def test_a_regress_answer_of_the_wrong_size_is_refused():
 def test_one_record_feeds_the_access_line_and_the_request_metrics(metrics, caplog, monkeypatch):
     # An app built in this process with ACCESS_LOG off turns the logger off process-wide.
     monkeypatch.setattr(logs.access_log, "disabled", False)
-    requests = serving.Requests(metrics)
-    record = requests.start("GRPC", "/tensorflow.serving.PredictionService/Predict", "rid-1")
+    exchanges = Exchanges(metrics)
+    route = "/tensorflow.serving.PredictionService/Predict"
+    record = exchanges.open(Exchange("rid-1", "GRPC", route, route=route))
     assert metrics.registry.get_sample_value("model_server_requests_in_flight") == 1
     record.model, record.rows, record.batch_rows, record.batch_requests = "m", 2, 8, 3
     record.status = "NOT_FOUND"
 
     with caplog.at_level(logging.INFO, logger="app.access"):
-        requests.finish(record)
+        exchanges.close(record)
         logs.flush_access_log()
 
     labels = {"route": "/tensorflow.serving.PredictionService/Predict", "method": "GRPC", "status": "NOT_FOUND"}
@@ -385,9 +387,9 @@ def test_one_record_feeds_the_access_line_and_the_request_metrics(metrics, caplo
 
 def test_multi_inference_answers_every_task_in_order_from_one_version(layer, registry):
     tasks = [serving.Task("m", "regress", REGRESS_METHOD), serving.Task("m", "classify", CLASSIFY_METHOD)]
-    record = _record()
+    record = _exchange()
 
-    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), record=record)
+    call = Call.within(layer.deadline_s(), model=ModelSpec("m"), exchange=record)
     servable, results = layer.multi_inference(call, tasks,
                                               examples_decode(lambda _rows: np.array([b"e1", b"e2"], dtype=object)))
 
@@ -412,7 +414,7 @@ def test_multi_inference_runs_no_task_unless_every_task_passes(layer, registry, 
     servable = registry.get("m")
 
     with pytest.raises(error) as raised:
-        layer.multi_inference(Call.within(layer.deadline_s(), model=ModelSpec("m"), record=_record()),
+        layer.multi_inference(Call.within(layer.deadline_s(), model=ModelSpec("m"), exchange=_exchange()),
                               [serving.Task(*task) for task in tasks],
                               examples_decode(lambda _rows: np.array([b"e1"], dtype=object)))
 

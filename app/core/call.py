@@ -1,33 +1,36 @@
-"""The call: one request as every layer below its front door sees it.
+"""The call and the exchange: one request as the layers below its front door see it, and as its
+transport sees it.
 
-A front door parses its wire format and builds one `Call`; the request layer, the registry
-and the engine read it, and the queued work item keeps it. Nothing below a front door takes
-these values as separate parameters: a new per-request field is one field here.
+Each transport's outermost layer opens one `Exchange` per request (HTTP: app/http/layers.py;
+gRPC: app/grpc/calls.py): its id, method, path and route, its status, its sizes, its trace and
+its client-gone check. The access line, the request metrics and the trace are written from it
+when it closes (app/core/exchange.py). A front door builds the request's one `Call` from it:
 
-    Call(model=ModelSpec(name, version, label),   # pinned: a version or a label was named
-         signature="", outputs=(),                # as the request names them ('': the default)
-         deadline=..., timeout_s=...,             # one absolute time.monotonic() instant, and
-                                                  # the time it gave the call (for messages only)
-         client_gone=..., priority=0, record=..., trace=...)
+    call = exchange.call(ModelSpec(name, version, label),   # pinned: a version or a label was named
+                         signature="", outputs=(),          # as the request names them ('': the default)
+                         client_timeout_s=..., priority=0)  # the deadline: REQUEST_TIMEOUT_MS from
+                                                            # now, or sooner where the client says so
+
+The request layer, the registry and the engine read the call, and the queued work item keeps
+it; the request layer writes what it learns (the model, the rows, the batch) to `call.exchange`.
+Nothing below a front door takes these values as separate parameters: a new per-request field
+is one field of `Call` (or, if only its transport knows it, of `Exchange`).
 
 With MODEL_PROCESSES the call crosses into the model process once, as `frame()` in the
 predict frame's header, and comes back out there as a Call (`from_frame`) with that side's
 client-gone check and trace. The deadline travels as it is: CLOCK_MONOTONIC is one clock for
 every process of the host, and a worker and its model process share a host.
 
-Both are NamedTuples: immutable, and built several times faster than a frozen dataclass
-(whose __init__ sets each field through object.__setattr__), which counts once per request.
-This module imports nothing of the app: the engine below and every layer above read it.
+Call and ModelSpec are NamedTuples: immutable, and built several times faster than a frozen
+dataclass (whose __init__ sets each field through object.__setattr__), which counts once per
+request. This module imports nothing of the app: the engine below and every layer above read it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-if TYPE_CHECKING:
-    from app.ops.logs import RequestRecord
+from typing import Any, NamedTuple
 
 # True once nobody will read the answer. Asked on the batch thread: it must be quick and never block.
 ClientGonePredicate = Callable[[], bool]
@@ -46,25 +49,33 @@ class ModelSpec(NamedTuple):
         return self.version is not None or self.label is not None
 
 
-_ANY_MODEL = ModelSpec()
+ANY_MODEL = ModelSpec()
+
+
+def deadline_s(server_s: float | None, client_s: float | None) -> float | None:
+    """How long a call may take: the server's REQUEST_TIMEOUT_MS, or less if the client gave less."""
+    if client_s is None:
+        return server_s
+    return client_s if server_s is None else min(server_s, client_s)
 
 
 class Call(NamedTuple):
     """One request, built once by its front door and read by every layer below it."""
 
-    model: ModelSpec = _ANY_MODEL
+    model: ModelSpec = ANY_MODEL
     # The signature and outputs the request names; the request layer resolves them once.
     signature: str = ""
     outputs: tuple[str, ...] = ()
     # When the answer is no longer wanted, on time.monotonic()'s clock; None: never.
     deadline: float | None = None
-    # Asked once, just before the request's first rows run (app/core/serving.py, socket_client_gone).
+    # Asked once, just before the request's first rows run (the engine's work item, app/core/batching/work.py).
     client_gone: ClientGonePredicate | None = None
     # Higher runs sooner; carried to the queued work item, which the row queue reads.
     priority: int = 0
-    # The access line's and the request metrics' record; None where no front door keeps one.
-    record: RequestRecord | None = None
-    # The request's trace (app/ops/tracing.py), opaque below the request layer.
+    # The request's exchange (None where no transport opened one): the request layer writes the
+    # model, the rows and the batch to it, the payload log reads its request id.
+    exchange: Exchange | None = None
+    # The request's trace (app/ops/tracing.py), where it is recorded: the engine links its predict spans to it.
     trace: Any = None
     # How long the call was given when its deadline was set: what a timeout's message names
     # (the deadline, not this, is what every layer acts on).
@@ -82,18 +93,91 @@ class Call(NamedTuple):
             return None
         return self.deadline - (time.monotonic() if now is None else now)
 
-    def frame(self) -> list[Any]:
-        """What a model process needs of the call, as JSON values: the model it names (its
+    def frame(self) -> dict[str, Any]:
+        """What a model process needs of the call, as JSON values, by name: the model it names (its
         pinning), the deadline, the priority and the trace's link (a trace's `frame_fields`)."""
         model = self.model
-        trace = None if self.trace is None else self.trace.frame_fields()
-        return [model.name, model.version, model.label, self.deadline, self.priority, trace]
+        return {"name": model.name, "version": model.version, "label": model.label, "deadline": self.deadline,
+                "priority": self.priority, "trace": None if self.trace is None else self.trace.frame_fields()}
 
     @classmethod
-    def from_frame(cls, fields: list[Any], *, signature: str, client_gone: ClientGonePredicate | None = None,
+    def from_frame(cls, fields: dict[str, Any], *, signature: str, client_gone: ClientGonePredicate | None = None,
                    trace: Callable[[Any], Any] | None = None) -> Call:
         """The call `frame()` wrote, on the model process's side: its own client-gone check, and
         its trace made by `trace` from the fields (None: the call is not traced there)."""
-        name, version, label, deadline, priority, link = fields
-        return cls(ModelSpec(name, version, label), signature, (), deadline, client_gone, priority, None,
-                   None if link is None or trace is None else trace(link))
+        link = fields["trace"]
+        return cls(ModelSpec(fields["name"], fields["version"], fields["label"]), signature,
+                   deadline=fields["deadline"], client_gone=client_gone, priority=fields["priority"],
+                   trace=None if link is None or trace is None else trace(link))
+
+
+class Exchange:
+    """One request as its transport sees it, from its first byte to its answer's status.
+
+    Opened by the transport's outermost layer, closed once the answer's status is known
+    (app/core/exchange.py writes its access line, counts it and ends its trace). The request
+    layer fills in `model`, `rows`, `batch_rows` and `batch_requests`.
+    """
+
+    def __init__(self, request_id: str, method: str = "", path: str = "", *, route: str | None = None,
+                 timeout_s: float | None = None, trace: Any = None,
+                 client_gone: ClientGonePredicate | None = None) -> None:
+        self.request_id = request_id
+        self.method = method
+        self._path = path
+        # The route's label (an HTTP URL rule, a gRPC method): requests are counted by it, never by path.
+        self.route = route
+        # An HTTP status, or a gRPC code's name.
+        self.status: int | str = 500
+        self.started = time.perf_counter()
+        self.model: str | None = None
+        self.rows: int | None = None
+        self.batch_rows: int | None = None
+        self.batch_requests: int | None = None
+        # The server's REQUEST_TIMEOUT_MS: every call built from this exchange has it at most.
+        self.timeout_s = timeout_s
+        # The request's trace (app/ops/tracing.py), or None: tracing off, or a probe.
+        self.trace = trace
+        self.client_gone = client_gone
+
+    def call(self, model: ModelSpec = ANY_MODEL, *, signature: str = "", outputs: tuple[str, ...] = (),
+             client_timeout_s: float | None = None, priority: int = 0) -> Call:
+        """The request's Call: its deadline is set now, REQUEST_TIMEOUT_MS or the client's if less."""
+        trace = self.trace
+        # A trace sampled out is not linked to by any predict span.
+        if trace is not None and not trace.recording:
+            trace = None
+        return Call.within(deadline_s(self.timeout_s, client_timeout_s), model=model, signature=signature,
+                           outputs=outputs, client_gone=self.client_gone, priority=priority, exchange=self,
+                           trace=trace)
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    @property
+    def path(self) -> str:
+        """The path the access line names (the transport's: a URL's path, a gRPC method)."""
+        return self._path
+
+    @property
+    def metric_method(self) -> str:
+        """The request metrics' method label (a transport keeps a client from making up its own)."""
+        return self.method
+
+    @property
+    def logged(self) -> bool:
+        """Whether the access log writes this request's line (a transport may leave probes out)."""
+        return True
+
+    def access_fields(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "path": self.path,
+            "status": self.status,
+            "latency_ms": round((time.perf_counter() - self.started) * 1000, 3),
+            "rows": self.rows,
+            "batch_rows": self.batch_rows,
+            "batch_requests": self.batch_requests,
+            "model": self.model,
+            "request_id": self.request_id,
+        }

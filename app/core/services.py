@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Any
 from app.core import limits, loading
 from app.core import registry as registries
 from app.core.batching import Batcher
+from app.core.exchange import Exchanges
 from app.core.registry import ModelRegistry
 from app.core.repository import Repository
 from app.core.serving import RequestLayer
+from app.ops import logs
 from app.ops import payload_log as payload_logs
 from app.ops.metrics import Metrics
 from app.ops.payload_log import Entry, PayloadLog
@@ -35,6 +37,8 @@ class Services:
     # The models this process serves: loaded here, or a model process's (app/model_process/client.py).
     registry: ModelRegistry
     layer: RequestLayer
+    # Every request's exchange is opened and closed by these: metrics, access line, trace.
+    exchanges: Exchanges
     # Triton's model repository extension, for the v2 doors of both transports.
     repository: Repository
     # With TRACING on: the tracer, the REST layer and the gRPC spans (app/ops/tracing.py).
@@ -67,14 +71,14 @@ def start(settings: Settings, *, warm_up: registries.WarmUp | None = None,
     if registry is None:
         registry = registries.start(settings, metrics, loading=loading.steps(settings, warm_up=warm_up),
                                     on_broken=batch_thread_died)
-    make_layer = tracing.request_layer() if tracing is not None else RequestLayer
-    layer = make_layer(registry, timeout_s=settings.request_timeout_ms / 1000.0,
-                       max_request_bytes=limits.max_request_bytes(settings, registry), metrics=metrics,
-                       check_method_name=settings.enable_signature_method_name_check)
+    layer = RequestLayer(registry, timeout_s=settings.request_timeout_ms / 1000.0,
+                         max_request_bytes=limits.max_request_bytes(settings, registry),
+                         check_method_name=settings.enable_signature_method_name_check)
     sampled = payload_logs.start(settings, metrics, to_record) if to_record is not None else None
     layer.payload_log = sampled
-    services = Services(settings, metrics, registry, layer, Repository(settings, registry), tracing=tracing,
-                        payload_log=sampled, replace_worker=replace_worker)
+    services = Services(settings, metrics, registry, layer, Exchanges(metrics, writer=logs.start_access_writer()),
+                        Repository(settings, registry),
+                        tracing=tracing, payload_log=sampled, replace_worker=replace_worker)
     return services
 
 

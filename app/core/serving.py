@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from app.core.batching import BatchResult, Tensors
-from app.core.call import Call, ModelSpec
+from app.core.call import Call, Exchange, ModelSpec
 from app.core.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidInput, MethodNotAllowed
 from app.core.models import (
     CLASSIFY_METHOD,
@@ -45,9 +45,6 @@ from app.core.models import (
     TensorInfo,
 )
 from app.core.registry import ModelRegistry, Servable
-from app.ops import logs
-from app.ops.logs import RequestRecord
-from app.ops.metrics import Metrics, RequestCounts
 from app.ops.payload_log import PayloadLog
 
 CLASSIFY, REGRESS = "classify", "regress"
@@ -60,12 +57,6 @@ _TASK_METHODS = {CLASSIFY_METHOD: CLASSIFY, REGRESS_METHOD: REGRESS}
 # A front door's decoding of its request's inputs against the signature the call resolved to,
 # refusing more than `max_rows` rows before it builds any array: decode(signature, max_rows).
 Decode = Callable[[Signature, int], Tensors]
-
-
-
-
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,29 +104,11 @@ def text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
-class Requests:
-    """Opens and closes the one record of a request that no WSGI layer wraps (gRPC, and the like):
-    requests in flight, each answer counted and timed by route, method and status, and its access line."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._in_flight = metrics.in_flight
-        self._counts = RequestCounts(metrics)
-
-    def start(self, method: str, route: str, request_id: str) -> RequestRecord:
-        self._in_flight.inc()
-        return RequestRecord(request_id, method, route)
-
-    def finish(self, record: RequestRecord) -> None:
-        self._in_flight.dec()
-        self._counts.count(record.path, record.method, str(record.status), record.seconds())
-        logs.write_access(record, writer=logs.process_writer())
-
-
 class RequestLayer:
     """Resolution, limits, deadline and shaping over one app's registry and settings."""
 
     def __init__(self, registry: ModelRegistry, *, timeout_s: float, max_request_bytes: int,
-                 metrics: Metrics, check_method_name: bool = False) -> None:
+                 check_method_name: bool = False) -> None:
         self.registry = registry
         # TF Serving's --enable_signature_method_name_check, off by default as there: a TF2
         # SavedModel's signatures all say tensorflow/serving/predict.
@@ -143,14 +116,14 @@ class RequestLayer:
         self.timeout_s = timeout_s
         # gRPC's message limit and the HTTP body limit: one value, from settings and the models.
         self.max_request_bytes = max_request_bytes
-        self.requests = Requests(metrics)
 
     # -- which model, version, label and signature ------------------------------------
 
-    def model(self, spec: ModelSpec, record: RequestRecord | None = None) -> Servable:
+    def model(self, spec: ModelSpec, exchange: Exchange | None = None) -> Servable:
+        """The version `spec` names, now; its model's name goes on `exchange` (the access line's)."""
         servable = self.registry.get(spec.name, spec.version, label=spec.label)
-        if record is not None:
-            record.model = servable.model.name
+        if exchange is not None:
+            exchange.model = servable.model.name
         return servable
 
     def model_status(self, spec: ModelSpec) -> list[dict[str, Any]]:
@@ -207,56 +180,66 @@ class RequestLayer:
 
     def infer(self, call: Call, decode: Decode) -> Answer:
         """The call's model and signature resolved, its inputs decoded, its rows run within its deadline."""
-        servable = self.model(call.model, call.record)
+        servable = self.model(call.model, call.exchange)
         return self.run(call, servable, servable.signature(call.signature), decode)
 
     async def infer_async(self, call: Call, decode: Decode) -> Answer:
         """`infer` on an asyncio loop: the wait for the rows holds no thread."""
-        servable = self.model(call.model, call.record)
+        servable = self.model(call.model, call.exchange)
         return await self.run_async(call, servable, servable.signature(call.signature), decode)
 
     def run(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
         """Decode against `signature`, queue the rows on its batcher and wait for them; ClientGone
         if the call's client_gone answered True before they ran. Every shape of answer (predict,
         classify, regress, multi-inference) comes through here."""
-        staged = self._stage(call, servable, signature, decode)
         try:
+            staged = self._stage(call, servable, signature, decode)
             servable, result = self.registry.predict(call, servable, signature, staged.inputs)
         except concurrent.futures.CancelledError:
             # The engine cancels a request's future only when client_gone said so (and counted it).
             raise ClientGone("the client left before its request ran") from None
+        finally:
+            if call.trace is not None:
+                call.trace.waited()
         return self._answered(call, servable, signature, staged, result)
 
     async def run_async(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
         """`run` on an asyncio loop."""
-        staged = self._stage(call, servable, signature, decode)
         try:
+            staged = self._stage(call, servable, signature, decode)
             servable, result = await self.registry.predict_async(call, servable, signature, staged.inputs)
         except concurrent.futures.CancelledError:
             raise ClientGone("the client left before its request ran") from None
+        finally:
+            if call.trace is not None:
+                call.trace.waited()
         return self._answered(call, servable, signature, staged, result)
 
     def _stage(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> _Staged:
         selected = self.select_outputs(signature, call.outputs)
         inputs = decode(signature, servable.batchers[signature.name].info.max_request_rows)
+        if call.trace is not None:
+            call.trace.decoded()
         # A request with no inputs, or a scalar one (an unbatched signature's), is one item.
         first = next(iter(inputs.values()), None)
         rows = first.shape[0] if first is not None and first.ndim else 1
-        if call.record is not None:
-            call.record.rows = rows
+        if call.exchange is not None:
+            call.exchange.rows = rows
         if call.deadline is not None and call.deadline <= time.monotonic():
             raise DeadlineExceeded("the call's deadline passed before it was queued")
         return _Staged(selected, inputs, rows)
 
     def _answered(self, call: Call, servable: Servable, signature: Signature, staged: _Staged,
                   result: BatchResult) -> Answer:
-        record = call.record
-        if record is not None:
-            record.batch_rows, record.batch_requests = result.batch_rows, result.batch_requests
+        exchange = call.exchange
+        if exchange is not None:
+            exchange.batch_rows, exchange.batch_requests = result.batch_rows, result.batch_requests
         # Here, and only here, a finished call has its decoded inputs and its outputs together.
         answer = _answer(servable, signature, staged.selected, staged.rows, result)
         if self.payload_log is not None:
-            self.payload_log.offer(staged.inputs, answer, record.request_id if record is not None else "")
+            self.payload_log.offer(staged.inputs, answer, exchange.request_id if exchange is not None else "")
+        if call.trace is not None:
+            call.trace.answered(answer)
         return answer
 
     def classify(self, call: Call, decode: Decode) -> tuple[Answer, Classes]:
@@ -270,7 +253,7 @@ class RequestLayer:
         return answer, regressions(answer.outputs, answer.rows)
 
     def _examples(self, call: Call, method: str, decode: Decode) -> Answer:
-        servable = self.model(call.model, call.record)
+        servable = self.model(call.model, call.exchange)
         signature, _input_name = self.example_signature(servable, call.signature, method)
         return self.run(call, servable, signature, decode)
 
@@ -281,7 +264,7 @@ class RequestLayer:
         here each task's signature runs on its own batcher, within the call's one deadline. Later
         tasks go to the version that answered the first, so every result names one version.
         """
-        servable = self.model(call.model, call.record)
+        servable = self.model(call.model, call.exchange)
         plan = multi_inference_plan(servable.model, tasks, check_method_name=self.check_method_name)
         results = []
         for method, signature in plan:

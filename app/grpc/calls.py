@@ -7,8 +7,8 @@ server's only interceptor. For each call, in order:
 1. Health checks skip to step 4, without a record or a place in the call limit, with a receive
    timeout of at most HEALTH_RECEIVE_TIMEOUT_S: predictions filling every place cannot make the
    probe fail.
-2. The record opens (app/grpc/exchange.py: access line, request metrics, the request id echoed in
-   the initial metadata), before anything can refuse the call, so every refusal is recorded.
+2. The exchange opens (app/grpc/exchange.py: access line, request metrics, the request id echoed
+   in the initial metadata), before anything can refuse the call, so every refusal is recorded.
 3. The call limit: at most THREADS calls at once per worker; the rest are refused at once with
    RESOURCE_EXHAUSTED rather than wait where nothing sees them.
 4. The request message, within GRPC_RECEIVE_TIMEOUT_MS of the call's headers (grpc-core has no
@@ -17,16 +17,18 @@ server's only interceptor. For each call, in order:
    (grpc's own path answers INTERNAL and logs a traceback per call).
 5. RESTRICTED_MODEL_CONTROL: a restricted method without the key is PERMISSION_DENIED.
 6. The trace (TRACING): a SERVER span, continuing the trace in the call's metadata, ended with
-   the record, with the status its client got.
-7. The handler: `handler(request, record, context)`, on the loop where it awaits (a prediction's
-   `on_loop`), else on one of THREADS threads (metadata, status, reloads: calls that block).
-   Its ServingError becomes its status code (`STATUS_CODES`), anything else INTERNAL.
+   the exchange, with the status its client got.
+7. The handler: `handler(request, exchange)`, awaited on the loop where it is a coroutine
+   function (a prediction's, which awaits its rows), else run on one of THREADS threads
+   (metadata, status, reloads: calls that block). Its ServingError becomes its status code
+   (`STATUS_CODES`), anything else INTERNAL.
 8. The answer, serialized here: an answer that cannot be is INTERNAL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from concurrent import futures
@@ -36,9 +38,8 @@ import grpc
 
 from app.core import errors
 from app.core.errors import SignatureNotFound
-from app.core.serving import Requests
-from app.grpc.exchange import CallRecord
-from app.ops.logs import RequestRecord
+from app.core.exchange import Exchanges
+from app.grpc.exchange import GrpcExchange
 
 if TYPE_CHECKING:
     from app.ops.tracing import Tracing
@@ -81,20 +82,17 @@ def details(exc: errors.ServingError) -> str:
     return exc.message
 
 
-Behavior = Callable[[Any, RequestRecord, Any], Any]
-
-
 class Handler(NamedTuple):
-    """A method's handler as a servicer declares it: `blocking(request, record, context)` runs
-    on a thread; `on_loop`, where given, is the same as a coroutine, awaited on the loop."""
+    """A servicer's method as the call path serves it: `run(request, exchange)`, awaited on the
+    loop where it is a coroutine function (`on_loop`), else run on a thread."""
 
-    blocking: Behavior
-    on_loop: Callable[[Any, RequestRecord, Any], Awaitable[Any]] | None = None
+    run: Callable[[Any, GrpcExchange], Any]
+    on_loop: bool
 
 
-def observed(_route: str, blocking: Behavior, on_loop: Callable[..., Awaitable[Any]] | None = None) -> Handler:
-    """A servicer's method, to be served through the call path (its route is the method's name)."""
-    return Handler(blocking, on_loop)
+def handler(run: Callable[[Any, GrpcExchange], Any]) -> Handler:
+    """A servicer's method, to be served through the call path."""
+    return Handler(run, inspect.iscoroutinefunction(run))
 
 
 class _Refused(Exception):
@@ -109,10 +107,13 @@ class _Refused(Exception):
 class CallPath(grpc.aio.ServerInterceptor):
     """The server's one interceptor: the module docstring's steps, for every unary method."""
 
-    def __init__(self, requests: Requests, *, max_calls: int, receive_timeout_s: float,
+    def __init__(self, exchanges: Exchanges, *, max_calls: int, receive_timeout_s: float,
+                 timeout_s: float | None = None,
                  threads: futures.ThreadPoolExecutor, tracing: Tracing | None = None,
                  restricted: Callable[[str, Any], None] | None = None) -> None:
-        self._requests = requests
+        self._exchanges = exchanges
+        # REQUEST_TIMEOUT_MS: every call's deadline is its client's or this, whichever comes first.
+        self._timeout_s = timeout_s
         self._max_calls = max_calls
         self._receive_timeout_s = receive_timeout_s
         self._threads = threads
@@ -154,10 +155,10 @@ class CallPath(grpc.aio.ServerInterceptor):
             return grpc.stream_unary_rpc_method_handler(probe)
 
         async def serve(_messages: Any, context: grpc.aio.ServicerContext) -> bytes:
-            record = CallRecord(self._requests, method, context)
+            exchange = self._exchanges.open(GrpcExchange(self._exchanges, method, context, timeout_s=self._timeout_s))
             try:
-                await record.echo_id()
-                return await self._serve(method, behavior, parse, serialize, record, context)
+                await exchange.echo_id()
+                return await self._serve(method, behavior, parse, serialize, exchange, context)
             except _Refused as refused:
                 await context.abort(refused.code, refused.message)
             except grpc.aio.AbortError:
@@ -165,13 +166,13 @@ class CallPath(grpc.aio.ServerInterceptor):
             except BaseException:
                 # Cancelled by grpc (its client left, its deadline passed), or ended under the
                 # handler by grpc-core itself (a call it refused before handing it over).
-                record.cancelled()
+                exchange.cancelled()
                 raise
             raise AssertionError("unreachable: abort raises")
 
         return grpc.stream_unary_rpc_method_handler(serve)
 
-    async def _serve(self, method: str, behavior: Any, parse: Any, serialize: Any, record: CallRecord,
+    async def _serve(self, method: str, behavior: Any, parse: Any, serialize: Any, exchange: GrpcExchange,
                      context: grpc.aio.ServicerContext) -> bytes:
         if self.active >= self._max_calls:
             raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, CONCURRENCY_EXCEEDED)
@@ -185,16 +186,15 @@ class CallPath(grpc.aio.ServerInterceptor):
                 except errors.Forbidden as exc:
                     raise _Refused(grpc.StatusCode.PERMISSION_DENIED, exc.message) from None
             if self._tracing is not None:
-                record.traced(self._tracing.grpc_span(method, context.invocation_metadata()),
-                              self._tracing.end_grpc_span)
+                exchange.trace = self._tracing.grpc_span(method, exchange.metadata)
             try:
                 if isinstance(behavior, Handler):
-                    if behavior.on_loop is not None:
-                        response = await behavior.on_loop(request, record.record, context)
+                    if behavior.on_loop:
+                        response = await behavior.run(request, exchange)
                     else:
                         # The place is held until the thread is done, even if the call ends first.
                         loop = asyncio.get_running_loop()
-                        running = self._threads.submit(behavior.blocking, request, record.record, context)
+                        running = self._threads.submit(behavior.run, request, exchange)
                         running.add_done_callback(lambda _running: self._release_from_thread(loop))
                         released = True
                         response = await asyncio.wrap_future(running)

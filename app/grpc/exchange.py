@@ -1,9 +1,10 @@
-"""The one record of each gRPC call (access line, request metrics), written with the status its client got.
+"""A gRPC call's exchange, closed with the status its client got.
 
 A call's status is not settled when its handler returns: grpc-core can still fail to deliver
 the answer (the client cancels or its deadline passes while the reply is being sent, or the
-connection drops). So the record is opened as the call starts (app/grpc/calls.py, before
-anything can refuse it) and written when grpc reports the call done, with:
+connection drops). So the exchange is opened as the call starts (app/grpc/calls.py, before
+anything can refuse it) and closed (app/core/exchange.py: access line, request metrics, trace)
+when grpc reports the call done, with:
 
 - the code the call was ended with: a refusal's or an error's (`context.abort`), or, for a
   call grpc cancelled while it ran (its client cancelled or left, its deadline passed),
@@ -16,19 +17,19 @@ reply metadata it will not send) reaches it cancelled, and is recorded CANCELLED
 client got RESOURCE_EXHAUSTED or INTERNAL; what the client's own library refuses after the
 answer arrived (over the client's message or metadata limit) is recorded with the status sent.
 
-Health checks are not recorded: the probes' calls, as /healthz and /readyz over HTTP.
+Health checks have none: the probes' calls, as /healthz and /readyz over HTTP.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from app.core.call import Call, ModelSpec
-from app.core.serving import Requests
-from app.ops.logs import RequestRecord, accept_request_id
+from app.core.call import ANY_MODEL, Call, Exchange, ModelSpec, deadline_s
+from app.core.exchange import Exchanges
+from app.ops.logs import accept_request_id
+from app.wire.priority import from_metadata as priority_from_metadata
 
 REQUEST_ID_KEY = "x-request-id"
 # A client's deadline and the server's are the same instant, give or take the time its headers
@@ -36,41 +37,43 @@ REQUEST_ID_KEY = "x-request-id"
 DEADLINE_SLACK_S = 0.1
 
 
-class CallRecord:
-    """One call's record: opened with the call, written once grpc reports it done."""
+class GrpcExchange(Exchange):
+    """One gRPC call: its method is its route and its path, its status a code's name, and its
+    context (`context`) gives its deadline, its metadata and whether it is still wanted."""
 
-    __slots__ = ("record", "_context", "_requests", "_end_trace")
-
-    def __init__(self, requests: Requests, route: str, context: grpc.aio.ServicerContext) -> None:
-        request_id = accept_request_id(dict(context.invocation_metadata() or ()).get(REQUEST_ID_KEY, ""))
-        self.record = requests.start("GRPC", route, request_id)
-        self._context = context
-        self._requests = requests
-        self._end_trace: Callable[[Any, str], None] | None = None
+    def __init__(self, exchanges: Exchanges, method: str, context: grpc.aio.ServicerContext, *,
+                 timeout_s: float | None) -> None:
+        metadata = context.invocation_metadata() or ()
+        super().__init__(accept_request_id(dict(metadata).get(REQUEST_ID_KEY, "")), "GRPC", method, route=method,
+                         timeout_s=timeout_s, client_gone=CallClientGone(context))
+        self.context = context
+        self.metadata = metadata
+        # Closed by these once grpc reports the call done.
+        self._exchanges = exchanges
         context.add_done_callback(self._ended)
+
+    def call(self, model: ModelSpec = ANY_MODEL, *, signature: str = "", outputs: tuple[str, ...] = (),
+             client_timeout_s: float | None = None, priority: int | None = None) -> Call:
+        """The call's Call: its deadline the gRPC call's own (and `client_timeout_s`, if sooner),
+        capped by REQUEST_TIMEOUT_MS; its priority from the x-priority metadata unless given."""
+        return super().call(model, signature=signature, outputs=outputs,
+                            client_timeout_s=deadline_s(self.context.time_remaining(), client_timeout_s),
+                            priority=priority_from_metadata(self.metadata) if priority is None else priority)
 
     async def echo_id(self) -> None:
         """The request id to the client, in the call's initial metadata."""
-        await self._context.send_initial_metadata(((REQUEST_ID_KEY, self.record.request_id),))
-
-    def traced(self, trace: Any, end: Callable[[Any, str], None]) -> None:
-        """The call's trace, which its front door puts in its Call; `end(trace, status)` with the record."""
-        self.record.trace = trace
-        self._end_trace = end
+        await self.context.send_initial_metadata(((REQUEST_ID_KEY, self.request_id),))
 
     def cancelled(self) -> None:
-        """grpc cancelled the call while it ran. Its code says why, for the record and for
+        """grpc cancelled the call while it ran. Its code says why, for the exchange and for
         `CallClientGone`: the rows of a client that left are dropped unrun."""
-        left_s = self._context.time_remaining()
+        left_s = self.context.time_remaining()
         expired = left_s is not None and left_s <= DEADLINE_SLACK_S
-        self._context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED)
+        self.context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED)
 
     def _ended(self, context: grpc.aio.ServicerContext) -> None:
-        status = _status(context).name
-        self.record.status = status
-        self._requests.finish(self.record)
-        if self._end_trace is not None:
-            self._end_trace(self.record.trace, status)
+        self.status = _status(context).name
+        self._exchanges.close(self)
 
 
 def _status(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
@@ -83,15 +86,8 @@ def _status(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def make_call(spec: ModelSpec, record: RequestRecord, context: Any, timeout_s: float, *,
-              signature: str = "", outputs: tuple[str, ...] = (), priority: int = 0) -> Call:
-    """A gRPC front door's Call: its record and trace, and its client_gone."""
-    return Call.within(timeout_s, model=spec, signature=signature, outputs=outputs,
-                       client_gone=CallClientGone(context), record=record, trace=record.trace, priority=priority)
-
-
 class CallClientGone:
-    """client_gone's predicate: the call was cancelled (CallRecord.cancelled). `context` lets a
+    """client_gone's predicate: the call was cancelled (GrpcExchange.cancelled). `context` lets a
     model process's client hear the call end (add_done_callback)."""
 
     __slots__ = ("context",)

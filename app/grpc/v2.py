@@ -27,13 +27,12 @@ import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from app.core.call import Call
 from app.core.errors import BadRequest, NotFound
 from app.core.model_stats import statistics
 from app.core.repository import Repository
-from app.core.serving import Answer, Decode, RequestLayer
-from app.grpc import exchange as grpc_record
-from app.ops.logs import RequestRecord
+from app.core.serving import Answer, RequestLayer
+from app.grpc.calls import handler
+from app.grpc.exchange import GrpcExchange
 from app.wire import priority, v2_tensors
 
 SERVICE = "/inference.GRPCInferenceService"
@@ -47,18 +46,18 @@ CONTENTS = {
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, layer: RequestLayer, repository: Repository, observed: Callable[..., Any]) -> None:
+    def __init__(self, layer: RequestLayer, repository: Repository) -> None:
         self._layer = layer
         self._repository = repository
-        # Live and ready are probes: like grpc.health.v1, neither counted nor logged.
-        self.ModelReady = observed(f"{SERVICE}/ModelReady", self._model_ready)
-        self.ServerMetadata = observed(f"{SERVICE}/ServerMetadata", self._server_metadata)
-        self.ModelMetadata = observed(f"{SERVICE}/ModelMetadata", self._model_metadata)
-        self.ModelInfer = observed(f"{SERVICE}/ModelInfer", self._infer, self._infer_async)
-        self.ModelStatistics = observed(f"{SERVICE}/ModelStatistics", self._statistics)
-        self.RepositoryIndex = observed(f"{SERVICE}/RepositoryIndex", self._repository_index)
-        self.RepositoryModelLoad = observed(f"{SERVICE}/RepositoryModelLoad", self._repository_load)
-        self.RepositoryModelUnload = observed(f"{SERVICE}/RepositoryModelUnload", self._repository_unload)
+        # ServerLive and ServerReady answer on the loop, as the call path runs a plain gRPC method.
+        self.ModelReady = handler(self._model_ready)
+        self.ServerMetadata = handler(self._server_metadata)
+        self.ModelMetadata = handler(self._model_metadata)
+        self.ModelInfer = handler(self._infer)
+        self.ModelStatistics = handler(self._statistics)
+        self.RepositoryIndex = handler(self._repository_index)
+        self.RepositoryModelLoad = handler(self._repository_load)
+        self.RepositoryModelUnload = handler(self._repository_unload)
 
     def ServerLive(self, request: Any, context: grpc.ServicerContext) -> Any:
         return service_pb2.ServerLiveResponse(live=True)
@@ -66,19 +65,19 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def ServerReady(self, request: Any, context: grpc.ServicerContext) -> Any:
         return service_pb2.ServerReadyResponse(ready=self._layer.ready)
 
-    def _model_ready(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+    def _model_ready(self, request: Any, exchange: GrpcExchange) -> Any:
         try:
-            servable = self._layer.model(v2_tensors.model_spec(request.name, request.version), record)
+            servable = self._layer.model(v2_tensors.model_spec(request.name, request.version), exchange)
         except NotFound:
             return service_pb2.ModelReadyResponse(ready=False)
         return service_pb2.ModelReadyResponse(ready=self._layer.servable_ready(servable))
 
-    def _server_metadata(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+    def _server_metadata(self, request: Any, exchange: GrpcExchange) -> Any:
         return service_pb2.ServerMetadataResponse(name=v2_tensors.SERVER_NAME, version=v2_tensors.SERVER_VERSION,
                                               extensions=v2_tensors.EXTENSIONS)
 
-    def _model_metadata(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
-        servable = self._layer.model(v2_tensors.model_spec(request.name, request.version), record)
+    def _model_metadata(self, request: Any, exchange: GrpcExchange) -> Any:
+        servable = self._layer.model(v2_tensors.model_spec(request.name, request.version), exchange)
         metadata = v2_tensors.model_metadata(servable.model, self._layer.predict_signature(servable, ""),
                                              self._layer.versions(servable))
         return service_pb2.ModelMetadataResponse(
@@ -86,48 +85,42 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             inputs=[service_pb2.ModelMetadataResponse.TensorMetadata(**tensor) for tensor in metadata["inputs"]],
             outputs=[service_pb2.ModelMetadataResponse.TensorMetadata(**tensor) for tensor in metadata["outputs"]])
 
-    def _infer(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
-        call, decode = self._infer_call(request, record, context)
-        return _infer_response(request, self._layer.infer(call, decode))
-
-    async def _infer_async(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
-        call, decode = self._infer_call(request, record, context)
-        return _infer_response(request, await self._layer.infer_async(call, decode))
-
-    def _infer_call(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> tuple[Call, Decode]:
+    async def _infer(self, request: Any, exchange: GrpcExchange) -> Any:
         parameters = request.parameters
-        call = grpc_record.make_call(v2_tensors.model_spec(request.model_name, request.model_version), record, context,
-                                     self._layer.deadline_s(_timeout_s(parameters, context.time_remaining())),
-                                     signature=_signature_name(parameters),
-                                     outputs=tuple(output.name for output in request.outputs),
-                                     priority=priority.from_v2_grpc(parameters))
-        return call, lambda signature, max_rows: v2_tensors.decode_inputs(_tensors(request), signature,
-                                                                          max_rows=max_rows)
+        spec = v2_tensors.model_spec(request.model_name, request.model_version)
+        timeout_s = _timeout_s(parameters)
+        call = exchange.call(spec, signature=_signature_name(parameters), client_timeout_s=timeout_s,
+                             outputs=tuple(output.name for output in request.outputs),
+                             priority=priority.from_v2_grpc(parameters))
+        answer = await self._layer.infer_async(call, lambda signature, max_rows: v2_tensors.decode_inputs(
+            _tensors(request), signature, max_rows=max_rows))
+        return _infer_response(request, answer)
 
-
-    def _statistics(self, request: Any, record: RequestRecord, context: grpc.ServicerContext) -> Any:
+    def _statistics(self, request: Any, exchange: GrpcExchange) -> Any:
         """Triton's statistics extension (app/core/model_stats.py)."""
-        record.model = request.name or None
+        exchange.model = request.name or None
         # Under Gunicorn the counts are read from the multiprocess files alone.
         body = statistics(self._layer.registry, None, request.name, request.version)
         return json_format.ParseDict(body, service_pb2.ModelStatisticsResponse(), ignore_unknown_fields=True)
 
     # -- Triton's model repository extension (app/core/repository.py) ---------------------------
 
-    def _repository_index(self, request: Any, _record: Any, context: grpc.ServicerContext) -> Any:
+    def _repository_index(self, request: Any, exchange: GrpcExchange) -> Any:
         _one_repository(request)
         return service_pb2.RepositoryIndexResponse(models=[
             service_pb2.RepositoryIndexResponse.ModelIndex(**model)
             for model in self._repository.index(ready=request.ready)])
 
-    def _repository_load(self, request: Any, _record: Any, context: grpc.ServicerContext) -> Any:
+    def _repository_load(self, request: Any, exchange: GrpcExchange) -> Any:
         _one_repository(request)
-        self._repository.load(request.model_name, _grpc_parameters(request), timeout_s=context.time_remaining())
+        self._repository.load(request.model_name, _grpc_parameters(request),
+                              timeout_s=exchange.context.time_remaining())
         return service_pb2.RepositoryModelLoadResponse()
 
-    def _repository_unload(self, request: Any, _record: Any, context: grpc.ServicerContext) -> Any:
+    def _repository_unload(self, request: Any, exchange: GrpcExchange) -> Any:
         _one_repository(request)
-        self._repository.unload(request.model_name, _grpc_parameters(request), timeout_s=context.time_remaining())
+        self._repository.unload(request.model_name, _grpc_parameters(request),
+                                timeout_s=exchange.context.time_remaining())
         return service_pb2.RepositoryModelUnloadResponse()
 
 
@@ -149,17 +142,17 @@ def _signature_name(parameters: Any) -> str:
     return parameters["signature_name"].string_param
 
 
-def _timeout_s(parameters: Any, remaining_s: float | None) -> float | None:
+def _timeout_s(parameters: Any) -> float | None:
+    """The parameter `timeout` (microseconds) in seconds; the call's own deadline caps it (GrpcExchange.call)."""
     if "timeout" not in parameters:
-        return remaining_s
+        return None
     # Read from int64_param (tritonclient's) or uint64_param; any other kind, or a negative
     # number, is refused as over REST rather than read as 0 (an immediate deadline).
     timeout = parameters["timeout"]
     choice = timeout.WhichOneof("parameter_choice")
     if choice not in ("int64_param", "uint64_param") or getattr(timeout, choice) < 0:
         raise BadRequest(v2_tensors.TIMEOUT_ERROR)
-    timeout_s = getattr(timeout, choice) / 1e6
-    return timeout_s if remaining_s is None else min(timeout_s, remaining_s)
+    return float(getattr(timeout, choice) / 1e6)
 
 
 def _tensors(request: Any) -> list[v2_tensors.Tensor]:
@@ -182,9 +175,8 @@ def _tensors(request: Any) -> list[v2_tensors.Tensor]:
     return tensors
 
 
-def add_to_server(server: grpc.aio.Server, layer: RequestLayer, repository: Repository,
-                  observed: Callable[..., Any]) -> None:
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(layer, repository, observed), server)
+def add_to_server(server: grpc.aio.Server, layer: RequestLayer, repository: Repository) -> None:
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(layer, repository), server)
 
 
 # The calls RESTRICTED_MODEL_CONTROL guards on gRPC (REST: the repository's routes).

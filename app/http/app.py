@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from app.core.services import Services
 from app.http import errors, openapi, tfs, v2, v2_repository
 from app.http.bodies import BodyLimits, raise_refusal_before_a_view
-from app.http.layers import AccessLayer, MetricsLayer
+from app.http.layers import ExchangeLayer
 from app.http.patches import CachedEnsureSync, NoSessions
 from app.http.routes import DirectRoutes, services
 from app.ops import logs
@@ -68,14 +68,13 @@ def build(services: Services) -> HttpApp:
 def wsgi_layers(services: Services) -> list[Layer]:
     """The WSGI layers around the Flask app, outermost first."""
     settings = services.settings
-    tracing = [services.tracing.rest_layer] if services.tracing is not None else []
     return [
-        *tracing,
+        # The exchange, from the socket in: request id, trace, metrics, access line.
+        functools.partial(ExchangeLayer, exchanges=services.exchanges, timeout_s=services.layer.timeout_s,
+                          probes=settings.access_log_probes, tracing=services.tracing),
         functools.partial(BodyLimits, max_bytes=services.layer.max_request_bytes,
                           large_bytes=settings.large_body_bytes, large_slots=settings.large_body_slots,
                           wait_s=settings.request_timeout_ms / 1000.0),
-        functools.partial(MetricsLayer, metrics=services.metrics),
-        functools.partial(AccessLayer, probes=settings.access_log_probes, writer=logs.start_access_writer()),
         # Innermost, so the layers above wrap these routes as any other.
         functools.partial(DirectRoutes, services=services, routes=[*tfs.PREDICT_ROUTES, *v2.INFER_ROUTES]),
     ]

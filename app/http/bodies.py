@@ -14,8 +14,9 @@
   request's deadline, then gets 503 with Retry-After. Chunked bodies take a slot once they
   grow past LARGE_BODY_BYTES.
 
-A refusal is not answered here: it is left in the environ and raised by a before_request
-hook, so that it gets the same JSON body, request id, access line and metrics as any error.
+A refusal is not answered here: it is left on the request's exchange and raised once a POST
+route matched (by the direct routes, or a before_request hook for Flask's), so that it gets the
+same JSON body, request id, access line and metrics as any error.
 Gunicorn sends "100 Continue" itself before the app runs, so `Expect: 100-continue` cannot
 spare a client sending an over-limit body: a buffering proxy in front (nginx's
 client_max_body_size) refuses those before they are sent.
@@ -24,7 +25,6 @@ client_max_body_size) refuses those before they are sent.
 from __future__ import annotations
 
 import io
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -33,7 +33,7 @@ from typing import Any
 from flask import request
 
 from app.core.errors import BadRequest, PayloadTooLarge, ServingError, Unavailable, UnsupportedEncoding
-from app.core.models import STRING, LoadedModel, Signature
+from app.http.layers import HttpExchange, exchange_of
 
 try:
     from gunicorn.http.errors import NoMoreData, ParseException
@@ -45,32 +45,6 @@ except ImportError:  # another WSGI server: its readers raise OSError or ValueEr
 # beyond, it is answered at once and the connection closes (the client may see a reset).
 DISCARD_BYTES = 64 * 1024 * 1024
 READ_STEP = 64 * 1024
-
-# The derived MAX_REQUEST_BYTES: the longest JSON a valid request can be. A number written
-# as a float64 in full is at most 24 characters with its comma ("-1.1754943508222875e-38,"),
-# an int64 21; 32 leaves room for spaces and brackets. Each row of the row format repeats
-# the input names as keys.
-NUMBER_WIDTH = 32
-NAME_OVERHEAD = 8  # quotes, colon, braces, comma and a space around a key
-BODY_OVERHEAD = 64 * 1024  # "signature_name", the outer keys, whitespace
-# String inputs (and dimensions of any size) have no length a signature can bound.
-UNBOUNDED_INPUT_BYTES = 16 * 1024 * 1024
-
-REFUSAL_KEY = "model_server.body_refused"
-# The body as this layer read it: the views take it from here rather than through Werkzeug's
-# stream wrappers again (see body()).
-BODY_KEY = "model_server.body"
-
-
-def derived_max_request_bytes(model: LoadedModel | Signature, max_rows: int) -> int:
-    """The largest body a valid request to `model` (or one signature) can need, at most `max_rows` rows."""
-    per_row = 0
-    for spec in model.inputs:
-        if spec.dtype == STRING or any(dim is None for dim in spec.shape):
-            return UNBOUNDED_INPUT_BYTES
-        elements = math.prod(dim for dim in spec.shape if dim is not None)
-        per_row += elements * NUMBER_WIDTH + len(spec.name) + NAME_OVERHEAD
-    return max_rows * per_row + BODY_OVERHEAD
 
 
 class BodyLimits:
@@ -122,7 +96,8 @@ class BodyLimits:
             environ["wsgi.input"] = io.BytesIO(body)
             environ["CONTENT_LENGTH"] = str(len(body))
             environ.pop("HTTP_TRANSFER_ENCODING", None)
-            environ[BODY_KEY] = body
+            # The views take it from the exchange rather than through Werkzeug's stream wrappers again.
+            exchange_of(environ).body = body
             del body
             return self.app(environ, start_response)
         finally:
@@ -171,7 +146,7 @@ class BodyLimits:
 
     def _refuse(self, environ: dict[str, Any], start_response: Callable[..., Any],
                 exc: ServingError) -> Iterable[bytes]:
-        environ[REFUSAL_KEY] = exc
+        exchange_of(environ).refusal = exc
         environ["wsgi.input"] = io.BytesIO(b"")
         environ["CONTENT_LENGTH"] = "0"
         environ.pop("HTTP_TRANSFER_ENCODING", None)
@@ -242,26 +217,25 @@ def _framing_message(exc: BaseException) -> str:
     return _FRAMING_MESSAGES.get(type(exc).__name__, type(exc).__name__)
 
 
-def body(environ: dict[str, Any]) -> bytes:
+def body(exchange: HttpExchange) -> bytes:
     """The request's body as BodyLimits read it (none there: the request has no body)."""
-    encoding = environ.get("HTTP_CONTENT_ENCODING", "").strip()
+    encoding = exchange.environ.get("HTTP_CONTENT_ENCODING", "").strip()
     if encoding.lower() not in ("", "identity"):
         # Read as it is, a compressed body would fail as malformed JSON, and an uncompressed one
         # labelled so would be served: neither says what the server does not do.
         raise UnsupportedEncoding(f"Content-Encoding {encoding!r} is not supported: send the body uncompressed")
     # BodyLimits reads every body with a length or chunks; a request with neither has none.
-    return environ.get(BODY_KEY, b"")
+    return exchange.body
 
 
-def raise_refusal(environ: dict[str, Any]) -> None:
+def raise_refusal(exchange: HttpExchange) -> None:
     """The body's refusal (too large, broken framing, no slot), for a POST route that matched."""
-    refusal = environ.get(REFUSAL_KEY)
-    if refusal is not None:
-        raise refusal
+    if exchange.refusal is not None:
+        raise exchange.refusal
 
 
 def raise_refusal_before_a_view() -> None:
     # An unknown route or method says more than the body's size; only POST routes read a
     # body, the others answer as if it was empty (it was read and dropped).
     if request.routing_exception is None and request.method == "POST":
-        raise_refusal(request.environ)
+        raise_refusal(exchange_of(request.environ))

@@ -1,132 +1,121 @@
-"""The WSGI layers around the Flask app, and what they leave for the views."""
+"""HTTP's exchange: opened by the outermost WSGI layer, read by every layer and view inside it.
+
+`ExchangeLayer` gives every request its `HttpExchange` (app/core/call.py's Exchange, with the
+WSGI environ it came with): its id (the client's X-Request-ID when it is a sane token, a new one
+otherwise, echoed in the answer), its trace when TRACING is on, and, once the answer's status
+is known, its close (app/core/exchange.py): the request metrics, the access line (probes left
+out unless ACCESS_LOG_PROBES) and the trace's end. Inside it, the body limits leave the body
+(or their refusal) on the exchange, the direct routes and Flask's views read it, and a door
+builds the request's Call from it.
+
+A WSGI layer rather than Flask before/after hooks: a hook costs Flask an `iscoroutinefunction`
+check and the request-local proxies on every call, and this is all per-request work.
+"""
 
 from __future__ import annotations
 
-import logging
 import select
 import socket
-import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.core.call import Call, ClientGonePredicate, ModelSpec
-from app.core.serving import RequestLayer
+from app.core.call import ANY_MODEL, Call, ClientGonePredicate, Exchange, ModelSpec
+from app.core.errors import ServingError
+from app.core.exchange import Exchanges
 from app.http import patches
-from app.ops.logs import (
-    PROBE_PATHS,
-    REQUEST_ID_HEADER,
-    AccessWriter,
-    RequestRecord,
-    accept_request_id,
-    access_log,
-    log_access,
-)
-from app.ops.metrics import HTTP_METHODS, OTHER, Metrics, RequestCounts
-from app.ops.patches import value_of
+from app.ops.logs import PROBE_PATHS, REQUEST_ID_HEADER, accept_request_id
+from app.ops.metrics import HTTP_METHODS, OTHER
 
-# Where a request's RequestRecord lives in its WSGI environ.
-RECORD_KEY = "model_server.request"
+if TYPE_CHECKING:
+    from app.ops.tracing import Tracing
 
-
+# Where the request's exchange lives in its WSGI environ, as Werkzeug keeps its request there.
+EXCHANGE_KEY = "model_server.exchange"
 _REQUEST_ID_ENVIRON = "HTTP_" + REQUEST_ID_HEADER.upper().replace("-", "_")
 
 
-def record() -> RequestRecord:
-    """The current request's record (a detached one outside the access-log layer)."""
-    environ = patches.request_environ()
-    found = environ.get(RECORD_KEY) if environ is not None else None
-    return found if found is not None else RequestRecord("")
+class HttpExchange(Exchange):
+    """An HTTP request's exchange: its environ, and the body the body limits read (or their refusal)."""
+
+    def __init__(self, environ: dict[str, Any], *, timeout_s: float | None, probes: bool) -> None:
+        super().__init__(accept_request_id(environ.get(_REQUEST_ID_ENVIRON, "")), environ.get("REQUEST_METHOD", ""),
+                         timeout_s=timeout_s)
+        self.environ = environ
+        # Read whole by the body limits (app/http/bodies.py): the views take it from here.
+        self.body = b""
+        self.refusal: ServingError | None = None
+        self._probes = probes
+
+    @property
+    def path(self) -> str:
+        # As Werkzeug's request.path reads it (werkzeug.wsgi.get_path_info, and a leading "/"):
+        # made only for the access line.
+        return "/" + self.environ.get("PATH_INFO", "").encode("latin1").decode(errors="replace").lstrip("/")
+
+    @property
+    def metric_method(self) -> str:
+        # Label values come only from this set: a client choosing the method must not create a series.
+        return self.method if self.method in HTTP_METHODS else OTHER
+
+    @property
+    def logged(self) -> bool:
+        return self._probes or self.path not in PROBE_PATHS
+
+    def call(self, model: ModelSpec = ANY_MODEL, *, signature: str = "", outputs: tuple[str, ...] = (),
+             client_timeout_s: float | None = None, priority: int = 0) -> Call:
+        # Made for a call only: a GET never needs it. Gunicorn hands the app the client's socket;
+        # Flask's test client has none.
+        self.client_gone = socket_client_gone(self.environ.get("gunicorn.socket"))
+        return super().call(model, signature=signature, outputs=outputs, client_timeout_s=client_timeout_s,
+                            priority=priority)
 
 
-def current_request_id() -> str | None:
-    return record().request_id or None
+class ExchangeLayer:
+    """The outermost WSGI layer: one exchange per request, closed once its status is known."""
 
-
-class AccessLayer:
-    """WSGI layer: every request gets an id, echoed in X-Request-ID, and one access line.
-
-    A WSGI layer rather than Flask before/after hooks: a hook costs Flask an
-    `iscoroutinefunction` check and the request-local proxies on every call, and this is
-    all per-request work.
-    """
-
-    def __init__(self, app: Callable[..., Iterable[bytes]], *, probes: bool, writer: AccessWriter | None) -> None:
+    def __init__(self, app: Callable[..., Iterable[bytes]], *, exchanges: Exchanges, timeout_s: float | None,
+                 probes: bool, tracing: Tracing | None = None) -> None:
         self.app = app
+        self.exchanges = exchanges
+        self.timeout_s = timeout_s
         self.probes = probes
-        self.writer = writer
+        self.tracing = tracing
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        entry = RequestRecord(accept_request_id(environ.get(_REQUEST_ID_ENVIRON, "")),
-                              environ.get("REQUEST_METHOD", ""))
-        environ[RECORD_KEY] = entry
+        exchange = self.exchanges.open(HttpExchange(environ, timeout_s=self.timeout_s, probes=self.probes))
+        if self.tracing is not None and environ.get("PATH_INFO", "") not in PROBE_PATHS:
+            exchange.trace = self.tracing.http_span(environ)
+        environ[EXCHANGE_KEY] = exchange
 
         def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-            entry.status = int(status[:3])
-            headers.append((REQUEST_ID_HEADER, entry.request_id))
+            exchange.status = int(status[:3])
+            headers.append((REQUEST_ID_HEADER, exchange.request_id))
+            if exchange.route is None:
+                # Flask answers inside its request context, so its request (and the rule it matched,
+                # None for a 404 or 405) is still in the environ here, and no longer once it returns.
+                # A route answered below Flask (app/http/routes.py) has named its rule already.
+                flask_request = environ.get("werkzeug.request")
+                rule = flask_request.url_rule if flask_request is not None else None
+                exchange.route = rule.rule if rule is not None else None
             return start_response(status, headers, exc_info)
 
         try:
             return self.app(environ, start)
         finally:
-            self._log(environ, entry)
-
-    def _log(self, environ: dict[str, Any], entry: RequestRecord) -> None:
-        if not access_log.isEnabledFor(logging.INFO):
-            return
-        # As Werkzeug's request.path reads it (werkzeug.wsgi.get_path_info, and a leading "/").
-        entry.path = "/" + environ.get("PATH_INFO", "").encode("latin1").decode(errors="replace").lstrip("/")
-        if entry.path in PROBE_PATHS and not self.probes:
-            return
-        log_access(entry.access_fields(), writer=self.writer)
+            self.exchanges.close(exchange)
 
 
-# Where the matched URL rule of a request is left for other layers (tracing names its span by
-# it): Flask clears environ["werkzeug.request"] when its request context ends.
-ROUTE_KEY = "model_server.route"
+def exchange_of(environ: dict[str, Any]) -> HttpExchange:
+    """The request's exchange (ExchangeLayer's)."""
+    exchange: HttpExchange = environ[EXCHANGE_KEY]
+    return exchange
 
 
-class MetricsLayer:
-    """WSGI layer: HTTP requests in flight, and each answer counted by its URL rule (RequestCounts)."""
-
-    def __init__(self, app: Callable[..., Iterable[bytes]], metrics: Metrics) -> None:
-        self.app = app
-        self.metrics = metrics
-        self._in_flight = value_of(metrics.in_flight)
-        self._counts = RequestCounts(metrics)
-
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        started = time.perf_counter()
-        status = [500]
-
-        def start(line: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-            status[0] = int(line[:3])
-            # Flask answers inside its request context, so its request (and the rule it matched,
-            # None for a 404 or 405) is still in the environ here, and no longer once it returns.
-            # A route answered below Flask (app/http/routes.py) has left its rule's text already.
-            if ROUTE_KEY not in environ:
-                flask_request = environ.get("werkzeug.request")
-                rule = flask_request.url_rule if flask_request is not None else None
-                environ[ROUTE_KEY] = rule.rule if rule is not None else None
-            return start_response(line, headers, exc_info)
-
-        self._in_flight.inc(1)
-        try:
-            return self.app(environ, start)
-        finally:
-            self._in_flight.inc(-1)
-            self._count(environ, status[0], time.perf_counter() - started)
-
-    def _count(self, environ: dict[str, Any], status: int, seconds: float) -> None:
-        # The URL rule, not the path: unknown paths must not grow a series each.
-        route = environ.get(ROUTE_KEY) or OTHER
-        method = environ.get("REQUEST_METHOD", "")
-        if method not in HTTP_METHODS:
-            method = OTHER
-        self._counts.count(route, method, str(status), seconds)
-
-
-# The WSGI environ key under which tracing's layer leaves a request's trace (app/ops/tracing.py).
-TRACE_KEY = "model_server.trace"
+def current_request_id() -> str | None:
+    """The current request's id, for an answer made outside a door (Flask's error handlers)."""
+    environ = patches.request_environ()
+    exchange = environ.get(EXCHANGE_KEY) if environ is not None else None
+    return exchange.request_id if exchange is not None else None
 
 
 # Linux's "the peer closed its end" poll event; where it is missing, leaving is not seen.
@@ -160,14 +149,3 @@ class SocketClientGone:
 
     def __call__(self) -> bool:
         return bool(self._poller.poll(0))
-
-
-def http_call(layer: RequestLayer, environ: dict[str, Any], spec: ModelSpec, signature: str,
-              outputs: tuple[str, ...] = (), client_timeout_s: float | None = None, priority: int = 0) -> Call:
-    """An HTTP front door's Call for the request of `environ`: its record, its trace, and a
-    client_gone that watches its connection (Gunicorn hands the app the client's socket;
-    Flask's test client has none)."""
-    return Call.within(layer.deadline_s(client_timeout_s), model=spec, signature=signature, outputs=outputs,
-                       client_gone=socket_client_gone(environ.get("gunicorn.socket")),
-                       record=environ.get(RECORD_KEY) or RequestRecord(""),
-                       trace=environ.get(TRACE_KEY), priority=priority)

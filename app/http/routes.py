@@ -25,7 +25,7 @@ from flask import Response, current_app
 from app.core.services import Services
 from app.http import bodies as limits
 from app.http import errors
-from app.http.layers import RECORD_KEY, ROUTE_KEY
+from app.http.layers import HttpExchange, exchange_of
 
 
 def services() -> Services:
@@ -45,8 +45,8 @@ class Reply(NamedTuple):
         return Response(self.body, content_type=self.content_type, headers=self.headers)
 
 
-# handler(request layer, environ, the match's groups) -> the answer.
-Handler = Callable[[Any, dict[str, Any], Sequence[Any]], Reply]
+# handler(request layer, the request's exchange, the match's groups) -> the answer.
+Handler = Callable[[Any, HttpExchange, Sequence[Any]], Reply]
 
 
 class Route(NamedTuple):
@@ -79,13 +79,13 @@ class DirectRoutes:
         if matched is None:
             return self.app(environ, start_response)
         rule, handler, groups = matched
-        environ[ROUTE_KEY] = rule
+        exchange = exchange_of(environ)
+        exchange.route = rule
         try:
-            limits.raise_refusal(environ)
-            reply = handler(self.services.layer, environ, groups)
+            limits.raise_refusal(exchange)
+            reply = handler(self.services.layer, exchange, groups)
         except Exception as exc:  # noqa: BLE001 - answered as Flask's error handlers answer it
-            record = environ.get(RECORD_KEY)
-            answer = errors.answer_for(exc, record.request_id or None if record is not None else None)
+            answer = errors.answer_for(exc, exchange.request_id or None)
             return answer(environ, start_response)
         body = reply.body
         start_response("200 OK", [*reply.headers, ("Content-Type", reply.content_type),

@@ -20,7 +20,7 @@ from app.core.call import ModelSpec
 from app.core.models import Signature
 from app.core.serving import CLASSIFY, REGRESS, Answer, RequestLayer, examples_decode
 from app.http import bodies as limits
-from app.http.layers import http_call
+from app.http.layers import HttpExchange, exchange_of
 from app.http.routes import Reply, Route, services
 from app.ops.settings import MODEL_NAME_PATTERN
 from app.wire import classify, codec, metadata, priority
@@ -41,23 +41,24 @@ def _json(body: bytes, status: int = 200, headers: list[tuple[str, str]] | None 
     return Response(body, status=status, content_type="application/json", headers=headers)
 
 
-def predict(layer: RequestLayer, environ: dict[str, Any], spec: ModelSpec) -> Reply:
+def predict(layer: RequestLayer, exchange: HttpExchange, spec: ModelSpec) -> Reply:
     """Parse, queue, wait, answer: the request thread never touches TensorFlow."""
     # Like TensorFlow Serving, the body is JSON whatever its Content-Type says.
-    parsed = codec.parse_request(limits.body(environ))
+    parsed = codec.parse_request(limits.body(exchange))
 
     def decode(signature: Signature, max_rows: int) -> Tensors:
         check_rows(parsed.rows, max_rows)  # before any array is built
         return codec.decode_inputs(parsed, signature)
 
-    answer = layer.infer(http_call(layer, environ, spec, parsed.signature_name, priority=_priority(environ)), decode)
+    call = exchange.call(spec, signature=parsed.signature_name, priority=_priority(exchange.environ))
+    answer = layer.infer(call, decode)
     return _reply(answer, codec.encode_response(answer.outputs, answer.signature, parsed))
 
 
 def _classify_or_regress(spec: ModelSpec, method: str) -> Response:
-    layer, environ = services().layer, request.environ
-    signature_name, examples = classify.parse(limits.body(environ), method)
-    call = http_call(layer, environ, spec, signature_name, priority=_priority(environ))
+    layer, exchange = services().layer, exchange_of(request.environ)
+    signature_name, examples = classify.parse(limits.body(exchange), method)
+    call = exchange.call(spec, signature=signature_name, priority=_priority(exchange.environ))
     decode = examples_decode(examples)
     if method == CLASSIFY:
         answer, classes = layer.classify(call, decode)
@@ -77,15 +78,15 @@ def _reply(answer: Answer, body: bytes) -> Reply:
 # The predict URLs as app/http/routes.py matches them, without Flask per request.
 _NAME = ModelNameConverter.regex
 PREDICT_ROUTES = [
-    Route("/predict", "/predict", lambda layer, environ, _: predict(layer, environ, ModelSpec())),
+    Route("/predict", "/predict", lambda layer, exchange, _: predict(layer, exchange, ModelSpec())),
     Route("/v1/models/<model_name:name>:predict", rf"/v1/models/({_NAME}):predict",
-          lambda layer, environ, groups: predict(layer, environ, ModelSpec(groups[0]))),
+          lambda layer, exchange, groups: predict(layer, exchange, ModelSpec(groups[0]))),
     Route("/v1/models/<model_name:name>/versions/<int:version>:predict",
           rf"/v1/models/({_NAME})/versions/({AsciiIntConverter.regex}):predict",
-          lambda layer, environ, groups: predict(layer, environ, ModelSpec(groups[0], int(groups[1])))),
+          lambda layer, exchange, groups: predict(layer, exchange, ModelSpec(groups[0], int(groups[1])))),
     Route("/v1/models/<model_name:name>/labels/<model_name:label>:predict",
           rf"/v1/models/({_NAME})/labels/({_NAME}):predict",
-          lambda layer, environ, groups: predict(layer, environ, ModelSpec(groups[0], label=groups[1]))),
+          lambda layer, exchange, groups: predict(layer, exchange, ModelSpec(groups[0], label=groups[1]))),
 ]
 
 
@@ -93,22 +94,22 @@ PREDICT_ROUTES = [
 # answer wherever app/http/routes.py is not in front (tests/test_direct.py checks the two agree).
 @bp.post("/predict")
 def predict_default() -> Response:
-    return predict(services().layer, request.environ, ModelSpec()).response()
+    return predict(services().layer, exchange_of(request.environ), ModelSpec()).response()
 
 
 @bp.post("/v1/models/<model_name:name>:predict")
 def predict_model(name: str) -> Response:
-    return predict(services().layer, request.environ, ModelSpec(name)).response()
+    return predict(services().layer, exchange_of(request.environ), ModelSpec(name)).response()
 
 
 @bp.post("/v1/models/<model_name:name>/versions/<int:version>:predict")
 def predict_version(name: str, version: int) -> Response:
-    return predict(services().layer, request.environ, ModelSpec(name, version)).response()
+    return predict(services().layer, exchange_of(request.environ), ModelSpec(name, version)).response()
 
 
 @bp.post("/v1/models/<model_name:name>/labels/<model_name:label>:predict")
 def predict_label(name: str, label: str) -> Response:
-    return predict(services().layer, request.environ, ModelSpec(name, label=label)).response()
+    return predict(services().layer, exchange_of(request.environ), ModelSpec(name, label=label)).response()
 
 
 def _tf_example_route(method: str):

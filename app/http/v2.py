@@ -37,7 +37,7 @@ from app.core.errors import BadRequest, Unavailable
 from app.core.model_stats import statistics
 from app.core.serving import Answer, RequestLayer
 from app.http import bodies as limits
-from app.http.layers import http_call
+from app.http.layers import HttpExchange, exchange_of
 from app.http.routes import Reply, Route, services
 from app.ops.settings import MODEL_NAME_PATTERN
 from app.wire import codec, priority, v2_tensors
@@ -112,11 +112,11 @@ bp.add_url_rule("/models/<model_name:name>/versions/<version>/stats", "model_sta
 @bp.post("/models/<model_name:name>/versions/<version>/infer")
 def infer_view(name: str, version: str | None = None) -> Response:
     # app/http/routes.py answers these POSTs first (INFER_ROUTES); this is Flask's rule for the same URLs.
-    return infer(services().layer, request.environ, name, version).response()
+    return infer(services().layer, exchange_of(request.environ), name, version).response()
 
 
-def infer(layer: RequestLayer, environ: dict[str, Any], name: str, version: str | None = None) -> Reply:
-    body, tensors, json_text = _split(limits.body(environ), environ.get(_HEADER_LENGTH_KEY))
+def infer(layer: RequestLayer, exchange: HttpExchange, name: str, version: str | None = None) -> Reply:
+    body, tensors, json_text = _split(limits.body(exchange), exchange.environ.get(_HEADER_LENGTH_KEY))
     parameters = _parameters(body, "the request")
     request_id = _text(body["id"], "id") if "id" in body else None
     every_binary = _flag(parameters.get("binary_data_output", False), "the parameter 'binary_data_output'")
@@ -124,9 +124,9 @@ def infer(layer: RequestLayer, environ: dict[str, Any], name: str, version: str 
     if not isinstance(signature_name, str):
         raise BadRequest(v2_tensors.SIGNATURE_NAME_ERROR)
     wanted = _requested_outputs(body)
-    call = http_call(layer, environ, v2_tensors.model_spec(name, version), signature_name,
-                           tuple(output for output, _ in wanted), _timeout_s(parameters),
-                           priority.from_v2_rest(parameters))
+    call = exchange.call(v2_tensors.model_spec(name, version), signature=signature_name,
+                         outputs=tuple(output for output, _ in wanted), client_timeout_s=_timeout_s(parameters),
+                         priority=priority.from_v2_rest(parameters))
     answer = layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
         _inputs(body, tensors, json_text), signature, max_rows=max_rows))
     binary = {output_name: every_binary if choice is None else choice for output_name, choice in wanted}
@@ -160,9 +160,9 @@ _NAME = MODEL_NAME_PATTERN.pattern.strip("^$")
 # The infer URLs as app/http/routes.py matches them, without Flask per request.
 INFER_ROUTES = [
     Route("/v2/models/<model_name:name>/infer", rf"/v2/models/({_NAME})/infer",
-          lambda layer, environ, groups: infer(layer, environ, groups[0])),
+          lambda layer, exchange, groups: infer(layer, exchange, groups[0])),
     Route("/v2/models/<model_name:name>/versions/<version>/infer", rf"/v2/models/({_NAME})/versions/([^/]+)/infer",
-          lambda layer, environ, groups: infer(layer, environ, groups[0], groups[1])),
+          lambda layer, exchange, groups: infer(layer, exchange, groups[0], groups[1])),
 ]
 
 

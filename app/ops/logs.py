@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
 import logging
 import math
 import os
@@ -207,47 +206,6 @@ def accept_request_id(given: str) -> str:
     return given if given and _SANE_ID.fullmatch(given) else f"{_ids.getrandbits(128):032x}"
 
 
-@dataclasses.dataclass
-class RequestRecord:
-    """One request, as its access line and its metrics tell it, whatever its protocol.
-
-    The front door opens it (method, path, request id) and closes it (status: an HTTP
-    status, or a gRPC code's name); the request layer fills in the model and the rows.
-    """
-
-    request_id: str
-    method: str = ""
-    path: str = ""
-    status: int | str = 500
-    model: str | None = None
-    rows: int | None = None
-    batch_rows: int | None = None
-    batch_requests: int | None = None
-    started: float = dataclasses.field(default_factory=time.perf_counter)
-    # The request's trace (app/ops/tracing.py) when tracing is on; the engine hands it to the tracer.
-    trace: Any = None
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.started
-
-    def access_fields(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "path": self.path,
-            "status": self.status,
-            "latency_ms": round((time.perf_counter() - self.started) * 1000, 3),
-            "rows": self.rows,
-            "batch_rows": self.batch_rows,
-            "batch_requests": self.batch_requests,
-            "model": self.model,
-            "request_id": self.request_id,
-        }
-
-
-
-
-
-
 class AccessWriter:
     """Access lines made into log records and handed to the handlers by one background thread.
 
@@ -349,13 +307,3 @@ def log_access(fields: dict[str, Any], *, writer: AccessWriter | None = None) ->
         writer.put(time.time(), fields)
     else:
         access_log.info("access", extra={"fields": fields})
-
-
-def write_access(record: RequestRecord, *, writer: AccessWriter | None = None) -> None:
-    """The record's access line, if the access log is on."""
-    if access_log.isEnabledFor(logging.INFO):
-        log_access(record.access_fields(), writer=writer)
-
-
-
-

@@ -21,8 +21,8 @@ from prometheus_client import (
     multiprocess,
 )
 
-from app.core.batching import BatchObserver
 from app.ops import patches
+from app.ops.observer import BatchObserver
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)

@@ -10,20 +10,21 @@ Spans (docs/tracing.md is the manual):
 
 With MODEL_PROCESSES the predict calls run in a model process: the request span's context
 travels in the call's frame (`RequestTrace.frame_fields`), the model process's BatchTracer
-links its predict span to it (`LinkedTrace`) and exports it with its own provider, and the call's start comes back
-in the answer to end the queue-wait span. The spans and links are the default mode's.
+links its predict span to it (`LinkedTrace`) and exports it with its own provider, and the
+call's start comes back in the answer to end the queue-wait span. The spans and links are the
+default mode's.
 
 A request continues the W3C `traceparent` it came with (the propagators OTEL_PROPAGATORS
 names, tracecontext and baggage by default). A predict call serves many requests, so it
 cannot be the child of one: its span starts a trace of its own with a link to each.
 
-Nothing here runs unless TRACING is on: app/core/serving.py then picks `TracedRequestLayer`, which
-wraps the one method every call goes through (`run`, and `run_async` on gRPC's loop),
-app/core/registry.py wraps each batcher's observer in a `BatchTracer`, and `Tracing.rest_layer` is
-the REST layer around the WSGI app (it leaves the trace in the environ, under TRACE_KEY); gRPC's
-call path opens each call's span (`Tracing.grpc_span`, left on the call's record). A front
-door puts the trace in its Call. Off, no module of tracing is imported and a request's path
-holds no call of it.
+Nothing here runs unless TRACING is on: the services then hold a `Tracing`, whose spans each
+transport's outermost layer opens into the request's exchange (`http_span`, `grpc_span`);
+the exchange's call carries the trace, on which the request layer marks `decoded`,
+`answered` and `waited`, and the exchange's close `finish`es it with the status its client
+got. app/core/loading.py wraps each batcher's observer in a `BatchTracer`. Off, no module of
+tracing is imported and a request's path holds no call of it. This module knows no request
+layer and no model: what it reads of an answer it reads by name.
 
 The batch thread is the server's one serial section, so it does the least: one span per
 call, built after the call with its links, and a timestamp on each request's trace; the
@@ -32,12 +33,9 @@ queue-wait span is made by the request's own thread once its answer arrives.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import grpc
@@ -50,14 +48,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from app.core.batching import BatchObserver, Tensors
-from app.core.call import Call
-from app.core.models import LoadedModel, Signature
-from app.core.registry import Servable
-from app.core.serving import Answer, Decode, RequestLayer
-from app.http.layers import ROUTE_KEY, TRACE_KEY
-from app.ops.logs import PROBE_PATHS
 from app.ops.metrics import Metrics
+from app.ops.observer import BatchObserver
 from app.ops.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -69,27 +61,93 @@ _tracer: trace.Tracer | None = None
 
 
 class RequestTrace:
-    """One traced request: its span, and the marks its child spans are made from."""
+    """One traced request: its span, and the marks its child spans are made from.
 
-    __slots__ = ("span", "context", "predict_started_ns", "encode")
+    The request layer marks `decoded` (its rows are about to be queued), `answered` (its answer is
+    back) and `waited` (its rows ran, or never will); the exchange's close calls `finish`.
+    """
 
-    def __init__(self, span: trace.Span) -> None:
+    __slots__ = ("span", "context", "predict_started_ns", "encode", "_tracer", "_queued_ns")
+
+    def __init__(self, span: trace.Span, tracer_: trace.Tracer) -> None:
         self.span = span
         self.context = trace.set_span_in_context(span)
         # Set by the batch thread when the first predict call that runs the request's rows starts.
         self.predict_started_ns: int | None = None
         self.encode: trace.Span | None = None
+        self._tracer = tracer_
+        self._queued_ns: int | None = None
 
-    def end(self) -> None:
+    @property
+    def recording(self) -> bool:
+        """False when sampled out: then no predict span links to it either."""
+        return self.span.is_recording()
+
+    def decoded(self) -> None:
+        """The decode span: from the request's start to now, when its rows are queued."""
+        self._queued_ns = time.time_ns()
+        self._tracer.start_span("decode", context=self.context,
+                                start_time=cast(ReadableSpan, self.span).start_time).end(self._queued_ns)
+
+    def waited(self) -> None:
+        """The queue-wait span, once decoded: it ends where the first predict call serving the
+        request began, or now if none did (refused, expired)."""
+        if self._queued_ns is not None:
+            self._tracer.start_span("queue wait", context=self.context,
+                                    start_time=self._queued_ns).end(self.predict_started_ns or time.time_ns())
+
+    def answered(self, answer: Any) -> None:
+        """The answer's attributes on the request span, and the encode span (ended by `finish`)."""
+        self.span.set_attributes({
+            "model_server.model.name": answer.servable.model.name,
+            "model_server.model.version": answer.servable.model.version,
+            "model_server.model.signature": answer.signature.name,
+            "model_server.request.rows": answer.rows,
+            "model_server.batch.rows": answer.batch_rows,
+            "model_server.batch.requests": answer.batch_requests,
+        })
+        self.encode = self._tracer.start_span("encode", context=self.context)
+
+    def finish(self, status: int | str, route: str | None) -> None:
+        """End the request's spans with the status its client got."""
+        self._status(status, route)
         if self.encode is not None:
             self.encode.end()
         self.span.end()
+
+    def _status(self, status: int | str, route: str | None) -> None:
+        raise NotImplementedError
 
     def frame_fields(self) -> list[str | int]:
         """What a model process needs of the trace to link its predict span to it (Call.frame):
         the request span's context (W3C's trace id, span id and flags), as text the frame's JSON holds."""
         context = self.span.get_span_context()
         return [format(context.trace_id, "032x"), format(context.span_id, "016x"), int(context.trace_flags)]
+
+
+class HttpTrace(RequestTrace):
+    __slots__ = ("method",)
+
+    def __init__(self, span: trace.Span, tracer_: trace.Tracer, method: str) -> None:
+        super().__init__(span, tracer_)
+        self.method = method
+
+    def _status(self, status: int | str, route: str | None) -> None:
+        if route:
+            self.span.update_name(f"{self.method} {route}")
+            self.span.set_attribute("http.route", route)
+        self.span.set_attribute("http.response.status_code", int(status))
+        if int(status) >= 500:
+            self.span.set_status(Status(StatusCode.ERROR))
+
+
+class GrpcTrace(RequestTrace):
+    __slots__ = ()
+
+    def _status(self, status: int | str, route: str | None) -> None:
+        self.span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[str(status)].value[0])
+        if status != grpc.StatusCode.OK.name:
+            self.span.set_status(Status(StatusCode.ERROR, str(status)))
 
 
 # -- the provider: one per process (a Gunicorn worker makes it after the fork) ------------------
@@ -135,107 +193,50 @@ def tracer(settings: Settings) -> trace.Tracer:
     return _tracer
 
 
-def batch_observer(metrics: Metrics, settings: Settings, model: LoadedModel, signature: str) -> BatchObserver:
+def batch_observer(metrics: Metrics, settings: Settings, model: Any, signature: str) -> BatchObserver:
     """A batcher's observer with tracing on: a tracer of its predict calls around the batch metrics."""
     return BatchTracer(metrics.observer(model.name), tracer(settings), model=model.name, version=model.version,
                        signature=signature)
 
 
 class Tracing:
-    """The app's tracing: its tracer, and the gRPC call spans app/grpc/calls.py opens."""
+    """This process's tracing: the request spans each transport's outermost layer opens."""
 
     def __init__(self, settings: Settings) -> None:
         self.provider = provider(settings)
         self.tracer = tracer(settings)
 
-    def rest_layer(self, app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
-        """The WSGI layer that opens each REST request's span, around `app`."""
-        return _RestTracing(app, self.tracer)
+    def http_span(self, environ: dict[str, Any]) -> HttpTrace:
+        """A SERVER span for an HTTP request, continuing the trace in its headers; named by its
+        route once known (its `finish`)."""
+        method = environ.get("REQUEST_METHOD", "")
+        span = self.tracer.start_span(method, context=propagate.extract(environ, getter=_ENVIRON),
+                                      kind=SpanKind.SERVER,
+                                      attributes={"http.request.method": method,
+                                                  "url.path": environ.get("PATH_INFO", "")})
+        return HttpTrace(span, self.tracer, method)
 
-    def request_layer(self) -> Callable[..., RequestLayer]:
-        """What makes the request layer: one that makes each call's decode, queue-wait and encode spans."""
-        return functools.partial(TracedRequestLayer, tracer_=self.tracer)
-
-    def grpc_span(self, method: str, metadata: Any) -> RequestTrace:
-        """A SERVER span for a gRPC call (app/grpc/calls.py), continuing the trace in its metadata;
-        `end_grpc_span` ends it."""
+    def grpc_span(self, method: str, metadata: Any) -> GrpcTrace:
+        """A SERVER span for a gRPC call, continuing the trace in its metadata."""
         service, _, name = method.lstrip("/").rpartition("/")
         span = self.tracer.start_span(method.lstrip("/"), context=propagate.extract(dict(metadata or ())),
                                       kind=SpanKind.SERVER,
                                       attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
-        return RequestTrace(span)
-
-    @staticmethod
-    def end_grpc_span(request: RequestTrace, status: str) -> None:
-        """End a gRPC call's span with the status its client got (its record's)."""
-        request.span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[status].value[0])
-        if status != grpc.StatusCode.OK.name:
-            request.span.set_status(Status(StatusCode.ERROR, status))
-        request.end()
+        return GrpcTrace(span, self.tracer)
 
 
-# -- the request layer: decode, queue wait and encode ----------------------------------------
+class _EnvironGetter(Getter[dict]):
+    """Reads a propagator's headers (traceparent, tracestate, baggage) from a WSGI environ."""
+
+    def get(self, carrier: dict, key: str) -> list[str] | None:
+        value = carrier.get("HTTP_" + key.upper().replace("-", "_"))
+        return None if value is None else [value]
+
+    def keys(self, carrier: dict) -> list[str]:
+        return [key[5:].lower().replace("_", "-") for key in carrier if key.startswith("HTTP_")]
 
 
-class TracedRequestLayer(RequestLayer):
-    def __init__(self, *args: Any, tracer_: trace.Tracer, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._tracer = tracer_
-
-    def run(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
-        with self._spans(call, decode) as (call, decode, answered):
-            return answered(super().run(call, servable, signature, decode))
-
-    async def run_async(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
-        with self._spans(call, decode) as (call, decode, answered):
-            return answered(await super().run_async(call, servable, signature, decode))
-
-    @contextlib.contextmanager
-    def _spans(self, call: Call, decode: Decode) -> Iterator[tuple[Call, Decode, Callable[[Answer], Answer]]]:
-        """The call's decode and queue-wait spans around its run, and what its answer adds: the
-        request span's attributes and the encode span, which the front door ends."""
-        request = call.trace
-        if request is None:
-            yield call, decode, _same
-            return
-        if not request.span.is_recording():
-            # Sampled out: no predict span links to it either.
-            yield call._replace(trace=None), decode, _same
-            return
-        tracer_ = self._tracer
-        marks: list[int] = []
-
-        def traced_decode(signature_: Signature, max_rows: int) -> Tensors:
-            inputs = decode(signature_, max_rows)
-            queued_ns = time.time_ns()
-            tracer_.start_span("decode", context=request.context,
-                               start_time=cast(ReadableSpan, request.span).start_time).end(queued_ns)
-            marks.append(queued_ns)
-            return inputs
-
-        def answered(answer: Answer) -> Answer:
-            request.span.set_attributes({
-                "model_server.model.name": answer.servable.model.name,
-                "model_server.model.version": answer.servable.model.version,
-                "model_server.model.signature": answer.signature.name,
-                "model_server.request.rows": answer.rows,
-                "model_server.batch.rows": answer.batch_rows,
-                "model_server.batch.requests": answer.batch_requests,
-            })
-            request.encode = tracer_.start_span("encode", context=request.context)
-            return answer
-
-        try:
-            yield call, traced_decode, answered
-        finally:
-            if marks:
-                # Ends where the first predict call serving it began, or now if none did (refused, expired).
-                tracer_.start_span("queue wait", context=request.context,
-                                   start_time=marks[0]).end(request.predict_started_ns or time.time_ns())
-
-
-def _same(answer: Answer) -> Answer:
-    return answer
+_ENVIRON = _EnvironGetter()
 
 
 # -- the batch thread: one span per predict call -------------------------------------------
@@ -324,55 +325,3 @@ class LinkedTrace:
         self.span = trace.NonRecordingSpan(trace.SpanContext(
             int(str(trace_id), 16), int(str(span_id), 16), is_remote=True, trace_flags=trace.TraceFlags(int(flags))))
         self.predict_started_ns: int | None = None
-
-
-# -- front doors: the request span -------------------------------------------------------------
-
-
-class _EnvironGetter(Getter[dict]):
-    """Reads a propagator's headers (traceparent, tracestate, baggage) from a WSGI environ."""
-
-    def get(self, carrier: dict, key: str) -> list[str] | None:
-        value = carrier.get("HTTP_" + key.upper().replace("-", "_"))
-        return None if value is None else [value]
-
-    def keys(self, carrier: dict) -> list[str]:
-        return [key[5:].lower().replace("_", "-") for key in carrier if key.startswith("HTTP_")]
-
-
-_ENVIRON = _EnvironGetter()
-
-
-class _RestTracing:
-    """WSGI layer: a SERVER span per request (probes left out), continuing the client's trace."""
-
-    def __init__(self, app: Callable[..., Iterable[bytes]], tracer_: trace.Tracer) -> None:
-        self.app = app
-        self.tracer = tracer_
-
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
-        if path in PROBE_PATHS:
-            return self.app(environ, start_response)
-        method = environ.get("REQUEST_METHOD", "")
-        span = self.tracer.start_span(method, context=propagate.extract(environ, getter=_ENVIRON),
-                                      kind=SpanKind.SERVER,
-                                      attributes={"http.request.method": method, "url.path": path})
-        request = RequestTrace(span)
-        environ[TRACE_KEY] = request
-
-        def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-            code = int(status[:3])
-            span.set_attribute("http.response.status_code", code)
-            if code >= 500:
-                span.set_status(Status(StatusCode.ERROR))
-            return start_response(status, headers, exc_info)
-
-        try:
-            return self.app(environ, start)
-        finally:
-            route = environ.get(ROUTE_KEY)
-            if route:
-                span.update_name(f"{method} {route}")
-                span.set_attribute("http.route", route)
-            request.end()

@@ -12,10 +12,10 @@ first real requests find every graph traced and every kernel ready. As in TF Ser
   that version; a file over 1000 records too;
 - session_run and predict_streamed records are refused as unsupported.
 
-Each record goes through the gRPC front door and the request layer that serve real calls
-(app/grpc/server.py, app/core/serving.py), on a registry that holds this version alone, so a
-warm-up request meets exactly the checks and the batcher a client's would, and is counted
-in no request metric.
+Each record is read as the gRPC door reads its request (app/wire/tfs_proto.py) and runs on
+the request layer that serves real calls (app/core/serving.py), on a registry that holds this
+version alone, so a warm-up request meets exactly the checks and the batcher a client's would;
+its exchange is opened by no transport, so it is counted in no request metric.
 """
 
 from __future__ import annotations
@@ -23,12 +23,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
+from app.core import limits, serving
+from app.core.call import Exchange
 from app.core.errors import ServingError
 from app.core.models import ModelLoadError
 from app.core.registry import ModelRegistry
-from app.ops.logs import RequestRecord
+from app.core.serving import Task
 from app.ops.metrics import Metrics
 from app.ops.settings import Settings
 
@@ -36,27 +39,6 @@ log = logging.getLogger(__name__)
 
 WARMUP_FILE = os.path.join("assets.extra", "tf_serving_warmup_requests")
 MAX_RECORDS = 1000  # TF Serving's WarmupConsts::kMaxNumRecords
-
-
-class _Context:
-    """What the front door asks of a gRPC context: the time left, whether it was cancelled, and
-    its metadata (none: a warm-up request runs at its model's default priority)."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self._deadline = time.monotonic() + timeout_s
-
-    def time_remaining(self) -> float:
-        return self._deadline - time.monotonic()
-
-    def cancelled(self) -> bool:
-        return False
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ()
-
-
-def _unobserved(route: str, handler: Any, *_on_loop: Any) -> Any:
-    return handler
 
 
 def warmup_path(source: str) -> str | None:
@@ -73,22 +55,16 @@ def replay(servable: Any, settings: Settings, metrics: Metrics) -> int:
     path = warmup_path(servable.model.source)
     if path is None:
         return 0
-    # Imported here: the gRPC front door and its protos only where a model has a warm-up file.
+    # Imported here: TF Serving's protos only where a model has a warm-up file.
     from tensorflow_serving.apis import prediction_log_pb2
-
-    from app.core import limits, serving
-    from app.grpc import server as grpc_server
 
     model = servable.model
     registry = ModelRegistry(model.name)
     registry.add(servable)
     layer = serving.RequestLayer(registry, timeout_s=settings.request_timeout_ms / 1000.0,
-                                 max_request_bytes=limits.max_request_bytes(settings, registry), metrics=metrics,
+                                 max_request_bytes=limits.max_request_bytes(settings, registry),
                                  check_method_name=settings.enable_signature_method_name_check)
-    # No wrapper around the handlers: a warm-up record is not a request, so no metrics, no access line.
-    servicer = grpc_server.PredictionServicer(layer, cast(Any, _unobserved), max_bytes=layer.max_request_bytes)
-    handlers = {"predict_log": servicer.Predict, "classify_log": servicer.Classify,
-                "regress_log": servicer.Regress, "multi_inference_log": servicer.MultiInference}
+    handlers = _handlers(layer)
     started = time.perf_counter()
     sent = 0
     for index, raw in enumerate(_records(path)):
@@ -104,7 +80,8 @@ def replay(servable: Any, settings: Settings, metrics: Metrics) -> int:
         request = getattr(record, kind).request
         _aim_at(request, kind, model.name)
         try:
-            handlers[kind](request, RequestRecord(f"warmup-{index}"), _Context(layer.timeout_s))
+            # An exchange no transport opened: a warm-up record is not a request, so no metrics, no access line.
+            handlers[kind](request, Exchange(f"warmup-{index}", timeout_s=layer.timeout_s))
         except ServingError as exc:
             raise ModelLoadError(f"model '{model.name}' v{model.version}: warm-up record {index} ({kind}) of "
                                  f"{path} failed: {exc.message}") from None
@@ -112,6 +89,27 @@ def replay(servable: Any, settings: Settings, metrics: Metrics) -> int:
     log.info("model '%s' v%d: %d warm-up requests replayed from %s in %.2f s", model.name, model.version, sent,
              path, time.perf_counter() - started)
     return sent
+
+
+def _handlers(layer: serving.RequestLayer) -> dict[str, Callable[[Any, Exchange], Any]]:
+    """Each kind of record read as the gRPC door reads it, and run on the request layer."""
+    from app.wire import tfs_proto
+
+    def multi_inference(request: Any, exchange: Exchange) -> Any:
+        tasks = [Task(task.model_spec.name, task.model_spec.signature_name, task.method_name) for task in request.tasks]
+        return layer.multi_inference(tfs_proto.multi_inference_call(exchange, request), tasks,
+                                     tfs_proto.examples(request))
+
+    return {
+        "predict_log": lambda request, exchange: layer.infer(
+            tfs_proto.predict_call(exchange, request),
+            tfs_proto.predict_decode(request, max_bytes=layer.max_request_bytes)),
+        "classify_log": lambda request, exchange: layer.classify(tfs_proto.call(exchange, request),
+                                                                 tfs_proto.examples(request)),
+        "regress_log": lambda request, exchange: layer.regress(tfs_proto.call(exchange, request),
+                                                               tfs_proto.examples(request)),
+        "multi_inference_log": multi_inference,
+    }
 
 
 def _aim_at(request: Any, kind: str, name: str) -> None:
