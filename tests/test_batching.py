@@ -703,7 +703,7 @@ def test_awaited_gives_up_at_the_deadline_and_the_rows_never_run(make_batcher, f
 
 def test_an_awaiting_caller_cancelled_leaves_its_rows_to_the_engine(make_batcher, fake):
     """The caller's task is cancelled (its client left): the rows stay queued and answered, so
-    the servable that holds them (registry.predict_async) is left when they are, not before."""
+    the servable that holds them (registry.submit) is left when they are, not before."""
     batcher = make_batcher()
     first, release = occupy(batcher, fake)
     future = batcher.submit(Call(), rows(5.0))

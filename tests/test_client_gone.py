@@ -25,8 +25,10 @@ from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc
 from app.core.call import Call, ModelSpec
 from app.core.errors import ClientGone
 from app.core.registry import ModelRegistry
-from app.core.serving import RequestLayer, examples_decode
+from app.core.serving import RequestLayer
 from app.http.layers import socket_client_gone
+from app.wire import classify
+from app.wire.classify import examples_decode
 from tests.conftest import Server, integer_rows, wait_for
 from tests.nginx_front import Nginx
 from tests.test_grpc import predict_request, scores
@@ -149,13 +151,13 @@ CALLS = {
     "predict": lambda on, client_gone: on.infer(
         Call.within(on.deadline_s(), model=ModelSpec("m"), client_gone=client_gone, exchange=_exchange()),
         lambda _signature, _rows: {"x": np.ones((1, 2), np.float32)}),
-    "classify": lambda on, client_gone: on.classify(
-        Call.within(on.deadline_s(), model=ModelSpec("m"), signature="classify", client_gone=client_gone,
-                    exchange=_exchange()),
+    "classify": lambda on, client_gone: classify.classify(
+        on, Call.within(on.deadline_s(), model=ModelSpec("m"), signature="classify", client_gone=client_gone,
+                        exchange=_exchange()),
         examples_decode(lambda _rows: np.array([b"e"], object))),
-    "regress": lambda on, client_gone: on.regress(
-        Call.within(on.deadline_s(), model=ModelSpec("m"), signature="regress", client_gone=client_gone,
-                    exchange=_exchange()),
+    "regress": lambda on, client_gone: classify.regress(
+        on, Call.within(on.deadline_s(), model=ModelSpec("m"), signature="regress", client_gone=client_gone,
+                        exchange=_exchange()),
         examples_decode(lambda _rows: np.array([b"e"], object))),
 }
 SIGNATURES = {"predict": "serving_default", "classify": "classify", "regress": "regress"}

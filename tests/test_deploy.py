@@ -170,10 +170,11 @@ def stages() -> dict[str, list[tuple[str, str]]]:
 @pytest.fixture(scope="module")
 def get_routes() -> set[str]:
     """Paths the app answers to GET, from its url_map: no model and no TensorFlow needed."""
-    from app.http import tfs as api
+    from app.http import routes, tfs
 
     probe_app = Flask("probe")
-    api.init_app(probe_app)
+    routes.init_app(probe_app)
+    routes.register(probe_app, None, "tfs", tfs.ROUTES)
     return {rule.rule for rule in probe_app.url_map.iter_rules() if "GET" in rule.methods}
 
 

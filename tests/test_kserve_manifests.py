@@ -15,8 +15,8 @@ import pytest
 import yaml
 from flask import Flask
 
+from app.http import routes
 from app.http import v2 as v2_rest
-from app.http.tfs import ModelNameConverter
 from app.ops.settings import Settings
 from tests.conftest import REPO
 
@@ -95,6 +95,6 @@ def test_port_probe_and_grpc_agree_with_the_server(runtime):
     # One routed port (Knative): gRPC is off rather than listening where nothing reaches it.
     assert settings.grpc_bind == ""
     app = Flask(__name__)
-    app.url_map.converters["model_name"] = ModelNameConverter
-    v2_rest.init_app(app)
+    routes.init_app(app)
+    routes.register(app, None, "v2", v2_rest.ROUTES)
     assert container["readinessProbe"]["httpGet"]["path"] in {rule.rule for rule in app.url_map.iter_rules()}

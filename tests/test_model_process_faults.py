@@ -31,7 +31,7 @@ import pytest
 import requests
 
 from app.core import errors
-from app.core.batching import Batcher
+from app.core.batching import Batcher, wait
 from app.core.call import Call, ModelSpec
 from app.core.models import LoadedModel, TensorInfo
 from app.core.registry import ModelRegistry, Servable
@@ -258,10 +258,10 @@ def test_flush_runs_the_batch_forming_now_and_later_requests_wait_for_company_ag
 GATE = 77.0
 
 
-def _version(version: int, gate: threading.Event | None = None) -> Servable:
-    """Version n of "m": y = x + 10 n; a request holding GATE waits for `gate` inside the model."""
-    row = TensorInfo("x", (4,), np.dtype(np.float32), "DT_FLOAT")
-    out = TensorInfo("y", (4,), np.dtype(np.float32), "DT_FLOAT")
+def _version(version: int, gate: threading.Event | None = None, *, width: int = 4) -> Servable:
+    """Version n of "m": y = x + 10 n, rows of `width`; a request holding GATE waits for `gate` inside the model."""
+    row = TensorInfo("x", (width,), np.dtype(np.float32), "DT_FLOAT")
+    out = TensorInfo("y", (width,), np.dtype(np.float32), "DT_FLOAT")
 
     def predict(tensors):
         if gate is not None and (tensors["x"] == GATE).any():
@@ -270,6 +270,12 @@ def _version(version: int, gate: threading.Event | None = None) -> Servable:
 
     model = LoadedModel("m", version, f"m/{version}", [row], [out], predict)
     return Servable(model, {"serving_default": Batcher(model.predict, name=f"m-{version}", max_batch_size=8)})
+
+
+def _predict(registry, call, servable, signature, inputs):
+    """The rows through the registry's batcher (app/core/registry.py's submit), waited for here."""
+    servable, engine, future = registry.submit(call, servable, signature, inputs)
+    return servable, wait(engine, call, future)
 
 
 @pytest.fixture
@@ -311,7 +317,7 @@ def test_a_version_retired_before_the_model_process_enters_it_refuses_pinned_and
     assert pinned.model.version == unpinned.model.version == 1
     with ThreadPoolExecutor(2) as pool:
         held_in = worker.get("m", 1)
-        held = pool.submit(worker.predict, Call.within(30, model=ModelSpec("m", 1)), held_in, held_in.signature(),
+        held = pool.submit(_predict, worker, Call.within(30, model=ModelSpec("m", 1)), held_in, held_in.signature(),
                            {"x": held_rows})
         version_1 = models.get("m", 1)
         wait_for(lambda: version_1._inside == 1, what="a request inside version 1")
@@ -319,10 +325,10 @@ def test_a_version_retired_before_the_model_process_enters_it_refuses_pinned_and
         retiring = pool.submit(models.retire, "m", 1)
         wait_for(version_1.retiring.is_set, what="version 1 retiring")
         with pytest.raises(errors.NotFound) as refused:
-            worker.predict(Call.within(10, model=ModelSpec("m", 1)), pinned, pinned.signature(), {"x": rows})
+            _predict(worker, Call.within(10, model=ModelSpec("m", 1)), pinned, pinned.signature(), {"x": rows})
         # TF Serving's words: whether the model process finds version 1 gone or still leaving.
         assert refused.value.message.startswith("Servable not found for request: Specific(m, 1)")
-        _, answer = worker.predict(Call.within(10), unpinned, unpinned.signature(), {"x": rows})
+        _, answer = _predict(worker, Call.within(10), unpinned, unpinned.signature(), {"x": rows})
         assert np.array_equal(answer.outputs["y"], rows + 20)  # version 2's own answer
         gate.set()
         # The request inside version 1 when it began to retire is answered by it.
@@ -330,10 +336,26 @@ def test_a_version_retired_before_the_model_process_enters_it_refuses_pinned_and
         retiring.result(30)
     assert models.versions("m") == [2]
     with pytest.raises(errors.NotFound) as refused:
-        worker.predict(Call.within(10, model=ModelSpec("m", 1)), pinned, pinned.signature(), {"x": rows})
+        _predict(worker, Call.within(10, model=ModelSpec("m", 1)), pinned, pinned.signature(), {"x": rows})
     assert refused.value.message.startswith("Servable not found for request: Specific(m, 1)")
-    _, answer = worker.predict(Call.within(10), unpinned, unpinned.signature(), {"x": rows})
+    _, answer = _predict(worker, Call.within(10), unpinned, unpinned.signature(), {"x": rows})
     assert np.array_equal(answer.outputs["y"], rows + 20)
+
+
+def test_a_model_process_refuses_an_unpinned_request_whose_newer_version_takes_other_inputs(handed_over):
+    """The worker resolved version 1, which takes rows of 4; the model process has since retired it
+    for a version 2 that takes rows of 3. Sending the request on would run rows decoded for version
+    1's signature through version 2's: the model process refuses it as the default mode's registry
+    does (the same fallback, ModelRegistry.enter), and the client may retry."""
+    models, worker, _gate = handed_over
+    unpinned = worker.get("m")  # resolved in the worker: version 1
+    models.add(_version(2, width=3))
+    models.retire("m", 1)
+    assert models.versions("m") == [2]
+    with pytest.raises(errors.Unavailable) as refused:
+        _predict(worker, Call.within(10), unpinned, unpinned.signature(), {"x": integer_rows(2, seed=9)})
+    assert refused.value.message == ("model 'm' changed to v2, whose signature 'serving_default' takes other "
+                                     "inputs, while this request waited; retry")
 
 
 # -- a batch thread dies in the model process -----------------------------------------------------

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from app.core import services, serving
+from app.core import services
 from app.core.batching import Batcher, check_rows
 from app.core.call import Call, Exchange, ModelSpec
 from app.core.errors import (
@@ -39,10 +39,12 @@ from app.core.models import (
     TensorInfo,
 )
 from app.core.registry import ModelRegistry, Servable
-from app.core.serving import RequestLayer, examples_decode
+from app.core.serving import RequestLayer
 from app.ops import logs
 from app.ops.metrics import Metrics
 from app.ops.settings import Settings
+from app.wire import classify
+from app.wire.classify import examples_decode
 
 TIMEOUT_S = 30.0
 MAX_REQUEST_ROWS = 4
@@ -111,6 +113,11 @@ def _exchange():
     return Exchange("test-request")
 
 
+def example_signature(layer, servable, name, method):
+    """Classify's or regress's signature for `layer`'s method-name check (app/wire/classify.py)."""
+    return classify.example_signature(servable.model, name, method, check_method_name=layer.check_method_name)
+
+
 # -- which model, version, label ------------------------------------------------------------
 
 
@@ -172,12 +179,12 @@ def test_an_unknown_predict_signature_carries_its_key(layer, registry):
 
 
 @pytest.mark.parametrize("name, method, expected", [
-    ("classify", serving.CLASSIFY, ("classify", "inputs")),
-    ("regress", serving.REGRESS, ("regress", "inputs")),
-    ("tf2_scores", serving.CLASSIFY, ("tf2_scores", "inputs")),
+    ("classify", classify.CLASSIFY, ("classify", "inputs")),
+    ("regress", classify.REGRESS, ("regress", "inputs")),
+    ("tf2_scores", classify.CLASSIFY, ("tf2_scores", "inputs")),
 ])
 def test_an_example_signature_and_its_one_input(layer, registry, name, method, expected):
-    signature, input_name = layer.example_signature(registry.get("m"), name, method)
+    signature, input_name = example_signature(layer, registry.get("m"), name, method)
 
     assert (signature.name, input_name) == expected
 
@@ -185,37 +192,37 @@ def test_an_example_signature_and_its_one_input(layer, registry, name, method, e
 def test_without_serving_default_an_unnamed_example_signature_is_the_models_main_one(layer, registry):
     registry.add(_servable(3, with_default=False))
 
-    signature, _ = layer.example_signature(registry.get("m", 3), "", serving.CLASSIFY)
+    signature, _ = example_signature(layer, registry.get("m", 3), "", classify.CLASSIFY)
 
     assert signature.name == "classify"
 
 
 @pytest.mark.parametrize("name, method, message", [
-    ("nope", serving.CLASSIFY, "No signature was found with the name: nope"),
-    ("", serving.CLASSIFY, "No classification inputs found in SignatureDef 'serving_default': its input is 'x', "
+    ("nope", classify.CLASSIFY, "No signature was found with the name: nope"),
+    ("", classify.CLASSIFY, "No classification inputs found in SignatureDef 'serving_default': its input is 'x', "
                            "not 'inputs'"),
-    ("classify", serving.REGRESS, "Expected one output Tensor."),
-    ("regress", serving.CLASSIFY, 'Expected classification signature outputs to contain at least one of "classes" '
+    ("classify", classify.REGRESS, "Expected one output Tensor."),
+    ("regress", classify.CLASSIFY, 'Expected classification signature outputs to contain at least one of "classes" '
                                   'or "scores". Signature \'regress\' has {outputs}'),
-    ("tf2_scores", serving.REGRESS, "No regression outputs found in SignatureDef 'tf2_scores': its output is "
+    ("tf2_scores", classify.REGRESS, "No regression outputs found in SignatureDef 'tf2_scores': its output is "
                                     "{scores}, not 'outputs'"),
-    ("takes_floats", serving.REGRESS, "No regression inputs found in SignatureDef 'takes_floats': its input is 'x', "
+    ("takes_floats", classify.REGRESS, "No regression inputs found in SignatureDef 'takes_floats': its input is 'x', "
                                       "not 'inputs'"),
 ])
 def test_a_signature_that_does_not_fit_is_refused_in_tf_servings_words(layer, registry, name, method, message):
     """TF Serving's default (no method-name check): the signature's inputs and outputs decide."""
     with pytest.raises(BadRequest) as raised:
-        layer.example_signature(registry.get("m"), name, method)
+        example_signature(layer, registry.get("m"), name, method)
 
     assert raised.value.message == message
 
 
 @pytest.mark.parametrize("name, method, message", [
-    ("", serving.CLASSIFY, ("Expected classification signature method_name to be tensorflow/serving/classify. "
+    ("", classify.CLASSIFY, ("Expected classification signature method_name to be tensorflow/serving/classify. "
                             "Was: tensorflow/serving/predict")),
-    ("tf2_scores", serving.CLASSIFY, ("Expected classification signature method_name to be "
+    ("tf2_scores", classify.CLASSIFY, ("Expected classification signature method_name to be "
                                       "tensorflow/serving/classify. Was: tensorflow/serving/predict")),
-    ("classify", serving.REGRESS, ("Expected regression signature method_name to be tensorflow/serving/regress. "
+    ("classify", classify.REGRESS, ("Expected regression signature method_name to be tensorflow/serving/regress. "
                                    "Was: tensorflow/serving/classify")),
 ])
 def test_with_the_method_name_check_a_signature_must_say_its_method(registry, metrics, name, method, message):
@@ -223,10 +230,10 @@ def test_with_the_method_name_check_a_signature_must_say_its_method(registry, me
                             check_method_name=True)
 
     with pytest.raises(BadRequest) as raised:
-        checking.example_signature(registry.get("m"), name, method)
+        example_signature(checking, registry.get("m"), name, method)
 
     assert raised.value.message == message
-    assert checking.example_signature(registry.get("m"), "classify", serving.CLASSIFY)[0].name == "classify"
+    assert example_signature(checking, registry.get("m"), "classify", classify.CLASSIFY)[0].name == "classify"
 
 
 def test_outputs_asked_for_come_in_the_order_asked(layer, registry):
@@ -313,7 +320,7 @@ def test_classify_answers_labels_and_scores_per_example(layer, registry):
     examples = np.array([b"e1", b"e2", b"e3"], dtype=object)
 
     call = Call.within(layer.deadline_s(), model=ModelSpec("m"), signature="classify", exchange=record)
-    answer, classes = layer.classify(call, examples_decode(lambda _rows: examples))
+    answer, classes = classify.classify(layer, call, examples_decode(lambda _rows: examples))
 
     assert answer.signature.name == "classify" and record.rows == 3
     assert classes.labels == [["a", "b"]] * 3
@@ -323,7 +330,8 @@ def test_classify_answers_labels_and_scores_per_example(layer, registry):
 
 def test_regress_answers_one_float32_per_example(layer, registry):
     call = Call.within(layer.deadline_s(), model=ModelSpec("m"), signature="regress", exchange=_exchange())
-    answer, values = layer.regress(call, examples_decode(lambda _rows: np.array([b"e1", b"e2"], dtype=object)))
+    answer, values = classify.regress(layer, call,
+                                      examples_decode(lambda _rows: np.array([b"e1", b"e2"], dtype=object)))
 
     assert answer.signature.name == "regress"
     assert values.dtype == np.float32
@@ -331,8 +339,8 @@ def test_regress_answers_one_float32_per_example(layer, registry):
 
 
 def test_classes_fill_in_what_the_model_leaves_out():
-    only_scores = serving.classes({"scores": np.array([[0.5, 0.5]], np.float64)}, 1)
-    only_labels = serving.classes({"classes": np.array([[b"x", b"\xff"]], dtype=object)}, 1)
+    only_scores = classify.classes({"scores": np.array([[0.5, 0.5]], np.float64)}, 1)
+    only_labels = classify.classes({"classes": np.array([[b"x", b"\xff"]], dtype=object)}, 1)
 
     assert (only_scores.labels, only_scores.scores.tolist()) == ([["", ""]], [[0.5, 0.5]])
     assert (only_labels.labels, only_labels.scores.tolist()) == ([["x", "\ufffd"]], [[0.0, 0.0]])
@@ -343,15 +351,15 @@ def test_classes_fill_in_what_the_model_leaves_out():
 ])
 def test_a_classify_answer_without_classes_or_scores_is_refused(outputs, rows, message):
     with pytest.raises(BadRequest, match=message):
-        serving.classes(outputs, rows)
+        classify.classes(outputs, rows)
 
 
 def test_a_regress_answer_of_the_wrong_size_is_refused():
     with pytest.raises(BadRequest) as raised:
-        serving.regressions({"outputs": np.zeros((2, 2))}, 2)
+        classify.regressions({"outputs": np.zeros((2, 2))}, 2)
 
     assert raised.value.message == "Expected output Tensor shape to be [2] or [2, 1]; got [2, 2]"
-    np.testing.assert_array_equal(serving.regressions({"other": np.array([[1.0], [2.0]])}, 2), [1.0, 2.0])
+    np.testing.assert_array_equal(classify.regressions({"other": np.array([[1.0], [2.0]])}, 2), [1.0, 2.0])
 
 
 # -- one record: access line and metrics ----------------------------------------------------
@@ -386,12 +394,12 @@ def test_one_record_feeds_the_access_line_and_the_request_metrics(metrics, caplo
 
 
 def test_multi_inference_answers_every_task_in_order_from_one_version(layer, registry):
-    tasks = [serving.Task("m", "regress", REGRESS_METHOD), serving.Task("m", "classify", CLASSIFY_METHOD)]
+    tasks = [classify.Task("m", "regress", REGRESS_METHOD), classify.Task("m", "classify", CLASSIFY_METHOD)]
     record = _exchange()
 
     call = Call.within(layer.deadline_s(), model=ModelSpec("m"), exchange=record)
-    servable, results = layer.multi_inference(call, tasks,
-                                              examples_decode(lambda _rows: np.array([b"e1", b"e2"], dtype=object)))
+    servable, results = classify.multi_inference(layer, call, tasks,
+                                                 examples_decode(lambda _rows: np.array([b"e1", b"e2"], dtype=object)))
 
     assert servable.model.version == 2 and record.rows == 2
     assert [result.signature.name for result in results] == ["regress", "classify"]
@@ -414,15 +422,15 @@ def test_multi_inference_runs_no_task_unless_every_task_passes(layer, registry, 
     servable = registry.get("m")
 
     with pytest.raises(error) as raised:
-        layer.multi_inference(Call.within(layer.deadline_s(), model=ModelSpec("m"), exchange=_exchange()),
-                              [serving.Task(*task) for task in tasks],
-                              examples_decode(lambda _rows: np.array([b"e1"], dtype=object)))
+        classify.multi_inference(layer, Call.within(layer.deadline_s(), model=ModelSpec("m"), exchange=_exchange()),
+                                 [classify.Task(*task) for task in tasks],
+                                 examples_decode(lambda _rows: np.array([b"e1"], dtype=object)))
 
     assert raised.value.message == message
     assert servable.batchers["regress"].batches_run == 0
 
 
 def test_a_multi_inference_runs_on_its_first_tasks_model_which_must_be_named():
-    assert serving.multi_inference_spec(ModelSpec("m", 3)) == ModelSpec("m", 3)
+    assert classify.multi_inference_spec(ModelSpec("m", 3)) == ModelSpec("m", 3)
     with pytest.raises(BadRequest, match="ModelSpec has no name specified."):
-        serving.multi_inference_spec(ModelSpec())
+        classify.multi_inference_spec(ModelSpec())

@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from app.core import models
-from app.core.batching import Batcher, BatchObserver
+from app.core.batching import Batcher, BatchObserver, wait
 from app.core.call import Call, ModelSpec
 from app.core.errors import NotFound
 from app.core.models import LoadedModel, TensorInfo
@@ -132,7 +132,9 @@ def test_requests_held_queued_on_the_old_version_through_a_swap():
 
     def call(servable, x, *, pinned=False):
         call = Call.within(TIMEOUT_S, model=ModelSpec("m", servable.model.version) if pinned else ModelSpec())
-        return registry.predict(call, servable, servable.signature(), {"x": np.array([x], np.float32)})
+        inputs = {"x": np.array([x], np.float32)}
+        servable, engine, future = registry.submit(call, servable, servable.signature(), inputs)
+        return servable, wait(engine, call, future)
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         try:
@@ -181,7 +183,7 @@ def test_retirement_waits_for_a_request_between_its_check_and_its_batcher():
     v1, observer = gated_servable(1, gate, running)
     registry = ModelRegistry("m")
     registry.add(v1)
-    assert v1.enter()  # as registry.predict does, just before it submits
+    assert v1.enter()  # as registry.submit does, just before it submits
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         retiring = pool.submit(registry.retire, "m", 1)
         assert v1.retiring.wait(TIMEOUT_S)

@@ -19,6 +19,7 @@ because of a version change.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app.core import models, padding, shared_config
-from app.core.batching import Batcher, BatchObserver, BatchResult, Engine, Tensors, awaited, bucket_sizes
+from app.core.batching import Batcher, BatchObserver, BatchResult, Engine, Tensors, bucket_sizes
 from app.core.call import Call
 from app.core.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
 from app.ops import runtime
@@ -216,6 +217,9 @@ class _Model:
         self.labels = labels
         self.serving: dict[int, Servable] = {}
         self.states: dict[int, _VersionState] = {}
+        # What each retired version's signatures took, by name: a request resolved to it before
+        # it was retired is sent on only to a version whose signature takes the same.
+        self.retired_inputs: dict[int, dict[str, tuple[models.TensorInfo, ...]]] = {}
 
 
 class ModelRegistry:
@@ -263,21 +267,12 @@ class ModelRegistry:
                                f"it serves {sorted(entry.serving)}")
             return servable
 
-    def predict(self, call: Call, servable: Servable, signature: models.Signature,
-                inputs: Tensors) -> tuple[Servable, BatchResult]:
-        """The call's rows through `signature`'s batcher of the servable (CancelledError when the
-        call's client_gone answered True before they ran)."""
-        servable = self._enter(call, servable, signature)
-        try:
-            return servable, servable.batchers[signature.name].predict(call, inputs)
-        finally:
-            servable.leave()
-
-    async def predict_async(self, call: Call, servable: Servable, signature: models.Signature,
-                            inputs: Tensors) -> tuple[Servable, BatchResult]:
-        """`predict` awaited on an asyncio loop. The servable is left once the rows are answered,
-        not when the awaiting caller is cancelled: rows still queued keep their version serving."""
-        servable = self._enter(call, servable, signature)
+    def submit(self, call: Call, servable: Servable, signature: models.Signature,
+               inputs: Tensors) -> tuple[Servable, Engine, concurrent.futures.Future[BatchResult]]:
+        """Queue the call's rows on `signature`'s batcher of the servable (or of the version `enter`
+        sends them to); the version, its batcher and the answer's future. The version is left once
+        the rows are answered, not when their caller stops waiting: rows still queued keep it serving."""
+        servable = self.enter(call, servable.model.name, servable.model.version, signature.name, servable=servable)
         engine = servable.batchers[signature.name]
         try:
             future = engine.submit(call, inputs)
@@ -285,23 +280,41 @@ class ModelRegistry:
             servable.leave()
             raise
         future.add_done_callback(lambda _future: servable.leave())
-        return servable, await awaited(engine, call, future)
+        return servable, engine, future
 
-    def _enter(self, call: Call, servable: Servable, signature: models.Signature) -> Servable:
-        """Enter the servable, or, if it was retired after `get()` chose it: refuse a pinned call
-        (a version or a label) as TF Serving refuses a version it does not serve, and send an
-        unpinned one to the newest version, if its signature of that name takes the same inputs."""
-        while not servable.enter():
-            name, version = servable.model.name, servable.model.version
+    def enter(self, call: Call, name: str, version: int, signature: str, *,
+              servable: Servable | None = None) -> Servable:
+        """Enter the version a call was resolved to (`servable`, where the caller holds it). If it
+        was retired since: refuse a pinned call (a version or a label) as TF Serving refuses a
+        version it does not serve, and send an unpinned one to the newest version, if its
+        signature of that name takes the inputs the resolved one took. The registry's requests
+        and a model process's (whose worker resolved them) take this one path."""
+        resolved = servable = servable if servable is not None else self._serving(name, version)
+        while servable is None or not servable.enter():
             if call.model.pinned:
                 raise NotFound(f"{servable_not_found(name, version)}: version {version} of model {name!r} "
                                "was unloaded before this request reached it")
+            if resolved is not None:
+                took = _inputs(resolved, signature)
+            else:  # gone from the registry already: what it took is kept
+                took = self._retired_inputs(name, version, signature)
             servable = self.get(name)
-            replacement = servable.signature(signature.name)
-            if replacement.inputs != signature.inputs:
+            if took is None or tuple(servable.signature(signature).inputs) != took:
                 raise Unavailable(f"model {name!r} changed to v{servable.model.version}, whose signature "
-                                  f"'{replacement.name}' takes other inputs, while this request waited; retry")
+                                  f"'{signature}' takes other inputs, while this request waited; retry")
         return servable
+
+    def _serving(self, name: str, version: int) -> Servable | None:
+        with self._lock:
+            entry = self._models.get(name)
+            return entry.serving.get(version) if entry is not None else None
+
+    def _retired_inputs(self, name: str, version: int, signature: str) -> tuple[models.TensorInfo, ...] | None:
+        """The inputs `signature` of a retired version took (kept once it is no longer served)."""
+        with self._lock:
+            entry = self._models.get(name)
+            took = entry.retired_inputs.get(version, {}) if entry is not None else {}
+            return took.get(signature)
 
     def retire(self, name: str, version: int) -> None:
         """Stop serving a version: no new request reaches it; those inside finish first."""
@@ -309,6 +322,8 @@ class ModelRegistry:
             entry = self._models[name]
             servable = entry.serving.pop(version)
             entry.states[version] = _VersionState(UNLOADING)
+            entry.retired_inputs[version] = {key: tuple(signature.inputs)
+                                             for key, signature in servable.model.signatures.items()}
         servable.retire()
         with self._lock:
             entry.states[version] = _VersionState(END)
@@ -581,6 +596,11 @@ class LiveConfig:
                 for version in served:
                     if version not in keep:
                         self.registry.retire(config.name, version)
+
+
+def _inputs(servable: Servable, signature: str) -> tuple[models.TensorInfo, ...] | None:
+    found = servable.model.signatures.get(signature)
+    return tuple(found.inputs) if found is not None else None
 
 
 # Where a reloaded config came from, as its errors name it.

@@ -1,25 +1,29 @@
 """The request layer: the policy every front door shares, below its wire format.
 
-A front door (TF Serving REST in app/http/tfs.py, TF Serving gRPC in app/grpc/server.py, the Open
-Inference Protocol in app/http/v2.py and app/grpc/v2.py) is parse -> call -> infer -> encode:
+A front door (TF Serving's REST in app/http/tfs.py and gRPC in app/grpc/tfs.py, the Open
+Inference Protocol's in app/http/v2.py and app/grpc/v2.py) is parse -> call -> infer -> encode:
 
-    call = Call.within(layer.deadline_s(client_timeout_s), model=ModelSpec(name, version, label),
-                       signature=..., outputs=..., client_gone=..., record=..., trace=...)
+    call = exchange.call(ModelSpec(name, version, label), signature=..., outputs=...,
+                         client_timeout_s=..., priority=...)
     answer = layer.infer(call, decode)      # decode(signature, max_rows) -> the input arrays
+    answer = await layer.start(call, decode)                 # the same, on an asyncio loop
     ... write answer.outputs (answer.selected: the outputs asked for, in order) ...
 
-`classify`, `regress` and `multi_inference` are shaped on top of the same `run`. What lives
-here, and nowhere in a front door: which model, version, label and signature a call names,
-with TensorFlow Serving's words for each refusal (looked up once per call); the row limit
-(handed to `decode`, so it refuses before building any array) and byte limits; the deadline
-(REQUEST_TIMEOUT_MS, capped by the client's own, made absolute once); the shape of classify
-and regress answers; and the request record that feeds the access log and the request metrics.
+Every prediction takes one path: resolve the version and the signature (`model`, once per
+call), `queue` (decode, check the deadline, submit the rows to the registry) and a `Pending`
+whose wait is the engine's one deadline wait, on a thread or on a loop; its answer fills in the
+call's exchange (rows, batch), is offered to the payload log and marks the call's trace.
+TF Serving's classify, regress and MultiInference choose their signature by their own rules
+(app/wire/classify.py) and `run` on the same path. What lives here, and nowhere in a front
+door: which model, version, label and signature a call names, with TensorFlow Serving's words
+for each refusal; the row limit (handed to `decode`, so it refuses before building any array)
+and the outputs asked for.
 
 `Call.client_gone` is the one way a front door says whether its client still waits: a cheap
 predicate, asked once just before the call's first rows run. When it answers True the rows
 never run and the layer raises ClientGone (HTTP 499, gRPC CANCELLED), counted as the
-rejection reason `client_gone`. `socket_client_gone` makes one for an HTTP connection;
-gRPC's is its call context's `is_active`.
+rejection reason `client_gone`. The HTTP exchange watches its connection's socket; gRPC's
+asks its call's context.
 """
 
 from __future__ import annotations
@@ -27,32 +31,20 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from app.core.batching import BatchResult, Tensors
+from app.core.batching import BatchResult, Engine, Tensors, awaited, wait
 from app.core.call import Call, Exchange, ModelSpec
-from app.core.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidInput, MethodNotAllowed
+from app.core.errors import ClientGone, DeadlineExceeded, InvalidInput
 from app.core.models import (
-    CLASSIFY_METHOD,
-    DEFAULT_SIGNATURE,
-    REGRESS_METHOD,
-    STRING,
-    LoadedModel,
     Signature,
     TensorInfo,
 )
 from app.core.registry import ModelRegistry, Servable
 from app.ops.payload_log import PayloadLog
-
-CLASSIFY, REGRESS = "classify", "regress"
-# The signature keys TF Serving's classify and regress read (tensorflow/cc/saved_model/signature_constants.h).
-EXAMPLES_INPUT = "inputs"
-_EXAMPLE_METHODS = {CLASSIFY: (CLASSIFY_METHOD, "classification"), REGRESS: (REGRESS_METHOD, "regression")}
-_TASK_METHODS = {CLASSIFY_METHOD: CLASSIFY, REGRESS_METHOD: REGRESS}
-
 
 # A front door's decoding of its request's inputs against the signature the call resolved to,
 # refusing more than `max_rows` rows before it builds any array: decode(signature, max_rows).
@@ -71,37 +63,6 @@ class Answer:
     rows: int
     batch_rows: int
     batch_requests: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Classes:
-    """A classify answer, one row per example: labels ('' where the model has none) and scores (0 where none)."""
-
-    labels: list[list[str]]
-    scores: np.ndarray  # float32, rows x classes
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    """One task of a MultiInference: a model and signature, and TF Serving's method name to run it by."""
-
-    model_name: str
-    signature_name: str
-    method_name: str
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskResult:
-    """One task's answer: `classes` for a classify task, `regressions` for a regress task."""
-
-    signature: Signature
-    classes: Classes | None = None
-    regressions: np.ndarray | None = None
-
-
-def text(value: Any) -> str:
-    """A label as text: bytes decoded as UTF-8 (bad bytes replaced), anything else as str()."""
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 class RequestLayer:
@@ -146,10 +107,6 @@ class RequestLayer:
         """The signature a predict names; '' is serving_default, as in TF Serving."""
         return servable.signature(name)
 
-    def example_signature(self, servable: Servable, name: str, method: str) -> tuple[Signature, str]:
-        """Classify's or regress's signature, after TF Serving's checks, and the name of its one input."""
-        return example_signature(servable.model, name, method, check_method_name=self.check_method_name)
-
     @staticmethod
     def select_outputs(signature: Signature, names: tuple[str, ...] | list[str] = ()) -> list[TensorInfo]:
         """The outputs asked for, in the order asked (none asked: all), with TF Serving's refusals."""
@@ -170,7 +127,7 @@ class RequestLayer:
 
     def deadline_s(self, client_timeout_s: float | None = None) -> float:
         """How long a call may take: REQUEST_TIMEOUT_MS, or less if the client gave less (a call
-        whose time is up is refused when it runs). `Call.within` makes it the call's deadline."""
+        whose time is up is refused when it runs), as `Exchange.call` gives it."""
         return self.timeout_s if client_timeout_s is None else min(self.timeout_s, client_timeout_s)
 
     # -- the prediction -------------------------------------------------------------------
@@ -179,41 +136,32 @@ class RequestLayer:
     payload_log: PayloadLog | None = None
 
     def infer(self, call: Call, decode: Decode) -> Answer:
-        """The call's model and signature resolved, its inputs decoded, its rows run within its deadline."""
-        servable = self.model(call.model, call.exchange)
-        return self.run(call, servable, servable.signature(call.signature), decode)
+        """The call's model and signature resolved, its inputs decoded, its rows run within its
+        deadline, waited for on this thread (an HTTP request's)."""
+        return self.start(call, decode).answer()
 
-    async def infer_async(self, call: Call, decode: Decode) -> Answer:
-        """`infer` on an asyncio loop: the wait for the rows holds no thread."""
+    def start(self, call: Call, decode: Decode) -> Pending:
+        """`infer` up to its wait: the rows queued. A caller on an asyncio loop awaits the Pending
+        (gRPC's doors: the wait holds no thread)."""
         servable = self.model(call.model, call.exchange)
-        return await self.run_async(call, servable, servable.signature(call.signature), decode)
+        return self.queue(call, servable, servable.signature(call.signature), decode)
 
     def run(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
-        """Decode against `signature`, queue the rows on its batcher and wait for them; ClientGone
-        if the call's client_gone answered True before they ran. Every shape of answer (predict,
+        """`queue` on a signature the caller chose (TF Serving's classify and regress rules,
+        app/wire/classify.py), waited for on this thread."""
+        return self.queue(call, servable, signature, decode).answer()
+
+    def queue(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Pending:
+        """Decode against `signature` and queue the rows on its batcher. Every prediction (predict,
         classify, regress, multi-inference) comes through here."""
         try:
             staged = self._stage(call, servable, signature, decode)
-            servable, result = self.registry.predict(call, servable, signature, staged.inputs)
-        except concurrent.futures.CancelledError:
-            # The engine cancels a request's future only when client_gone said so (and counted it).
-            raise ClientGone("the client left before its request ran") from None
-        finally:
+            servable, engine, future = self.registry.submit(call, servable, signature, staged.inputs)
+        except BaseException:
             if call.trace is not None:
                 call.trace.waited()
-        return self._answered(call, servable, signature, staged, result)
-
-    async def run_async(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
-        """`run` on an asyncio loop."""
-        try:
-            staged = self._stage(call, servable, signature, decode)
-            servable, result = await self.registry.predict_async(call, servable, signature, staged.inputs)
-        except concurrent.futures.CancelledError:
-            raise ClientGone("the client left before its request ran") from None
-        finally:
-            if call.trace is not None:
-                call.trace.waited()
-        return self._answered(call, servable, signature, staged, result)
+            raise
+        return Pending(self, call, servable, signature, staged, engine, future)
 
     def _stage(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> _Staged:
         selected = self.select_outputs(signature, call.outputs)
@@ -229,52 +177,63 @@ class RequestLayer:
             raise DeadlineExceeded("the call's deadline passed before it was queued")
         return _Staged(selected, inputs, rows)
 
-    def _answered(self, call: Call, servable: Servable, signature: Signature, staged: _Staged,
-                  result: BatchResult) -> Answer:
+
+class Pending:
+    """A call's rows, queued: its answer, waited for on a thread (`answer()`) or awaited on an
+    asyncio loop (`await pending`), within the call's deadline (app/core/batching/engine.py's one
+    wait); ClientGone if the call's client_gone answered True before its rows ran."""
+
+    __slots__ = ("call", "_layer", "_servable", "_signature", "_staged", "_engine", "_future")
+
+    def __init__(self, layer: RequestLayer, call: Call, servable: Servable, signature: Signature, staged: _Staged,
+                 engine: Engine, future: concurrent.futures.Future[BatchResult]) -> None:
+        self.call = call
+        self._layer = layer
+        self._servable = servable
+        self._signature = signature
+        self._staged = staged
+        self._engine = engine
+        self._future = future
+
+    def answer(self) -> Answer:
+        try:
+            result = wait(self._engine, self.call, self._future)
+        except concurrent.futures.CancelledError:
+            # The engine cancels a request's future only when client_gone said so (and counted it).
+            raise ClientGone("the client left before its request ran") from None
+        finally:
+            self._waited()
+        return self._answered(result)
+
+    def __await__(self) -> Generator[Any, None, Answer]:
+        try:
+            result = yield from awaited(self._engine, self.call, self._future).__await__()
+        except concurrent.futures.CancelledError:
+            raise ClientGone("the client left before its request ran") from None
+        finally:
+            self._waited()
+        return self._answered(result)
+
+    def _waited(self) -> None:
+        if self.call.trace is not None:
+            self.call.trace.waited()
+
+    def _answered(self, result: BatchResult) -> Answer:
+        call, staged = self.call, self._staged
         exchange = call.exchange
         if exchange is not None:
             exchange.batch_rows, exchange.batch_requests = result.batch_rows, result.batch_requests
+        # The version that answered may be newer than the one resolved (a retired one sends on).
+        servable = self._servable
+        answer = Answer(servable, servable.model.signatures.get(self._signature.name, self._signature), staged.selected,
+                        result.outputs, staged.rows, result.batch_rows, result.batch_requests)
         # Here, and only here, a finished call has its decoded inputs and its outputs together.
-        answer = _answer(servable, signature, staged.selected, staged.rows, result)
-        if self.payload_log is not None:
-            self.payload_log.offer(staged.inputs, answer, exchange.request_id if exchange is not None else "")
+        payload_log = self._layer.payload_log
+        if payload_log is not None:
+            payload_log.offer(staged.inputs, answer, exchange.request_id if exchange is not None else "")
         if call.trace is not None:
             call.trace.answered(answer)
         return answer
-
-    def classify(self, call: Call, decode: Decode) -> tuple[Answer, Classes]:
-        """Classify serialized tf.Examples (one per row) with TF Serving's checks of the answer."""
-        answer = self._examples(call, CLASSIFY, decode)
-        return answer, classes(answer.outputs, answer.rows)
-
-    def regress(self, call: Call, decode: Decode) -> tuple[Answer, np.ndarray]:
-        """Regress serialized tf.Examples: one float32 value per example."""
-        answer = self._examples(call, REGRESS, decode)
-        return answer, regressions(answer.outputs, answer.rows)
-
-    def _examples(self, call: Call, method: str, decode: Decode) -> Answer:
-        servable = self.model(call.model, call.exchange)
-        signature, _input_name = self.example_signature(servable, call.signature, method)
-        return self.run(call, servable, signature, decode)
-
-    def multi_inference(self, call: Call, tasks: list[Task], decode: Decode) -> tuple[Servable, list[TaskResult]]:
-        """Every task over the same examples, in the tasks' order, once all of them passed TF Serving's checks.
-
-        TF Serving feeds the examples once and fetches every task's outputs from one session run;
-        here each task's signature runs on its own batcher, within the call's one deadline. Later
-        tasks go to the version that answered the first, so every result names one version.
-        """
-        servable = self.model(call.model, call.exchange)
-        plan = multi_inference_plan(servable.model, tasks, check_method_name=self.check_method_name)
-        results = []
-        for method, signature in plan:
-            answer = self.run(call, servable, signature, decode)
-            servable = answer.servable
-            if method == CLASSIFY:
-                results.append(TaskResult(answer.signature, classes=classes(answer.outputs, answer.rows)))
-            else:
-                results.append(TaskResult(answer.signature, regressions=regressions(answer.outputs, answer.rows)))
-        return servable, results
 
 
 class _Staged(NamedTuple):
@@ -283,127 +242,6 @@ class _Staged(NamedTuple):
     selected: list[TensorInfo]
     inputs: Tensors
     rows: int
-
-
-def examples_decode(examples: Callable[[int], np.ndarray]) -> Decode:
-    """Classify's, regress's and MultiInference's decode: `examples(max_rows)`, the serialized
-    tf.Examples (refused over max_rows before any is built), as the signature's one input;
-    built once, however many of a MultiInference's tasks read them."""
-    built: list[np.ndarray] = []
-
-    def decode(_signature: Signature, max_rows: int) -> Tensors:
-        if not built:
-            built.append(examples(max_rows))
-        return {EXAMPLES_INPUT: built[0]}
-
-    return decode
-
-
-def multi_inference_spec(first: ModelSpec) -> ModelSpec:
-    """The model a MultiInference runs on: its first task's, which must name one
-    (model_servers/multi_inference_helper.cc, server_core.cc); no task: no name."""
-    if not first.name:
-        raise BadRequest("ModelSpec has no name specified.")
-    return first
-
-
-def multi_inference_plan(model: LoadedModel, tasks: list[Task], *,
-                         check_method_name: bool = False) -> list[tuple[str, Signature]]:
-    """Each task's kind (CLASSIFY or REGRESS) and signature, in order, after TF Serving's checks
-    (servables/tensorflow/multi_inference.cc): one model for all, no signature twice, a known
-    method name, and the signature's fit for its method. Nothing runs unless every task passes."""
-    plan: list[tuple[str, Signature]] = []
-    seen: set[str] = set()
-    for task in tasks:
-        if not task.model_name:
-            raise BadRequest("Found ModelSpec with an empty model name.")
-        if task.model_name != tasks[0].model_name:
-            raise BadRequest("All ModelSpecs in a MultiInferenceRequest must access the same model name.")
-        key = task.signature_name or DEFAULT_SIGNATURE
-        if key in seen:
-            raise BadRequest(f"Duplicate evaluation of signature: {key}")
-        seen.add(key)
-        if key not in model.signatures:
-            raise BadRequest(f"Requested signature not found in model graph: {key}")
-        method = _TASK_METHODS.get(task.method_name)
-        if method is None:
-            # UNIMPLEMENTED over gRPC, as TF Serving answers it.
-            raise MethodNotAllowed(f"Unsupported signature method_name: {task.method_name}")
-        signature, _ = example_signature(model, key, method, check_method_name=check_method_name)
-        plan.append((method, signature))
-    return plan
-
-
-def example_signature(model: LoadedModel, name: str, method: str, *,
-                      check_method_name: bool = False) -> tuple[Signature, str]:
-    """Classify's or regress's signature and the name of its one input, with TF Serving's checks
-    (servables/tensorflow/classifier.cc, regressor.cc: PreProcessClassification, PreProcessRegression).
-
-    The method name is checked only when asked (--enable_signature_method_name_check); otherwise any
-    signature fits whose one input is 'inputs' and whose outputs are 'classes' and/or 'scores'
-    (classify) or 'outputs' (regress). Without a name: serving_default, or the model's main signature
-    where it has no serving_default.
-    """
-    if not name and DEFAULT_SIGNATURE not in model.signatures:
-        name = model.default_signature
-    key = name or DEFAULT_SIGNATURE
-    signature = model.signatures.get(key)
-    if signature is None:
-        raise BadRequest(f"No signature was found with the name: {key}")
-    method_name, kind = _EXAMPLE_METHODS[method]
-    if check_method_name and signature.method_name != method_name:
-        raise BadRequest(f"Expected {kind} signature method_name to be {method_name}. "
-                         f"Was: {signature.method_name}")
-    if len(signature.inputs) != 1:
-        raise BadRequest("Expected one input Tensor.")
-    outputs = {spec.name for spec in signature.outputs}
-    if method == CLASSIFY and len(outputs) not in (1, 2):
-        raise BadRequest(f"Expected one or two output Tensors, found {len(outputs)}")
-    if method == REGRESS and len(outputs) != 1:
-        raise BadRequest("Expected one output Tensor.")
-    if signature.inputs[0].name != EXAMPLES_INPUT:
-        raise BadRequest(f"No {kind} inputs found in SignatureDef '{signature.name}': its input is "
-                         f"'{signature.inputs[0].name}', not '{EXAMPLES_INPUT}'")
-    if method == CLASSIFY and not outputs & {"classes", "scores"}:
-        raise BadRequest('Expected classification signature outputs to contain at least one of "classes" or '
-                         f'"scores". Signature \'{signature.name}\' has {braced(outputs)}')
-    if method == REGRESS and outputs != {"outputs"}:
-        raise BadRequest(f"No regression outputs found in SignatureDef '{signature.name}': its output is "
-                         f"{braced(outputs)}, not 'outputs'")
-    if signature.inputs[0].dtype != STRING:
-        raise BadRequest(f"Expected one input Tensor of serialized tf.Examples in signature '{signature.name}'")
-    return signature, EXAMPLES_INPUT
-
-
-def _answer(servable: Servable, signature: Signature, selected: list[TensorInfo], rows: int,
-            result: BatchResult) -> Answer:
-    # The version that answered may be newer than the one resolved (a retired one sends on).
-    return Answer(servable, servable.model.signatures.get(signature.name, signature), selected, result.outputs,
-                  rows, result.batch_rows, result.batch_requests)
-
-
-def classes(outputs: dict[str, np.ndarray], rows: int) -> Classes:
-    """TF Serving's classification result from a signature's 'classes' and/or 'scores' outputs."""
-    labels, scores = outputs.get("classes"), outputs.get("scores")
-    if labels is not None:
-        width = labels.reshape(rows, -1).shape[1]
-    elif scores is not None:
-        width = scores.reshape(rows, -1).shape[1]
-    else:
-        raise BadRequest("Expected classification signature outputs to contain 'classes' or 'scores'")
-    texts = ([[text(value) for value in row] for row in labels.reshape(rows, width)] if labels is not None
-             else [[""] * width for _ in range(rows)])
-    values = (scores.reshape(rows, width).astype(np.float32) if scores is not None
-              else np.zeros((rows, width), np.float32))
-    return Classes(texts, values)
-
-
-def regressions(outputs: dict[str, np.ndarray], rows: int) -> np.ndarray:
-    """TF Serving's regression result: the 'outputs' output (or the only one), one value per example."""
-    values = np.asarray(outputs.get("outputs", next(iter(outputs.values()))))
-    if values.size != rows:
-        raise BadRequest(f"Expected output Tensor shape to be [{rows}] or [{rows}, 1]; got {list(values.shape)}")
-    return values.reshape(rows).astype(np.float32)
 
 
 def braced(names: Any) -> str:

@@ -29,11 +29,12 @@ from tensorflow_serving.apis import (
 )
 
 from app.core import errors
-from app.core.serving import Classes, RequestLayer, Task
+from app.core.serving import RequestLayer
 from app.grpc.calls import handler
 from app.grpc.exchange import GrpcExchange
 from app.ops import tfs_config
-from app.wire import metadata, tensor_proto, tfs_proto
+from app.wire import classify, metadata, tensor_proto, tfs_proto
+from app.wire.classify import Classes, Task
 from app.wire.tfs_proto import model_spec, set_model_spec
 
 _PREDICTION = "/tensorflow.serving.PredictionService"
@@ -52,7 +53,7 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
 
     async def _predict(self, request: Any, exchange: GrpcExchange) -> Any:
         call = tfs_proto.predict_call(exchange, request)
-        answer = await self._layer.infer_async(call, tfs_proto.predict_decode(request, max_bytes=self._max_bytes))
+        answer = await self._layer.start(call, tfs_proto.predict_decode(request, max_bytes=self._max_bytes))
         response = predict_pb2.PredictResponse()
         set_model_spec(response.model_spec, answer.servable.model, answer.signature.name)
         for output in answer.selected:
@@ -61,14 +62,14 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         return response
 
     def _classify(self, request: Any, exchange: GrpcExchange) -> Any:
-        answer, classes = self._layer.classify(tfs_proto.call(exchange, request), tfs_proto.examples(request))
+        answer, classes = classify.classify(self._layer, tfs_proto.call(exchange, request), tfs_proto.examples(request))
         response = classification_pb2.ClassificationResponse()
         set_model_spec(response.model_spec, answer.servable.model, answer.signature.name)
         _fill_classes(response.result, classes)
         return response
 
     def _regress(self, request: Any, exchange: GrpcExchange) -> Any:
-        answer, values = self._layer.regress(tfs_proto.call(exchange, request), tfs_proto.examples(request))
+        answer, values = classify.regress(self._layer, tfs_proto.call(exchange, request), tfs_proto.examples(request))
         response = regression_pb2.RegressionResponse()
         set_model_spec(response.model_spec, answer.servable.model, answer.signature.name)
         for value in values.tolist():
@@ -79,7 +80,7 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         tasks = [Task(task.model_spec.name, task.model_spec.signature_name, task.method_name)
                  for task in request.tasks]
         call = tfs_proto.multi_inference_call(exchange, request)
-        servable, results = self._layer.multi_inference(call, tasks, tfs_proto.examples(request))
+        servable, results = classify.multi_inference(self._layer, call, tasks, tfs_proto.examples(request))
         response = inference_pb2.MultiInferenceResponse()
         for result in results:
             entry = response.results.add()

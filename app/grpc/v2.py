@@ -92,7 +92,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         call = exchange.call(spec, signature=_signature_name(parameters), client_timeout_s=timeout_s,
                              outputs=tuple(output.name for output in request.outputs),
                              priority=priority.from_v2_grpc(parameters))
-        answer = await self._layer.infer_async(call, lambda signature, max_rows: v2_tensors.decode_inputs(
+        answer = await self._layer.start(call, lambda signature, max_rows: v2_tensors.decode_inputs(
             _tensors(request), signature, max_rows=max_rows))
         return _infer_response(request, answer)
 

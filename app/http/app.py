@@ -1,38 +1,38 @@
-"""The HTTP app: Flask with the server's services, its routes, and the WSGI layers around it.
+"""The HTTP app: Flask with the server's services, its doors' routes, and the WSGI layers around it.
 
     app = build(services)      # create_app's last step
-    app.services               # what the views and the layers read; nothing in app.extensions
+    app.services               # what the handlers and the layers read; nothing in app.extensions
 
-`wsgi_layers` lists the layers, outermost first.
+`DOORS` lists each door's route table; `wsgi_layers` lists the layers, outermost first.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
-from flask import Response
+from flask import Response, current_app
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.core.services import Services
-from app.http import errors, openapi, tfs, v2, v2_repository
-from app.http.bodies import BodyLimits, raise_refusal_before_a_view
+from app.http import errors, openapi, routes, tfs, v2, v2_repository
+from app.http.bodies import BodyLimits
 from app.http.layers import ExchangeLayer
-from app.http.patches import CachedEnsureSync, NoSessions
-from app.http.routes import DirectRoutes, services
+from app.http.patches import NoSessions
+from app.http.routes import DirectRoutes, HttpApp, Route
 from app.ops import logs
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 # A WSGI layer: made with the app inside it.
 Layer = Callable[[WsgiApp], WsgiApp]
 
-
-class HttpApp(CachedEnsureSync):
-    """Flask, with the services of the server it serves."""
-
-    services: Services
-    body_limits: BodyLimits
+# Each door and its one route table (app/http/routes.py): a new door is a module and a line here.
+DOORS: tuple[tuple[str, list[Route]], ...] = (
+    ("tfs", tfs.ROUTES),
+    ("v2", v2.ROUTES),
+    ("v2_repository", v2_repository.ROUTES),
+)
 
 
 def build(services: Services) -> HttpApp:
@@ -42,9 +42,9 @@ def build(services: Services) -> HttpApp:
     app.session_interface = NoSessions()
     # Flask would take FLASK_DEBUG from the environment: a production server never debugs.
     app.debug = False
-    tfs.init_app(app)
-    v2.init_app(app)
-    v2_repository.init_app(app)
+    routes.init_app(app)
+    for name, table in DOORS:
+        routes.register(app, services, name, table)
     app.add_url_rule("/metrics", "metrics", metrics_view, methods=["GET"])
     if settings.metrics_path and settings.metrics_path != "/metrics":
         # METRICS_PATH: where TF Serving's --monitoring_config_file puts them, same exposition.
@@ -53,8 +53,6 @@ def build(services: Services) -> HttpApp:
     errors.init_app(app)
     # Werkzeug's own check answers the same 413, should anything reach it.
     app.config["MAX_CONTENT_LENGTH"] = services.layer.max_request_bytes
-    # After the access and metrics layers saw the request, so a refusal is logged and counted.
-    app.before_request(raise_refusal_before_a_view)
     logs.access_log.disabled = not settings.access_log
     wsgi: WsgiApp = app.wsgi_app
     for layer in reversed(wsgi_layers(services)):
@@ -76,9 +74,9 @@ def wsgi_layers(services: Services) -> list[Layer]:
                           large_bytes=settings.large_body_bytes, large_slots=settings.large_body_slots,
                           wait_s=settings.request_timeout_ms / 1000.0),
         # Innermost, so the layers above wrap these routes as any other.
-        functools.partial(DirectRoutes, services=services, routes=[*tfs.PREDICT_ROUTES, *v2.INFER_ROUTES]),
+        functools.partial(DirectRoutes, services=services, routes=[route for _, table in DOORS for route in table]),
     ]
 
 
 def metrics_view() -> Response:
-    return Response(services().metrics.exposition(), content_type=CONTENT_TYPE_LATEST)
+    return Response(cast(HttpApp, current_app).services.metrics.exposition(), content_type=CONTENT_TYPE_LATEST)

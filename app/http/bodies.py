@@ -30,8 +30,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from flask import request
-
 from app.core.errors import BadRequest, PayloadTooLarge, ServingError, Unavailable, UnsupportedEncoding
 from app.http.layers import HttpExchange, exchange_of
 
@@ -232,10 +230,3 @@ def raise_refusal(exchange: HttpExchange) -> None:
     """The body's refusal (too large, broken framing, no slot), for a POST route that matched."""
     if exchange.refusal is not None:
         raise exchange.refusal
-
-
-def raise_refusal_before_a_view() -> None:
-    # An unknown route or method says more than the body's size; only POST routes read a
-    # body, the others answer as if it was empty (it was read and dropped).
-    if request.routing_exception is None and request.method == "POST":
-        raise_refusal(exchange_of(request.environ))

@@ -1,69 +1,148 @@
-"""The prediction routes, answered below Flask.
+"""Each door's routes, declared once: the table makes both Flask's rules and the direct router.
 
-A POST to a predict or infer URL is the one request a server takes thousands of times a
-second, and Flask's own work for it (a request context, URL matching, a Response object, its
-headers and the after-request steps) is about a tenth of the Python it costs. `DirectRoutes`
-sits just above Flask, inside the access, metrics, limits and tracing layers, matches such a
-POST against the same URL rules with one regular expression each, and calls the front door's
-function with the WSGI environ; every other request, and any POST it does not match, goes to
-Flask. Flask keeps the same rules, so the other methods get its 405 with Allow, /openapi.json
-lists them, and the two tables are checked against each other (tests/test_direct.py).
+    ROUTES = [Route("POST", "/v1/models/<model_name:name>:predict", predict, direct=True), ...]
+    handler(services, exchange, **values) -> Reply      # the URL's values, converted as Flask does
 
-An error is answered by app/http/errors.py's handlers, the same body, status and headers Flask
-would send; the access line, the request metrics (under the Flask rule's name) and the trace
-are the outer layers', as for any request.
+`register` adds a table's rules to the Flask app, each with a view that hands the handler the
+request's exchange. `DirectRoutes` answers the routes marked `direct` below Flask: a POST to a
+predict or infer URL is the one request a server takes thousands of times a second, and Flask's
+own work for it (a request context, URL matching, a Response object, its headers and the
+after-request steps) is about a tenth of the Python it costs. It sits just inside the exchange
+and the body limits, matches such a POST against a regular expression made from the same rule,
+and calls the same handler; every other request, and any POST it does not match, goes to Flask,
+which keeps every rule: the other methods get its 405 with Allow, and /openapi.json lists them.
+tests/test_direct.py checks the expressions against Werkzeug's own matching, and both paths'
+answers.
+
+An error is answered by app/http/errors.py's handlers, the same body, status and headers on
+either path; the access line, the request metrics (under the rule's text) and the trace are
+the exchange's, as for any request.
 """
 
 from __future__ import annotations
 
+import http
 import re
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
-from flask import Response, current_app
+from flask import Flask, Response, request
+from werkzeug.routing import BaseConverter, IntegerConverter
 
 from app.core.services import Services
-from app.http import bodies as limits
-from app.http import errors
-from app.http.layers import HttpExchange, exchange_of
+from app.http import bodies, errors
+from app.http.bodies import BodyLimits
+from app.http.layers import exchange_of
+from app.http.patches import CachedEnsureSync
+from app.ops.settings import MODEL_NAME_PATTERN
 
 
-def services() -> Services:
-    """The services of the app handling the current request (for a Flask view)."""
-    return cast(Services, current_app.services)  # type: ignore[attr-defined]
+class HttpApp(CachedEnsureSync):
+    """Flask, with the services of the server it serves (app/http/app.py builds it)."""
+
+    services: Services
+    # The body limits' layer, whose large bodies in flight /readyz shows.
+    body_limits: BodyLimits
 
 
 class Reply(NamedTuple):
-    """A front door's successful answer, before any framework sees it."""
+    """A door's answer, before any framework sees it."""
 
     body: bytes
-    headers: list[tuple[str, str]]
+    headers: Sequence[tuple[str, str]] = ()
     content_type: str = "application/json"
+    status: int = 200
 
     def response(self) -> Response:
         """The same answer as a Flask view returns it."""
-        return Response(self.body, content_type=self.content_type, headers=self.headers)
+        return Response(self.body, status=self.status, content_type=self.content_type, headers=self.headers)
 
 
-# handler(request layer, the request's exchange, the match's groups) -> the answer.
-Handler = Callable[[Any, HttpExchange, Sequence[Any]], Reply]
+# handler(the server's services, the request's exchange, **the URL's values) -> the answer.
+Handler = Callable[..., Reply]
 
 
 class Route(NamedTuple):
-    rule: str  # the Flask rule's text: the route label of the request metrics and traces
-    pattern: str  # what the rule matches, as a regular expression over the whole path
+    method: str
+    # The Flask rule's text: what Flask matches, what the direct router's expression is made from,
+    # and the route label of the request metrics and traces.
+    rule: str
     handler: Handler
+    # Also answered below Flask (DirectRoutes): the predictions, taken thousands of times a second.
+    direct: bool = False
+
+
+class ModelNameConverter(BaseConverter):
+    # Stops at ':' so that '/v1/models/<name>:predict' parses; the name never reaches a path.
+    regex = MODEL_NAME_PATTERN.pattern.strip("^$")
+
+
+class AsciiIntConverter(IntegerConverter):
+    # Versions in ASCII digits only ('\\d' and int() also take '１' and Arabic-Indic digits).
+    regex = r"[0-9]+"
+
+
+# The rules' converters: Werkzeug's for Flask, and (expression, to the value) for the direct router.
+CONVERTERS: dict[str, type[BaseConverter]] = {"model_name": ModelNameConverter, "int": AsciiIntConverter}
+_VALUES: dict[str, Callable[[str], Any]] = {"int": int}
+_PART = re.compile(r"<(?:(\w+):)?(\w+)>")
+
+
+def init_app(app: Flask) -> None:
+    """The converters the tables' rules use, and no redirect for '//' (Werkzeug's would build
+    its Location from the client's Host header)."""
+    app.url_map.converters.update(CONVERTERS)
+    app.url_map.merge_slashes = False
+
+
+def register(app: Flask, services: Services, name: str, routes: Sequence[Route]) -> None:
+    """Flask's rules for a door's table: one view per handler, which hands it the request's exchange."""
+    views: dict[Handler, Callable[..., Response]] = {}
+    for route in routes:
+        view = views.get(route.handler)
+        if view is None:
+            view = views[route.handler] = _view(services, route.handler, post=route.method == "POST")
+            view.__name__ = route.handler.__name__.lstrip("_")
+        app.add_url_rule(route.rule, f"{name}.{view.__name__}", view, methods=[route.method])
+
+
+def _view(services: Services, handler: Handler, *, post: bool) -> Callable[..., Response]:
+    def view(**values: Any) -> Response:
+        exchange = exchange_of(request.environ)
+        if post:  # only POST routes read a body: the others answer as if it was empty
+            bodies.raise_refusal(exchange)
+        return handler(services, exchange, **values).response()
+
+    return view
+
+
+def _pattern(rule: str) -> tuple[re.Pattern[str], list[Callable[[str], Any]]]:
+    """The rule as one expression over the whole path, and what makes each group its value."""
+    parts, converts, position = [], [], 0
+    for found in _PART.finditer(rule):
+        converter = found.group(1) or "default"
+        parts += [re.escape(rule[position:found.start()]), f"({CONVERTERS[converter].regex})"
+                  if converter in CONVERTERS else "([^/]+)"]
+        converts.append(_VALUES.get(converter, str))
+        position = found.end()
+    return re.compile("".join([*parts, re.escape(rule[position:])])), converts
 
 
 class DirectRoutes:
-    """WSGI layer: POSTs to `routes` answered without Flask; everything else passed to `app`."""
+    """WSGI layer: POSTs to the `direct` routes answered without Flask; everything else passed to `app`."""
 
     def __init__(self, app: Callable[..., Iterable[bytes]], *, services: Services, routes: Sequence[Route]) -> None:
         self.app = app
         self.services = services
-        self.routes = [(re.compile(route.pattern), route.rule, route.handler) for route in routes]
+        self.routes = []
+        self._names: dict[str, tuple[list[str], list[Callable[[str], Any]]]] = {}
+        for route in routes:
+            if route.direct and route.method == "POST":
+                pattern, converts = _pattern(route.rule)
+                self.routes.append((pattern, route.rule, route.handler))
+                self._names[route.rule] = ([found.group(2) for found in _PART.finditer(route.rule)], converts)
 
-    def match(self, environ: dict[str, Any]) -> tuple[str, Handler, Sequence[Any]] | None:
+    def match(self, environ: dict[str, Any]) -> tuple[str, Handler, Sequence[str]] | None:
         path = environ.get("PATH_INFO", "")
         # ASCII only: there the raw PATH_INFO is what Werkzeug decodes it to.
         if environ.get("REQUEST_METHOD") != "POST" or not path.isascii():
@@ -81,13 +160,14 @@ class DirectRoutes:
         rule, handler, groups = matched
         exchange = exchange_of(environ)
         exchange.route = rule
+        names, converts = self._names[rule]
         try:
-            limits.raise_refusal(exchange)
-            reply = handler(self.services.layer, exchange, groups)
+            bodies.raise_refusal(exchange)
+            values = {name: convert(group) for name, convert, group in zip(names, converts, groups, strict=True)}
+            reply = handler(self.services, exchange, **values)
         except Exception as exc:  # noqa: BLE001 - answered as Flask's error handlers answer it
-            answer = errors.answer_for(exc, exchange.request_id or None)
-            return answer(environ, start_response)
+            return errors.answer_for(exc, exchange.request_id or None)(environ, start_response)
         body = reply.body
-        start_response("200 OK", [*reply.headers, ("Content-Type", reply.content_type),
-                                  ("Content-Length", str(len(body)))])
+        start_response(f"{reply.status} {http.HTTPStatus(reply.status).phrase}",
+                       [*reply.headers, ("Content-Type", reply.content_type), ("Content-Length", str(len(body)))])
         return [body]

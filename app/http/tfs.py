@@ -1,70 +1,71 @@
-"""HTTP routes: predict (a shortcut and TensorFlow Serving's URLs, by version or label),
+"""TensorFlow Serving's REST API: predict (a shortcut and TF Serving's URLs, by version or label),
 classify and regress, model status and metadata, and health.
 
-A view parses the URL and the JSON body, builds the request's Call, hands it to the request
-layer (app/core/serving.py) with the decoding of its inputs, and encodes the answer; resolution,
-limits, the deadline and the shape of answers are the layer's."""
+A handler parses the URL and the JSON body, builds the request's Call from its exchange, hands
+it to the request layer (app/core/serving.py) with the decoding of its inputs, and encodes the
+answer; resolution, limits, the deadline and the shape of answers are the layer's. `ROUTES` is
+the door's one table (app/http/routes.py): Flask's rules and the direct router's come from it.
+"""
 
 from __future__ import annotations
 
 import gc
 import os
-from typing import Any
+from typing import Any, cast
 
 import orjson
-from flask import Blueprint, Flask, Response, current_app, request
-from werkzeug.routing import BaseConverter, IntegerConverter
+from flask import current_app
 
 from app.core.batching import Tensors, check_rows
 from app.core.call import ModelSpec
 from app.core.models import Signature
-from app.core.serving import CLASSIFY, REGRESS, Answer, RequestLayer, examples_decode
-from app.http import bodies as limits
-from app.http.layers import HttpExchange, exchange_of
-from app.http.routes import Reply, Route, services
-from app.ops.settings import MODEL_NAME_PATTERN
+from app.core.services import Services
+from app.core.serving import Answer
+from app.http import bodies
+from app.http.layers import HttpExchange
+from app.http.routes import HttpApp, Reply, Route
 from app.wire import classify, codec, metadata, priority
 
-bp = Blueprint("api", __name__)
+_MODEL = "/v1/models/<model_name:name>"
+# A model by name (its newest version), by version or by label: the rules' three prefixes.
+_MODELS = (_MODEL, f"{_MODEL}/versions/<int:version>", f"{_MODEL}/labels/<model_name:label>")
 
 
-class ModelNameConverter(BaseConverter):
-    # Stops at ':' so that '/v1/models/<name>:predict' parses; the name never reaches a path.
-    regex = MODEL_NAME_PATTERN.pattern.strip("^$")
-
-
-class AsciiIntConverter(IntegerConverter):
-    regex = r"[0-9]+"
-
-
-def _json(body: bytes, status: int = 200, headers: list[tuple[str, str]] | None = None) -> Response:
-    return Response(body, status=status, content_type="application/json", headers=headers)
-
-
-def predict(layer: RequestLayer, exchange: HttpExchange, spec: ModelSpec) -> Reply:
+def predict(services: Services, exchange: HttpExchange, name: str | None = None, version: int | None = None,
+            label: str | None = None) -> Reply:
     """Parse, queue, wait, answer: the request thread never touches TensorFlow."""
     # Like TensorFlow Serving, the body is JSON whatever its Content-Type says.
-    parsed = codec.parse_request(limits.body(exchange))
+    parsed = codec.parse_request(bodies.body(exchange))
 
     def decode(signature: Signature, max_rows: int) -> Tensors:
         check_rows(parsed.rows, max_rows)  # before any array is built
         return codec.decode_inputs(parsed, signature)
 
-    call = exchange.call(spec, signature=parsed.signature_name, priority=_priority(exchange.environ))
-    answer = layer.infer(call, decode)
+    call = exchange.call(ModelSpec(name, version, label), signature=parsed.signature_name,
+                         priority=_priority(exchange.environ))
+    answer = services.layer.infer(call, decode)
     return _reply(answer, codec.encode_response(answer.outputs, answer.signature, parsed))
 
 
-def _classify_or_regress(spec: ModelSpec, method: str) -> Response:
-    layer, exchange = services().layer, exchange_of(request.environ)
-    signature_name, examples = classify.parse(limits.body(exchange), method)
+def classify_examples(services: Services, exchange: HttpExchange, name: str, version: int | None = None,
+                      label: str | None = None) -> Reply:
+    return _examples(services, exchange, ModelSpec(name, version, label), classify.CLASSIFY)
+
+
+def regress_examples(services: Services, exchange: HttpExchange, name: str, version: int | None = None,
+                     label: str | None = None) -> Reply:
+    return _examples(services, exchange, ModelSpec(name, version, label), classify.REGRESS)
+
+
+def _examples(services: Services, exchange: HttpExchange, spec: ModelSpec, method: str) -> Reply:
+    signature_name, examples = classify.parse(bodies.body(exchange), method)
     call = exchange.call(spec, signature=signature_name, priority=_priority(exchange.environ))
-    decode = examples_decode(examples)
-    if method == CLASSIFY:
-        answer, classes = layer.classify(call, decode)
-        return _reply(answer, classify.encode_classes(classes)).response()
-    answer, values = layer.regress(call, decode)
-    return _reply(answer, classify.encode_regressions(values)).response()
+    decode = classify.examples_decode(examples)
+    if method == classify.CLASSIFY:
+        answer, classes = classify.classify(services.layer, call, decode)
+        return _reply(answer, classify.encode_classes(classes))
+    answer, values = classify.regress(services.layer, call, decode)
+    return _reply(answer, classify.encode_regressions(values))
 
 
 def _reply(answer: Answer, body: bytes) -> Reply:
@@ -75,115 +76,59 @@ def _reply(answer: Answer, body: bytes) -> Reply:
     ])
 
 
-# The predict URLs as app/http/routes.py matches them, without Flask per request.
-_NAME = ModelNameConverter.regex
-PREDICT_ROUTES = [
-    Route("/predict", "/predict", lambda layer, exchange, _: predict(layer, exchange, ModelSpec())),
-    Route("/v1/models/<model_name:name>:predict", rf"/v1/models/({_NAME}):predict",
-          lambda layer, exchange, groups: predict(layer, exchange, ModelSpec(groups[0]))),
-    Route("/v1/models/<model_name:name>/versions/<int:version>:predict",
-          rf"/v1/models/({_NAME})/versions/({AsciiIntConverter.regex}):predict",
-          lambda layer, exchange, groups: predict(layer, exchange, ModelSpec(groups[0], int(groups[1])))),
-    Route("/v1/models/<model_name:name>/labels/<model_name:label>:predict",
-          rf"/v1/models/({_NAME})/labels/({_NAME}):predict",
-          lambda layer, exchange, groups: predict(layer, exchange, ModelSpec(groups[0], label=groups[1]))),
-]
+def model_status(services: Services, exchange: HttpExchange, name: str, version: int | None = None,
+                 label: str | None = None) -> Reply:
+    statuses = services.layer.model_status(ModelSpec(name, version, label))
+    return Reply(orjson.dumps({"model_version_status": statuses}))
 
 
-# Flask's rules for the same URLs: the other methods' 405 and Allow, /openapi.json, and the
-# answer wherever app/http/routes.py is not in front (tests/test_direct.py checks the two agree).
-@bp.post("/predict")
-def predict_default() -> Response:
-    return predict(services().layer, exchange_of(request.environ), ModelSpec()).response()
+def model_metadata(services: Services, exchange: HttpExchange, name: str, version: int | None = None,
+                   label: str | None = None) -> Reply:
+    servable = services.layer.model(ModelSpec(name, version, label))
+    return Reply(orjson.dumps(metadata.describe(servable.model)))
 
 
-@bp.post("/v1/models/<model_name:name>:predict")
-def predict_model(name: str) -> Response:
-    return predict(services().layer, exchange_of(request.environ), ModelSpec(name)).response()
-
-
-@bp.post("/v1/models/<model_name:name>/versions/<int:version>:predict")
-def predict_version(name: str, version: int) -> Response:
-    return predict(services().layer, exchange_of(request.environ), ModelSpec(name, version)).response()
-
-
-@bp.post("/v1/models/<model_name:name>/labels/<model_name:label>:predict")
-def predict_label(name: str, label: str) -> Response:
-    return predict(services().layer, exchange_of(request.environ), ModelSpec(name, label=label)).response()
-
-
-def _tf_example_route(method: str):
-    """:classify or :regress, by model, version or label."""
-    def route(name: str, version: int | None = None, label: str | None = None) -> Response:
-        return _classify_or_regress(ModelSpec(name, version, label), method)
-
-    route.__name__ = method
-    for prefix in ("/v1/models/<model_name:name>", "/v1/models/<model_name:name>/versions/<int:version>",
-                   "/v1/models/<model_name:name>/labels/<model_name:label>"):
-        bp.post(f"{prefix}:{method}")(route)
-
-
-_tf_example_route(CLASSIFY)
-_tf_example_route(REGRESS)
-
-
-@bp.get("/v1/models/<model_name:name>")
-@bp.get("/v1/models/<model_name:name>/versions/<int:version>")
-@bp.get("/v1/models/<model_name:name>/labels/<model_name:label>")
-def model_status(name: str, version: int | None = None, label: str | None = None) -> Response:
-    statuses = services().layer.model_status(ModelSpec(name, version, label))
-    return _json(orjson.dumps({"model_version_status": statuses}))
-
-
-@bp.get("/v1/models/<model_name:name>/metadata")
-@bp.get("/v1/models/<model_name:name>/versions/<int:version>/metadata")
-@bp.get("/v1/models/<model_name:name>/labels/<model_name:label>/metadata")
-def model_metadata(name: str, version: int | None = None, label: str | None = None) -> Response:
-    servable = services().layer.model(ModelSpec(name, version, label))
-    return _json(orjson.dumps(metadata.describe(servable.model)))
-
-
-@bp.get("/healthz")
-def healthz() -> Response:
+def healthz(services: Services, exchange: HttpExchange) -> Reply:
     # Liveness: a worker whose batch thread died is replacing itself; until it is gone it is not alive.
-    broken = sorted({batcher.info.name for servable in services().registry.servables()
+    broken = sorted({batcher.info.name for servable in services.registry.servables()
                      for batcher in servable.batchers.values() if batcher.broken})
     if broken:
-        return _json(orjson.dumps({"error": f"the batch thread of model(s) {broken} died"}), status=503)
-    return _json(b'{"status":"alive"}')
+        return Reply(orjson.dumps({"error": f"the batch thread of model(s) {broken} died"}), status=503)
+    return Reply(b'{"status":"alive"}')
 
 
-@bp.get("/readyz")
-def readyz() -> Response:
-    served = services()
-    registry = served.registry
+def readyz(services: Services, exchange: HttpExchange) -> Reply:
+    registry = services.registry
     ready = registry.ready
     # File paths and the pid tell an attacker about the host: shown only when asked for.
-    detail = served.settings.readyz_detail
+    detail = services.settings.readyz_detail
     models = {name: servable.status() for name, servable in registry.items()}
     if not detail:
         for status in models.values():
             status.pop("source", None)
     body = {
         "ready": ready,
-        "tensorflow": served.tensorflow,
-        "large_bodies_in_flight": current_app.body_limits.large_bodies_in_flight,  # type: ignore[attr-defined]
+        "tensorflow": services.tensorflow,
+        "large_bodies_in_flight": cast(HttpApp, current_app).body_limits.large_bodies_in_flight,
         # Objects start-up left out of the garbage collector's full passes (runtime.freeze_heap).
         "gc_frozen_objects": gc.get_freeze_count(),
         "models": models,
     }
     if detail:
         body["pid"] = os.getpid()
-    return _json(orjson.dumps(body), status=200 if ready else 503)
+    return Reply(orjson.dumps(body), status=200 if ready else 503)
 
 
-def init_app(app: Flask) -> None:
-    app.url_map.converters["model_name"] = ModelNameConverter
-    # Versions in ASCII digits only ('\\d' and int() also take '１' and Arabic-Indic digits), and
-    # no redirect for '//': Werkzeug's would build its Location from the client's Host header.
-    app.url_map.converters["int"] = AsciiIntConverter
-    app.url_map.merge_slashes = False
-    app.register_blueprint(bp)
+ROUTES = [
+    Route("POST", "/predict", predict, direct=True),
+    *(Route("POST", f"{prefix}:predict", predict, direct=True) for prefix in _MODELS),
+    *(Route("POST", f"{prefix}:classify", classify_examples) for prefix in _MODELS),
+    *(Route("POST", f"{prefix}:regress", regress_examples) for prefix in _MODELS),
+    *(Route("GET", prefix, model_status) for prefix in _MODELS),
+    *(Route("GET", f"{prefix}/metadata", model_metadata) for prefix in _MODELS),
+    Route("GET", "/healthz", healthz),
+    Route("GET", "/readyz", readyz),
+]
 
 
 # The WSGI name of the X-Priority header: read from the environ as request.headers would read it.

@@ -31,92 +31,62 @@ from typing import Any
 import numpy as np
 import orjson
 import simdjson
-from flask import Blueprint, Flask, Response, request
+from flask import request
 
 from app.core.errors import BadRequest, Unavailable
 from app.core.model_stats import statistics
-from app.core.serving import Answer, RequestLayer
-from app.http import bodies as limits
-from app.http.layers import HttpExchange, exchange_of
-from app.http.routes import Reply, Route, services
-from app.ops.settings import MODEL_NAME_PATTERN
+from app.core.services import Services
+from app.core.serving import Answer
+from app.http import bodies
+from app.http.layers import HttpExchange
+from app.http.routes import Reply, Route
 from app.wire import codec, priority, v2_tensors
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # Its WSGI name: read from the environ as request.headers would read it.
 _HEADER_LENGTH_KEY = "HTTP_" + HEADER_LENGTH.upper().replace("-", "_")
 
-bp = Blueprint("v2", __name__, url_prefix="/v2")
-
-
-def _json(value: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(value), status=status, content_type="application/json")
-
-
-@bp.get("")
-def server_metadata() -> Response:
+def server_metadata(services: Services, exchange: HttpExchange) -> Reply:
     return _json({"name": v2_tensors.SERVER_NAME, "version": v2_tensors.SERVER_VERSION,
                   "extensions": v2_tensors.EXTENSIONS})
 
 
-@bp.get("/health/live")
-def live() -> Response:
+def live(services: Services, exchange: HttpExchange) -> Reply:
     return _json({"live": True})
 
 
-@bp.get("/health/ready")
-def ready() -> Response:
-    if not services().layer.ready:
+def ready(services: Services, exchange: HttpExchange) -> Reply:
+    if not services.layer.ready:
         raise Unavailable("not every model is ready")
     return _json({"ready": True})
 
 
-@bp.get("/models/<model_name:name>")
-@bp.get("/models/<model_name:name>/versions/<version>")
-def model_metadata(name: str, version: str | None = None) -> Response:
-    layer = services().layer
+def model_metadata(services: Services, exchange: HttpExchange, name: str, version: str | None = None) -> Reply:
+    layer = services.layer
     servable = layer.model(v2_tensors.model_spec(name, version))
     signature = layer.predict_signature(servable, request.args.get("signature_name", ""))
     return _json(v2_tensors.model_metadata(servable.model, signature, layer.versions(servable)))
 
 
-@bp.get("/models/<model_name:name>/ready")
-@bp.get("/models/<model_name:name>/versions/<version>/ready")
-def model_ready(name: str, version: str | None = None) -> Response:
-    layer = services().layer
+def model_ready(services: Services, exchange: HttpExchange, name: str, version: str | None = None) -> Reply:
+    layer = services.layer
     servable = layer.model(v2_tensors.model_spec(name, version))
     if not layer.servable_ready(servable):
         raise Unavailable(f"model '{servable.model.name}' v{servable.model.version} cannot serve")
     return _json({"name": servable.model.name, "ready": True})
 
 
-def all_models_view() -> Response:
-    return model_view("")
-
-
-def model_view(name: str, version: str = "") -> Response:
+def model_statistics(services: Services, exchange: HttpExchange, name: str = "", version: str = "") -> Reply:
     """Triton's statistics extension (app/core/model_stats.py)."""
-    served = services()
-    return Response(orjson.dumps(statistics(served.registry, served.metrics, name, version)),
-                    content_type="application/json")
+    return _json(statistics(services.registry, services.metrics, name, version))
 
 
-# A static rule wins over a model name "stats".
-bp.add_url_rule("/models/stats", "all_model_stats", all_models_view, methods=["GET"])
-bp.add_url_rule("/models/<model_name:name>/stats", "model_stats", model_view, methods=["GET"])
-bp.add_url_rule("/models/<model_name:name>/versions/<version>/stats", "model_stats", model_view,
-                methods=["GET"])
+def _json(value: Any) -> Reply:
+    return Reply(orjson.dumps(value))
 
 
-@bp.post("/models/<model_name:name>/infer")
-@bp.post("/models/<model_name:name>/versions/<version>/infer")
-def infer_view(name: str, version: str | None = None) -> Response:
-    # app/http/routes.py answers these POSTs first (INFER_ROUTES); this is Flask's rule for the same URLs.
-    return infer(services().layer, exchange_of(request.environ), name, version).response()
-
-
-def infer(layer: RequestLayer, exchange: HttpExchange, name: str, version: str | None = None) -> Reply:
-    body, tensors, json_text = _split(limits.body(exchange), exchange.environ.get(_HEADER_LENGTH_KEY))
+def infer(services: Services, exchange: HttpExchange, name: str, version: str | None = None) -> Reply:
+    body, tensors, json_text = _split(bodies.body(exchange), exchange.environ.get(_HEADER_LENGTH_KEY))
     parameters = _parameters(body, "the request")
     request_id = _text(body["id"], "id") if "id" in body else None
     every_binary = _flag(parameters.get("binary_data_output", False), "the parameter 'binary_data_output'")
@@ -127,7 +97,7 @@ def infer(layer: RequestLayer, exchange: HttpExchange, name: str, version: str |
     call = exchange.call(v2_tensors.model_spec(name, version), signature=signature_name,
                          outputs=tuple(output for output, _ in wanted), client_timeout_s=_timeout_s(parameters),
                          priority=priority.from_v2_rest(parameters))
-    answer = layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
+    answer = services.layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
         _inputs(body, tensors, json_text), signature, max_rows=max_rows))
     binary = {output_name: every_binary if choice is None else choice for output_name, choice in wanted}
     header: dict[str, Any] = {"model_name": answer.servable.model.name,
@@ -156,13 +126,19 @@ def _answer(answer: Answer, header: bytes, chunks: list[bytes]) -> Reply:
     return Reply(b"".join([header, *chunks]), headers, "application/octet-stream")
 
 
-_NAME = MODEL_NAME_PATTERN.pattern.strip("^$")
-# The infer URLs as app/http/routes.py matches them, without Flask per request.
-INFER_ROUTES = [
-    Route("/v2/models/<model_name:name>/infer", rf"/v2/models/({_NAME})/infer",
-          lambda layer, exchange, groups: infer(layer, exchange, groups[0])),
-    Route("/v2/models/<model_name:name>/versions/<version>/infer", rf"/v2/models/({_NAME})/versions/([^/]+)/infer",
-          lambda layer, exchange, groups: infer(layer, exchange, groups[0], groups[1])),
+_MODEL = "/v2/models/<model_name:name>"
+_MODELS = (_MODEL, f"{_MODEL}/versions/<version>")
+# The door's one table (app/http/routes.py): Flask's rules and the direct router's come from it.
+ROUTES = [
+    Route("GET", "/v2", server_metadata),
+    Route("GET", "/v2/health/live", live),
+    Route("GET", "/v2/health/ready", ready),
+    *(Route("GET", prefix, model_metadata) for prefix in _MODELS),
+    *(Route("GET", f"{prefix}/ready", model_ready) for prefix in _MODELS),
+    # A static rule wins over a model name "stats".
+    Route("GET", "/v2/models/stats", model_statistics),
+    *(Route("GET", f"{prefix}/stats", model_statistics) for prefix in _MODELS),
+    *(Route("POST", f"{prefix}/infer", infer, direct=True) for prefix in _MODELS),
 ]
 
 
@@ -330,7 +306,3 @@ def _inputs(body: dict[str, Any], data: memoryview, json_text: bytes) -> list[v2
         raise BadRequest(f"the body holds {len(data) - offset} bytes of binary data that no input's "
                          "binary_data_size claims")
     return tensors
-
-
-def init_app(app: Flask) -> None:
-    app.register_blueprint(bp)

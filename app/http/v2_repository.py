@@ -12,56 +12,58 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from flask import Blueprint, Flask, Response, request
 
 from app.core.errors import BadRequest
-from app.http.routes import services
+from app.core.repository import Repository
+from app.core.services import Services
+from app.http.layers import HttpExchange
+from app.http.routes import Reply, Route
 from app.wire import codec
 
-bp = Blueprint("v2_repository", __name__, url_prefix="/v2/repository")
+
+def index(services: Services, exchange: HttpExchange) -> Reply:
+    repository = _restricted(services.repository, exchange)
+    ready = _body(exchange).get("ready", False)
+    if not isinstance(ready, bool):
+        raise BadRequest("'ready' must be true or false")
+    return Reply(orjson.dumps(repository.index(ready=ready)))
 
 
-@bp.before_request
-def restricted() -> None:
-    repository = services().repository
-    repository.check(request.path, request.headers.get(repository.key) if repository.key else None,
-                     where="header")
+def load(services: Services, exchange: HttpExchange, name: str) -> Reply:
+    _restricted(services.repository, exchange).load(name, _parameters(exchange), timeout_s=None)
+    return Reply(b"")
 
 
-def _body() -> dict[str, Any]:
-    data = request.get_data()
+def unload(services: Services, exchange: HttpExchange, name: str) -> Reply:
+    _restricted(services.repository, exchange).unload(name, _parameters(exchange), timeout_s=None)
+    return Reply(b"")
+
+
+ROUTES = [
+    Route("POST", "/v2/repository/index", index),
+    Route("POST", "/v2/repository/models/<model_name:name>/load", load),
+    Route("POST", "/v2/repository/models/<model_name:name>/unload", unload),
+]
+
+
+def _restricted(repository: Repository, exchange: HttpExchange) -> Repository:
+    """The repository, once the call came with RESTRICTED_MODEL_CONTROL's header (Forbidden if not)."""
+    # The header as request.headers reads it from the environ.
+    sent = exchange.environ.get("HTTP_" + repository.key.upper().replace("-", "_")) if repository.key else None
+    repository.check(exchange.path, sent, where="header")
+    return repository
+
+
+def _body(exchange: HttpExchange) -> dict[str, Any]:
+    data = exchange.body
     body = codec.loads(data) if data else {}  # whitespace alone is not JSON: refused as Triton refuses it
     if not isinstance(body, dict):
         raise BadRequest("the request must be a JSON object")
     return body
 
 
-def _rest_parameters() -> dict[str, Any]:
-    parameters = _body().get("parameters", {})
+def _parameters(exchange: HttpExchange) -> dict[str, Any]:
+    parameters = _body(exchange).get("parameters", {})
     if not isinstance(parameters, dict):
         raise BadRequest("'parameters' must be a JSON object")
     return parameters
-
-
-@bp.post("/index")
-def index() -> Response:
-    ready = _body().get("ready", False)
-    if not isinstance(ready, bool):
-        raise BadRequest("'ready' must be true or false")
-    return Response(orjson.dumps(services().repository.index(ready=ready)), content_type="application/json")
-
-
-@bp.post("/models/<model_name:name>/load")
-def load(name: str) -> Response:
-    services().repository.load(name, _rest_parameters(), timeout_s=None)
-    return Response(b"", content_type="application/json")
-
-
-@bp.post("/models/<model_name:name>/unload")
-def unload(name: str) -> Response:
-    services().repository.unload(name, _rest_parameters(), timeout_s=None)
-    return Response(b"", content_type="application/json")
-
-
-def init_app(app: Flask) -> None:
-    app.register_blueprint(bp)

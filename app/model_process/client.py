@@ -3,9 +3,9 @@
 The request layer (app/core/serving.py) and the front doors use the same `ModelRegistry` and
 `Servable` as in the default mode, filled from the model process's description: versions,
 labels, states and signatures are resolved and checked here, in the worker. Only the
-batcher is remote: `RemoteBatcher` is an `Engine` (app/core/batching/engine.py) whose `predict`
-hands the call, serialized once in the frame's header, and its rows to the model process,
-and waits for its answer until the call's deadline. Nothing here imports TensorFlow.
+batcher is remote: `RemoteBatcher` is an `Engine` (app/core/batching/engine.py) whose `submit`
+hands the call, serialized once in the frame's header, and its rows to the model process; its
+answer is waited for as any engine's, until the call's deadline. Nothing here imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class RemoteRegistry(ModelRegistry):
 
     def reload_config(self, document: dict[str, Any], *, timeout_s: float | None) -> None:
         """Applied by every model process, and by each of their workers, before it returns."""
-        assert self.link is not None, "init_app() first"
+        assert self.link is not None, "connect() first"
         if timeout_s is not None and timeout_s >= threading.TIMEOUT_MAX:
             timeout_s = None  # gRPC reports a call without a deadline as one 2**63 ns away: no limit
         future = self.link.request({"op": "reload", "document": document, "timeout_s": timeout_s})
@@ -154,20 +154,10 @@ class RemoteBatcher:
     def batches_run(self) -> int:
         return self.link.stats().get(self.key, [0, 0])[1]
 
-    def predict(self, call: Call, inputs: Tensors) -> BatchResult:
-        """Hand the call and its rows to the model process and wait for them, until the call's deadline.
-        The model process's batcher refuses rows over the limit, as this worker's front door did."""
-        future = self.submit(call, inputs)
-        left_s = call.seconds_left()
-        wait_s = None if left_s is None else max(left_s, 0.0)
-        try:
-            return future.result(timeout=wait_s)
-        except concurrent.futures.TimeoutError:
-            return self.give_up(future, call, wait_s)
-
     def submit(self, call: Call, inputs: Tensors) -> concurrent.futures.Future[BatchResult]:
         """Send the call, serialized once in the frame's header, and its rows; the future holds the
-        model process's answer. A client gone before the rows leave the worker: cancelled at once."""
+        model process's answer. A client gone before the rows leave the worker: cancelled at once.
+        The model process's batcher refuses rows over the limit, as this worker's front door did."""
         answer = _RemoteAnswer()
         client_gone = call.client_gone
         if client_gone is not None and client_gone():

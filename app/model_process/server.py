@@ -1,8 +1,8 @@
 """The model process: loads the models once, runs their batchers, and serves workers over a Unix socket.
 
 `python -m app.model_process.server --socket PATH --ready-fd N` loads and warms every model
-through the same code a worker uses in the default mode (registry.init_app: versions,
-labels, pollers, warm-up), binds the socket, and only then writes `ready` to the
+through the same code a worker uses in the default mode (its own services, app/core/services.py:
+versions, labels, pollers, warm-up), binds the socket, and only then writes `ready` to the
 descriptor it was given. Each worker connection has one thread that reads its frames and
 submits their rows to the batchers; an answer goes back from the batch thread's
 done-callback, written into this process's arena for that worker.
@@ -30,10 +30,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, cast
 
-from app.core import registry, services
+from app.core import services
 from app.core.batching import Batcher, BatchResult
 from app.core.call import Call
-from app.core.errors import ClientGone, NotFound, PredictFailed, ServingError, Unavailable
+from app.core.errors import ClientGone, PredictFailed, ServingError, Unavailable
 from app.core.registry import RELOAD, ModelRegistry, Servable
 from app.model_process import meta, wire
 from app.model_process.arena import Arena
@@ -146,7 +146,8 @@ class WorkerConnection:
             # The worker's call, with this side's client-gone check: the worker's `cancel` sets it.
             call = Call.from_frame(header["call"], signature=header["signature"], client_gone=left.is_set,
                                    trace=_linked_trace)
-            servable = self._enter(header["model"], header["version"], pinned=call.model.pinned)
+            # The version the worker resolved, or (retired since) the registry's one fallback.
+            servable = self.models.enter(call, header["model"], header["version"], call.signature)
         except ServingError as exc:
             self._error(request_id, exc)
             return
@@ -176,23 +177,6 @@ class WorkerConnection:
         "predict": _predict, "describe": _describe, "stats": _stats, "flush": _flush, "applied": _applied,
         "reload": _start_reload, "cancel": _cancel,
     }
-
-    def _enter(self, name: str, version: int, *, pinned: bool) -> Servable:
-        """The version the worker resolved; if it was retired meanwhile, the newest (unpinned only)."""
-        try:
-            servable = self.models.get(name, version)
-            if servable.enter():
-                return servable
-        except NotFound:
-            if pinned:
-                raise
-        if pinned:
-            raise NotFound(f"{registry.servable_not_found(name, version)}: version {version} of model {name!r} "
-                           "was unloaded before this request reached it")
-        servable = self.models.get(name)
-        if not servable.enter():
-            raise NotFound(registry.servable_not_found(name, None))
-        return servable
 
     def _answer(self, request_id: int, servable: Servable, future: concurrent.futures.Future[BatchResult],
                 trace: Any = None) -> None:

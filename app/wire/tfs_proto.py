@@ -17,8 +17,9 @@ from app.core import errors
 from app.core.batching import Tensors, check_rows
 from app.core.call import Call, Exchange, ModelSpec
 from app.core.models import LoadedModel, Signature
-from app.core.serving import Decode, braced, examples_decode, multi_inference_spec
+from app.core.serving import Decode, braced
 from app.wire import tensor_proto
+from app.wire.classify import examples_decode, multi_inference_spec
 
 
 def model_spec(proto: Any) -> ModelSpec:

@@ -31,9 +31,10 @@ from app.core.call import Exchange
 from app.core.errors import ServingError
 from app.core.models import ModelLoadError
 from app.core.registry import ModelRegistry
-from app.core.serving import Task
 from app.ops.metrics import Metrics
 from app.ops.settings import Settings
+from app.wire import classify
+from app.wire.classify import Task
 
 log = logging.getLogger(__name__)
 
@@ -97,17 +98,17 @@ def _handlers(layer: serving.RequestLayer) -> dict[str, Callable[[Any, Exchange]
 
     def multi_inference(request: Any, exchange: Exchange) -> Any:
         tasks = [Task(task.model_spec.name, task.model_spec.signature_name, task.method_name) for task in request.tasks]
-        return layer.multi_inference(tfs_proto.multi_inference_call(exchange, request), tasks,
-                                     tfs_proto.examples(request))
+        return classify.multi_inference(layer, tfs_proto.multi_inference_call(exchange, request), tasks,
+                                        tfs_proto.examples(request))
 
     return {
         "predict_log": lambda request, exchange: layer.infer(
             tfs_proto.predict_call(exchange, request),
             tfs_proto.predict_decode(request, max_bytes=layer.max_request_bytes)),
-        "classify_log": lambda request, exchange: layer.classify(tfs_proto.call(exchange, request),
-                                                                 tfs_proto.examples(request)),
-        "regress_log": lambda request, exchange: layer.regress(tfs_proto.call(exchange, request),
-                                                               tfs_proto.examples(request)),
+        "classify_log": lambda request, exchange: classify.classify(layer, tfs_proto.call(exchange, request),
+                                                                    tfs_proto.examples(request)),
+        "regress_log": lambda request, exchange: classify.regress(layer, tfs_proto.call(exchange, request),
+                                                                  tfs_proto.examples(request)),
         "multi_inference_log": multi_inference,
     }
 

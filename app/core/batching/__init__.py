@@ -16,7 +16,7 @@ drive the engine with a fake one.
 """
 
 from app.core.batching.batcher import Batcher
-from app.core.batching.engine import Engine, EngineInfo, awaited
+from app.core.batching.engine import Engine, EngineInfo, awaited, wait
 from app.core.batching.execution import PredictFn, max_predict_calls
 from app.core.batching.fill import CallStats, FillPolicy, FillWait
 from app.core.batching.observer import BatchObserver
@@ -24,5 +24,5 @@ from app.core.batching.rows import Tensors, bucket_sizes, check_rows, row_count
 from app.core.batching.work import BatchResult
 
 __all__ = ["BatchObserver", "BatchResult", "Batcher", "CallStats", "Engine", "EngineInfo", "FillPolicy", "FillWait",
-           "PredictFn", "Tensors", "awaited", "bucket_sizes", "check_rows", "max_predict_calls",
+           "PredictFn", "Tensors", "awaited", "bucket_sizes", "check_rows", "max_predict_calls", "wait",
            "row_count"]

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from app.core.batching.engine import EngineInfo
+from app.core.batching.engine import EngineInfo, wait
 from app.core.batching.execution import Executor, PredictFn
 from app.core.batching.fill import FillPolicy
 from app.core.batching.observer import BatchObserver, GuardedObserver
@@ -129,13 +129,8 @@ class Batcher:
     def predict(self, call: Call, inputs: Tensors) -> BatchResult:
         """Submit and wait until the call's deadline; the rows are dropped unrun if it passes while
         they queue (or their level's queue timeout does: the batch thread answers them then)."""
-        future = self.submit(call, inputs)
         # On the batcher's clock, the one its batch thread reads deadlines by.
-        wait_s = None if call.deadline is None else max(call.deadline - self._clock(), 0.0)
-        try:
-            return future.result(timeout=wait_s)
-        except concurrent.futures.TimeoutError:
-            return self.give_up(future, call, wait_s)
+        return wait(self, call, self.submit(call, inputs), now=self._clock())
 
     def give_up(self, future: concurrent.futures.Future[BatchResult], call: Call, waited_s: float | None,
                 ) -> BatchResult:

@@ -4,6 +4,10 @@
 a batcher living in a model process) both implement `Engine`; nothing above the engine
 reaches past it. Their fixed limits and knobs are one `EngineInfo`, which a model process
 sends its workers as it is.
+
+A caller submits a call's rows and waits for them within the call's deadline: `wait` on a
+thread, `awaited` on an asyncio loop, each the engine's `give_up` once the deadline passed.
+This is the server's one deadline wait, whichever engine and whichever caller.
 """
 
 from __future__ import annotations
@@ -54,10 +58,6 @@ class Engine(Protocol):
     @property
     def batches_run(self) -> int: ...
 
-    def predict(self, call: Call, inputs: Tensors) -> BatchResult:
-        """The call's rows through the model, answered within its deadline."""
-        ...
-
     def submit(self, call: Call, inputs: Tensors) -> concurrent.futures.Future[BatchResult]:
         """Queue the call's rows; the future holds the answer, a ServingError, or is cancelled
         (the call's client_gone said so before the rows ran)."""
@@ -76,9 +76,22 @@ class Engine(Protocol):
     def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None: ...
 
 
+def wait(engine: Engine, call: Call, future: concurrent.futures.Future[BatchResult], *,
+         now: float | None = None) -> BatchResult:
+    """The answer of `future` (the engine's `submit`) within the call's deadline, waited for on
+    this thread (`now`: the time on the clock the deadline was set by, where that is not
+    time.monotonic's, as a batcher's own in its tests)."""
+    left_s = call.seconds_left(now)
+    wait_s = None if left_s is None else max(left_s, 0.0)
+    try:
+        return future.result(timeout=wait_s)
+    except concurrent.futures.TimeoutError:
+        return engine.give_up(future, call, wait_s)
+
+
 async def awaited(engine: Engine, call: Call, future: concurrent.futures.Future[BatchResult]) -> BatchResult:
-    """`predict` for a caller on an asyncio loop (the gRPC server): the answer of `future` (the
-    engine's `submit`) within the call's deadline, awaited without holding a thread."""
+    """`wait` for a caller on an asyncio loop (the gRPC server): the same deadline, awaited
+    without holding a thread."""
     left_s = call.seconds_left()
     if not future.done():
         loop = asyncio.get_running_loop()
