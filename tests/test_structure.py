@@ -1,5 +1,5 @@
-"""The shape of app/: imports point down only (docs/design.md), and no function runs past
-MAX_FUNCTION_LINES; read from the source as written.
+"""The shape of app/: one package per layer, imports point down only (docs/design.md), and no
+function runs past MAX_FUNCTION_LINES; read from the source as written.
 
 Every import counts, a function's own import too: a lazy import hides a circle from Python's
 start-up, not from the design.
@@ -93,9 +93,66 @@ def test_loading_a_model_reaches_no_front_door_and_no_tracing():
         if name not in reached:
             reached.add(name)
             todo.extend(graph[name])
-    doors = {"app.http.tfs", "app.grpc.server", "app.http.v2", "app.grpc.v2", "app.ops.tracing", "app.wire.warmup",
-             "app.core.serving"}
+    doors = {"app.http.tfs", "app.grpc.server", "app.grpc.tfs", "app.http.v2", "app.grpc.v2", "app.ops.tracing",
+             "app.wire.warmup", "app.core.serving"}
     assert reached & doors == set()
+
+
+# The packages of app/, lowest first: a module imports from its own package and from those below
+# it, never from one beside it (HTTP and gRPC are two transports) or above it.
+LAYERS = [("app.ops",), ("app.core",), ("app.wire",), ("app.http", "app.grpc"), ("app.model_process",)]
+# The only modules at app/'s top: the app factory and the entry points (`python -m app.entrypoint`,
+# `python -m app.tfs_flags`, Gunicorn's worker class), which may import any package.
+ENTRY_POINTS = {"app", "app.entrypoint", "app.tfs_flags", "app.worker"}
+
+
+def package(module: str) -> str:
+    """The layer package a module of app/ belongs to, or the module itself at app/'s top."""
+    return ".".join(module.split(".")[:2]) if module.count(".") >= 1 and module not in ENTRY_POINTS else module
+
+
+def rank(module: str) -> int:
+    found = package(module)
+    return next((index for index, layer in enumerate(LAYERS) if found in layer), len(LAYERS))
+
+
+def arrows_not_down(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from one package to another that is not below it (an entry point may import any)."""
+    return sorted(f"{source} -> {target}" for source, targets in graph.items() for target in targets
+                  if source not in ENTRY_POINTS and package(source) != package(target) and rank(source) <= rank(target))
+
+
+def test_arrows_not_down_finds_an_arrow_up_and_one_beside():
+    assert arrows_not_down({"app.core.a": {"app.ops.b"}, "app.ops.b": set()}) == []
+    assert arrows_not_down({"app.ops.b": {"app.core.a"}, "app.core.a": set()}) == ["app.ops.b -> app.core.a"]
+    assert arrows_not_down({"app.http.a": {"app.grpc.b"}, "app.grpc.b": set()}) == ["app.http.a -> app.grpc.b"]
+    assert arrows_not_down({"app": {"app.http.a"}, "app.core.b": {"app.core.c"}}) == []
+
+
+def test_every_module_sits_in_a_layer_package_but_the_factory_and_the_entry_points():
+    graph = import_graph()
+    layered = {name for layer in LAYERS for name in layer}
+    assert sorted(name for name in graph if package(name) not in layered | ENTRY_POINTS) == []
+    assert {name for name in graph if name.count(".") <= 1} - layered == ENTRY_POINTS
+
+
+def test_a_package_imports_only_from_the_packages_below_it():
+    assert arrows_not_down(import_graph()) == []
+
+
+def _imports_of(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_flask_is_imported_only_under_the_http_package_and_by_the_factory():
+    flask_users = sorted(_module_name(path) for path in APP.rglob("*.py") if _imports_of(path) & {"flask", "werkzeug"})
+    assert flask_users and [name for name in flask_users if package(name) not in ("app.http", "app")] == []
 
 
 MAX_FUNCTION_LINES = 60
