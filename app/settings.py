@@ -261,7 +261,7 @@ class Settings:
     model_control_mode: str = _env(
         "MODEL_CONTROL_MODE", validate_choice("none", "explicit"), "none",
         "Triton's name: `explicit` lets v2's repository load and unload change the models served, in every "
-        "worker; `none` refuses them (503). Needs `MODEL_REPOSITORY`.", section="Models")
+        "worker and model process; `none` refuses them (503). Needs `MODEL_REPOSITORY`.", section="Models")
     restricted_model_control: str = _env(
         "RESTRICTED_MODEL_CONTROL", validate_restriction, "",
         "`key=value`: v2's repository calls and TF Serving's HandleReloadConfigRequest are refused (403, "
@@ -465,9 +465,6 @@ class Settings:
     def __post_init__(self) -> None:
         if self.model_control_mode == "explicit" and not self.model_repository:
             raise SettingsError("MODEL_CONTROL_MODE='explicit' loads models from MODEL_REPOSITORY: set it")
-        if self.model_control_mode == "explicit" and self.model_processes:
-            raise SettingsError(f"MODEL_CONTROL_MODE='explicit' with MODEL_PROCESSES={self.model_processes} is not "
-                                "supported: v2's repository load and unload change a worker's own models")
         if self.model_control_mode == "explicit" and self.model_config_poll_seconds:
             # As Triton, which refuses explicit control with polling: the file would undo a load at its next read.
             raise SettingsError("MODEL_CONTROL_MODE='explicit' and MODEL_CONFIG_POLL_SECONDS="

@@ -8,10 +8,13 @@
 
 and gRPC's RepositoryIndex, RepositoryModelLoad and RepositoryModelUnload of
 inference.GRPCInferenceService. Load and unload change the server's model config as TF Serving's
-HandleReloadConfigRequest does (LiveConfig.edit in app/registry.py): every worker has applied it
-before the call answers, and a model that fails to load is answered with its reason while the
-others go on. They are refused (503, UNAVAILABLE, Triton's words) unless MODEL_CONTROL_MODE is
-explicit.
+HandleReloadConfigRequest does, by the same path (ModelRegistry.edit_config; with MODEL_PROCESSES,
+the model processes apply it): every model process and worker has applied it before the call
+answers, within the call's deadline (REST: REQUEST_TIMEOUT_MS; gRPC: the client's, as
+HandleReloadConfigRequest). A model that fails to load is answered with its reason, and listed
+UNAVAILABLE with it, while the others go on. They are refused (503, UNAVAILABLE, Triton's words)
+unless MODEL_CONTROL_MODE is explicit. Each parameter Triton reads is type-checked, in Triton's
+words on each door; then every load parameter, and any other unload one, is refused.
 
 RESTRICTED_MODEL_CONTROL=key=value restricts these calls and HandleReloadConfigRequest to callers
 that send header (or gRPC metadata key) `key` with that value, as Triton's `--http-restricted-api`
@@ -35,8 +38,9 @@ from tritonclient.grpc import service_pb2
 
 from app import codec
 from app.errors import BadRequest, Forbidden, NotFound, Unavailable
-from app.registry import AVAILABLE, END, LOADING, UNLOADING, ModelRegistry, get_registry
-from app.settings import MODEL_NAME_PATTERN, ModelConfig, Settings
+from app.registry import AVAILABLE, END, LOADING, UNLOADING, ConfigEdit, ModelRegistry, get_registry
+from app.serving import get_layer
+from app.settings import MODEL_NAME_PATTERN, Settings
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +101,8 @@ class Repository:
         if not MODEL_NAME_PATTERN.fullmatch(name) or not path.is_dir():
             raise BadRequest(f"failed to load '{name}', failed to poll from model repository: no folder "
                              f"'{name}' in MODEL_REPOSITORY")
-
-        def loaded(configs: list[ModelConfig]) -> dict[str, Any]:
-            entries = [config_entry(config) for config in configs if config.name != name]
-            return {"models": [*entries, {"name": name, "path": str(path)}],
-                    "default": entries[0]["name"] if entries else name}
-
         try:
-            self._edit(loaded, timeout_s)
+            self._registry.edit_config(ConfigEdit(name, str(path)), timeout_s=timeout_s)
         except BadRequest as exc:
             raise BadRequest(f"failed to load '{name}': {exc.message}") from None
 
@@ -113,15 +111,7 @@ class Repository:
         self._control(parameters, allowed=("unload_dependents",))
         if not self._registry.versions(name):
             return  # as Triton: unloading what is not served succeeds
-
-        def unloaded(configs: list[ModelConfig]) -> dict[str, Any]:
-            entries = [config_entry(config) for config in configs if config.name != name]
-            if not entries:
-                raise BadRequest(f"failed to unload '{name}': it is the only model served, and the server "
-                                 "serves at least one")
-            return {"models": entries}
-
-        self._edit(unloaded, timeout_s)
+        self._registry.edit_config(ConfigEdit(name), timeout_s=timeout_s)
 
     def _control(self, parameters: dict[str, Any], *, allowed: tuple[str, ...]) -> None:
         if not self.explicit:
@@ -132,30 +122,19 @@ class Repository:
             raise BadRequest(f"parameter(s) {unknown} not supported: a model is loaded from its folder in "
                              "MODEL_REPOSITORY as it is")
 
-    def _edit(self, change: Callable[[list[ModelConfig]], dict[str, Any]], timeout_s: float | None) -> None:
-        live = self._registry.live_config
-        if live is None:
-            raise Unavailable("this server's models come from no config it can change")
-        live.edit(change, timeout_s=timeout_s)
+
+# The parameters Triton's repository extension reads, by call: the JSON type REST takes and the
+# ModelRepositoryParameter field gRPC takes. A name ending in ':' is a prefix (`file:<path>`).
+_PARAMETERS: dict[str, dict[str, tuple[type, str]]] = {
+    "load": {"config": (str, "string_param"), "file:": (str, "bytes_param")},
+    "unload": {"unload_dependents": (bool, "bool_param")},
+}
 
 
-def config_entry(config: ModelConfig) -> dict[str, Any]:
-    """A served model's config as a MODEL_CONFIG entry that reads back equal: unchanged by a reload."""
-    kind, value = config.version_policy
-    policy: dict[str, Any] = {}  # "all"
-    if kind == "latest":
-        policy = {"num_versions": value}
-    elif kind == "specific":
-        policy = {"versions": list(value)}  # type: ignore[arg-type]
-    entry: dict[str, Any] = {
-        "name": config.name, "max_batch_size": config.max_batch_size, "batch_timeout_ms": config.batch_timeout_ms,
-        "max_queue_rows": config.max_queue_rows, "max_request_rows": config.max_request_rows,
-        "pad_variable_length": config.pad_variable_length, "pad_value": config.pad_value,
-        "length_buckets": list(config.length_buckets), "model_version_policy": {kind: policy},
-        "version_labels": dict(config.version_labels)}
-    if config.path is not None:
-        entry["path"] = config.path
-    return entry
+def _expected(call: str, name: str) -> tuple[type, str] | None:
+    known = _PARAMETERS[call]
+    return known.get(name) or next((kind for prefix, kind in known.items()
+                                    if prefix.endswith(":") and name.startswith(prefix)), None)
 
 
 def get(app: Flask) -> Repository:
@@ -183,10 +162,18 @@ def _body() -> dict[str, Any]:
     return body
 
 
-def _rest_parameters() -> dict[str, Any]:
+def _rest_parameters(call: str) -> dict[str, Any]:
     parameters = _body().get("parameters", {})
     if not isinstance(parameters, dict):
         raise BadRequest("'parameters' must be a JSON object")
+    for name, value in parameters.items():
+        expected = _expected(call, name)
+        if expected is None or type(value) is expected[0]:
+            continue
+        # Triton's words (http_server.cc, HandleRepositoryControl, and TritonJson's).
+        if expected[0] is bool:
+            raise BadRequest(f"Unable to parse '{name}': attempt to access JSON non-boolean as boolean")
+        raise BadRequest("attempt to access JSON non-string as string")
     return parameters
 
 
@@ -200,13 +187,13 @@ def index() -> Response:
 
 @bp.post("/models/<model_name:name>/load")
 def load(name: str) -> Response:
-    get(current_app).load(name, _rest_parameters(), timeout_s=None)
+    get(current_app).load(name, _rest_parameters("load"), timeout_s=get_layer(current_app).deadline_s())
     return Response(b"", content_type="application/json")
 
 
 @bp.post("/models/<model_name:name>/unload")
 def unload(name: str) -> Response:
-    get(current_app).unload(name, _rest_parameters(), timeout_s=None)
+    get(current_app).unload(name, _rest_parameters("unload"), timeout_s=get_layer(current_app).deadline_s())
     return Response(b"", content_type="application/json")
 
 
@@ -240,12 +227,13 @@ def serve_grpc(servicer: Any, repository: Repository, observed: Callable[[str, C
 
     def load(request: Any, _record: Any, context: grpc.ServicerContext) -> Any:
         _one_repository(request)
-        repository.load(request.model_name, _grpc_parameters(request), timeout_s=context.time_remaining())
+        repository.load(request.model_name, _grpc_parameters(request, "load"), timeout_s=context.time_remaining())
         return service_pb2.RepositoryModelLoadResponse()
 
     def unload(request: Any, _record: Any, context: grpc.ServicerContext) -> Any:
         _one_repository(request)
-        repository.unload(request.model_name, _grpc_parameters(request), timeout_s=context.time_remaining())
+        repository.unload(request.model_name, _grpc_parameters(request, "unload"),
+                          timeout_s=context.time_remaining())
         return service_pb2.RepositoryModelUnloadResponse()
 
     servicer.RepositoryIndex = observed(f"{_SERVICE}/RepositoryIndex", index)
@@ -258,5 +246,15 @@ def _one_repository(request: Any) -> None:
         raise BadRequest("'repository_name' specification is not supported")
 
 
-def _grpc_parameters(request: Any) -> dict[str, Any]:
-    return {key: request.parameters[key] for key in request.parameters}
+def _grpc_parameters(request: Any, call: str) -> dict[str, Any]:
+    parameters = {}
+    for name, parameter in request.parameters.items():
+        choice = parameter.WhichOneof("parameter_choice")
+        expected = _expected(call, name)
+        if expected is not None and choice != expected[1]:
+            # Triton's words (grpc_server.cc, RepositoryModelLoad and RepositoryModelUnload).
+            raise BadRequest(f"invalid value type for load parameter '{name}', expected {expected[1]}."
+                             if call == "load" else
+                             f"invalid value type for '{name}' parameter, expected {expected[1]}.")
+        parameters[name] = getattr(parameter, choice) if choice else None
+    return parameters

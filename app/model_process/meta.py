@@ -14,9 +14,10 @@ from app.registry import ModelRegistry
 
 
 def describe(registry: ModelRegistry) -> dict[str, Any]:
-    """Every model the registry serves: versions, labels and states (model process side)."""
+    """Every model the registry serves or knows (unloaded, failed to load): versions served,
+    labels and states (model process side)."""
     models = []
-    for name, _ in registry.items():
+    for name in registry.names():
         versions = [_servable(registry.get(name, version)) for version in registry.versions(name)]
         models.append({"name": name, "labels": _labels(registry, name), "versions": versions,
                        "states": registry.model_status(name)})
