@@ -380,7 +380,7 @@ def explicit_app_in_run_folder(in_process_app, repository, monkeypatch):
     monkeypatch.setenv(shared_config.RUN_DIR_ENV, folder)
     silent_worker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     silent_worker.bind(os.path.join(folder, f"{SILENT_PID}.sock"))
-    silent_worker.listen(1)
+    silent_worker.listen(8)
     app = in_process_app(model_repository=str(repository), model_control_mode="explicit",
                          model_path=str(repository / "alpha"), model_name="alpha", request_timeout_ms=500)
     yield app, silent_worker
@@ -453,19 +453,24 @@ def test_a_failed_load_is_listed_unavailable_with_its_reason(explicit_app):
                        "status": {"error_code": "UNKNOWN", "error_message": reason}}]
 
 
-def test_a_rest_load_answers_at_the_requests_deadline(explicit_app_in_run_folder):
+def test_a_rest_load_and_unload_answer_at_the_requests_deadline(explicit_app_in_run_folder):
     """REST has no client deadline: REQUEST_TIMEOUT_MS is the call's. A sibling worker that took the
     reload's connection and never answers is reported at it, not waited for."""
     app, silent_worker = explicit_app_in_run_folder
+    client = app.test_client()
+    answers = []
     with ThreadPoolExecutor(1) as pool:
-        answering = pool.submit(app.test_client().post, "/v2/repository/models/beta/load")
         try:
-            answer = answering.result(timeout=30)
+            for action in ("load", "unload"):
+                answers.append(pool.submit(client.post, f"/v2/repository/models/beta/{action}").result(timeout=30))
         finally:
-            silent_worker.close()  # without a deadline the load waits for it: closing ends the wait
-    assert (answer.status_code, answer.json) == (504, {"error": (
+            silent_worker.close()  # without a deadline a call waits for it: closing ends the wait
+    assert [(answer.status_code, answer.json) for answer in answers] == [(504, {"error": (
         f"the model config was applied by this worker, but worker(s) [{SILENT_PID}] had not reported it applied "
-        "within the call's deadline; they go on")})
+        "within the call's deadline; they go on")})] * 2
+    # Applied here, as the answer says: beta loaded, then unloaded.
+    assert client.post("/v2/repository/index").json[1] == {"name": "beta", "version": "1", "state": "UNAVAILABLE",
+                                                           "reason": "unloaded"}
 
 
 def test_a_served_config_reads_back_unchanged():
