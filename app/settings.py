@@ -261,7 +261,7 @@ class Settings:
     model_control_mode: str = _env(
         "MODEL_CONTROL_MODE", validate_choice("none", "explicit"), "none",
         "Triton's name: `explicit` lets v2's repository load and unload change the models served, in every "
-        "worker and model process; `none` refuses them (503). Needs `MODEL_REPOSITORY`.", section="Models")
+        "process; `none` refuses them (503). Needs `MODEL_REPOSITORY`.", section="Models")
     restricted_model_control: str = _env(
         "RESTRICTED_MODEL_CONTROL", validate_restriction, "",
         "`key=value`: v2's repository calls and TF Serving's HandleReloadConfigRequest are refused (403, "
