@@ -85,7 +85,7 @@ FILE_SECONDS = {
     "test_tracing": 22, "test_tfs_model_server": 22, "test_hostile_grpc": 22, "test_logs": 21, "test_tf_serving": 20,
     "test_json_logs_tensorflow_cuda": 18, "test_worker_lifecycle": 17, "test_priority": 17, "test_nginx": 16,
     "test_metrics": 16, "test_model_processes": 15, "test_model_process_gpus": 14, "test_tfs_command_flags": 14,
-    "test_grpc_truth": 13, "test_v2_statistics": 13, "test_v2_repository": 13, "test_hostile_logs": 12,
+    "test_grpc_truth": 13, "test_v2_statistics": 13, "test_v2_repository": 18, "test_hostile_logs": 12,
     "test_profile_worker": 12, "test_v2_kserve": 11, "test_nginx_grpc": 10, "test_v2": 10, "test_nginx_limits": 9,
     "test_tls": 9, "test_varlen": 9, "test_hostile": 8, "test_process_bench": 8, "test_tfs_models": 8,
     "test_signatures": 7, "test_payload_log": 6, "test_versions": 6, "test_model_process_ops": 6,
