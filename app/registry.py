@@ -648,9 +648,9 @@ def config_entry(config: ModelConfig) -> dict[str, Any]:
         priorities = config.priorities
         entry.update(priority_levels=priorities.levels, default_priority_level=priorities.default_level,
                      priority_queue_policy={str(level): {
-                         "max_queue_size": policy.max_queue_rows,
-                         "default_timeout_microseconds": round(policy.default_timeout_s * 1e6)}
-                         for level, policy in enumerate(priorities.policies, start=1)})
+                         "max_queue_size": queue.max_queue_rows,
+                         "default_timeout_microseconds": round(queue.default_timeout_s * 1e6)}
+                         for level, queue in enumerate(priorities.policies, start=1)})
     return entry
 
 
