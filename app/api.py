@@ -13,13 +13,15 @@ from typing import Any
 
 import orjson
 from flask import Blueprint, Flask, Response, current_app, request
-from werkzeug.routing import BaseConverter, IntegerConverter
+from werkzeug.routing import BaseConverter, IntegerConverter, ValidationError
 
 from app import classify, codec, limits, metadata, priority
 from app.batching import Tensors, check_rows
 from app.call import ModelSpec
 from app.direct import Reply, Route
+from app.errors import unreadable_version
 from app.models import Signature
+from app.numerals import INT64_MAX, whole_number
 from app.registry import get_registry
 from app.serving import CLASSIFY, REGRESS, Answer, RequestLayer, examples_decode, get_layer
 from app.settings import MODEL_NAME_PATTERN
@@ -33,7 +35,22 @@ class ModelNameConverter(BaseConverter):
 
 
 class AsciiIntConverter(IntegerConverter):
+    """A URL's version: ASCII digits up to int64, or no match (app/errors.py then answers TF Serving's 400)."""
+
     regex = r"[0-9]+"
+
+    def to_python(self, value: str) -> int:
+        number = whole_number(value, INT64_MAX)
+        if number is None:
+            raise ValidationError()
+        return number
+
+
+def _url_version(text: str) -> int:
+    number = whole_number(text, INT64_MAX)
+    if number is None:
+        raise unreadable_version(text)
+    return number
 
 
 def _json(body: bytes, status: int = 200, headers: list[tuple[str, str]] | None = None) -> Response:
@@ -81,7 +98,7 @@ PREDICT_ROUTES = [
           lambda layer, environ, groups: predict(layer, environ, ModelSpec(groups[0]))),
     Route("/v1/models/<model_name:name>/versions/<int:version>:predict",
           rf"/v1/models/({_NAME})/versions/({AsciiIntConverter.regex}):predict",
-          lambda layer, environ, groups: predict(layer, environ, ModelSpec(groups[0], int(groups[1])))),
+          lambda layer, environ, groups: predict(layer, environ, ModelSpec(groups[0], _url_version(groups[1])))),
     Route("/v1/models/<model_name:name>/labels/<model_name:label>:predict",
           rf"/v1/models/({_NAME})/labels/({_NAME}):predict",
           lambda layer, environ, groups: predict(layer, environ, ModelSpec(groups[0], label=groups[1]))),

@@ -84,7 +84,7 @@ def loads(body: bytes | memoryview) -> Any:
     # orjson keeps to RFC 8259; TF Serving's and Triton's parser (rapidjson, kParseNanAndInfFlag)
     # also read NaN, Infinity and -Infinity. Python's json does too, more slowly: only for such bodies.
     try:
-        document = json.loads(body.decode(), parse_float=_finite_float)
+        document = json.loads(body.decode(), parse_float=_finite_float, parse_int=_orjson_int)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadRequest(f"malformed JSON: {exc}") from None
     # Python's json, unlike orjson, reads a lone surrogate escape ("\ud800") into a str that no
@@ -125,6 +125,16 @@ def _finite_float(text: str) -> float:
     if math.isinf(value):  # '1e400' is too big for a double; only the token 'Infinity' means infinity
         raise ValueError(f"number {text[:40]} is too big for a double")
     return value
+
+
+def _orjson_int(text: str) -> int | float:
+    # An integer as orjson reads one: exact within int64 and uint64, past them a double. int()
+    # would read up to 4,300 digits exactly, and raise past them.
+    if len(text) <= 20:
+        number = int(text)
+        if -2**63 <= number < 2**64:
+            return number
+    return _finite_float(text)
 
 
 def parse_request(body: bytes, *, max_rows: int | None = None) -> ParsedRequest:

@@ -32,6 +32,7 @@ from flask import Flask, Response, current_app, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
 from app.logs import current_request_id
+from app.numerals import INT64_MAX, whole_number
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,11 @@ def serving_error_answer(exc: ServingError, request_id: str | None) -> Response:
     return _answer(exc.status_code, exc.message, exc.headers)
 
 
+def unreadable_version(text: str) -> BadRequest:
+    """TF Serving's answer to a URL's version that absl::SimpleAtoi cannot read as an int64."""
+    return BadRequest(f"Failed to convert version: {text} to numeric.")
+
+
 # TF Serving's URL patterns (model_servers/http_rest_api_util.cc): under /v1/, a path that
 # fits neither is "Malformed request" (400), one that fits but names nothing is 404.
 _V1_PATH = re.compile(r"(?i)/v1/.*")
@@ -203,6 +209,8 @@ def handle_http_error(exc: HTTPException) -> Response:
             return _answer(400, f"Malformed request: {request.method} {path}")
         if match is not None and not match.group(1):
             return _answer(400, "Missing model name in request.")
+        if match is not None and match.group(2) and whole_number(match.group(2), INT64_MAX) is None:
+            return _answer(400, unreadable_version(match.group(2)).message)
     return _answer(exc.code or 500, message, headers)
 
 

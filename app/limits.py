@@ -34,6 +34,7 @@ from flask import Flask, request
 
 from app.errors import BadRequest, PayloadTooLarge, ServingError, Unavailable, UnsupportedEncoding
 from app.models import STRING, LoadedModel, Signature
+from app.numerals import INT64_MAX, whole_number
 from app.registry import ModelRegistry
 from app.settings import Settings
 
@@ -181,9 +182,13 @@ class BodyLimits:
 
 
 def _content_length(environ: dict[str, Any]) -> int:
-    # The WSGI server has checked the header's syntax (Gunicorn answers 400 otherwise).
+    # The WSGI server has checked the header's syntax (Gunicorn answers 400 otherwise, and past
+    # 4,300 digits); past int64, a length is over any limit all the same.
     text = environ.get("CONTENT_LENGTH") or "0"
-    return int(text) if text.isascii() and text.isdigit() else 0
+    if not (text.isascii() and text.isdigit()):
+        return 0
+    length = whole_number(text, INT64_MAX)
+    return INT64_MAX if length is None else length
 
 
 def _read_exactly(stream: Any, length: int) -> bytes:

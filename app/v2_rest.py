@@ -36,6 +36,7 @@ from flask import Blueprint, Flask, Response, current_app, request
 from app import codec, limits, priority, v2_repository, v2_statistics, v2_tensors
 from app.direct import Reply, Route
 from app.errors import BadRequest, Unavailable
+from app.numerals import whole_number
 from app.serving import Answer, RequestLayer, get_layer
 from app.settings import MODEL_NAME_PATTERN
 
@@ -158,12 +159,11 @@ def _split(data: bytes, header_length: str | None) -> tuple[dict[str, Any], memo
     if header_length is None:
         length = len(data)
     else:
-        text = header_length.strip()
-        # ASCII digits only: isdigit() also takes '²', which int() then refuses.
-        if not (text.isascii() and text.isdigit()) or int(text) > len(data):
+        found = whole_number(header_length.strip(), len(data))
+        if found is None:
             raise BadRequest(f"{HEADER_LENGTH} must be a number of bytes within the body's {len(data)}; "
                              f"got {header_length!r}")
-        length = int(text)
+        length = found
     json_text = data if length == len(data) else data[:length]
     body = _numbers_read_whole(json_text)
     if body is None:

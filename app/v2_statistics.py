@@ -20,7 +20,7 @@ from flask import Response, current_app
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2
 
-from app import model_stats
+from app import model_stats, v2_tensors
 from app.errors import BadRequest
 from app.logs import RequestRecord
 from app.metrics import Metrics, get_metrics
@@ -39,7 +39,7 @@ def statistics(registry: ModelRegistry, metrics: Metrics | None, name: str = "",
     if not version:
         numbers = served
     elif version.isascii() and version.isdigit():
-        numbers = [int(version)]
+        numbers = [v2_tensors.version_number(version)]
     else:
         numbers = [registry.get(name, label=version).model.version]  # a label: refused as everywhere in v2
     if not set(numbers) <= set(served):

@@ -28,8 +28,9 @@ import orjson
 from app import codec
 from app.batching import check_rows
 from app.call import ModelSpec
-from app.errors import InvalidInput
+from app.errors import BadRequest, InvalidInput
 from app.models import STRING, LoadedModel, Signature, TensorInfo
+from app.numerals import INT64_MAX, whole_number
 from app.serving import braced
 
 SERVER_NAME = "tensorflow-model-server"
@@ -59,8 +60,18 @@ def model_spec(name: str, version: str | None) -> ModelSpec:
     """A v2 version string: digits are a version number, anything else a version label."""
     if not version:
         return ModelSpec(name)
-    number = version.isascii() and version.isdigit()
-    return ModelSpec(name, int(version)) if number else ModelSpec(name, label=version)
+    if not (version.isascii() and version.isdigit()):
+        return ModelSpec(name, label=version)
+    return ModelSpec(name, version_number(version))
+
+
+def version_number(version: str) -> int:
+    """A version of digits as a number; 400 past int64, as Triton refuses a version stol cannot read."""
+    number = whole_number(version, INT64_MAX)
+    if number is None:
+        raise BadRequest(f"failed to get model version from specified version string '{version}', version "
+                         f"should be an integral value from 0 to {INT64_MAX}")
+    return number
 
 
 def datatype(spec: TensorInfo) -> str:
