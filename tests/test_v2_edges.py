@@ -209,6 +209,33 @@ def test_a_number_too_big_for_a_double_is_still_malformed(client):
     assert answer.json == {"error": "malformed JSON: number 1e400 is too big for a double"}
 
 
+@pytest.mark.parametrize("datatype, value", [("FP32", 3.5e38), ("FP32", -1e39), ("FP16", 70000)])
+@pytest.mark.parametrize("reading", ["read at once", "item by item", "beside NaN"])
+def test_a_value_past_the_float_range_is_refused_as_tf_serving_refuses_it(client, datatype, value, reading):
+    # A finite number the datatype cannot hold would be computed on as infinity: refused, on every
+    # path the JSON takes (simdjson's; numpy's with a boolean in the body; Python's, for NaN).
+    data = {datatype: [value, 1], **({"BOOL": [True, False]} if reading == "item by item" else {})}
+    if reading == "beside NaN":
+        data[datatype] = [value, float("nan")]
+    answer = echo_request(client, data)
+
+    assert answer.status_code == 400, answer.text
+    assert answer.json == {"error": f"input 'in_{datatype.lower()}': a value is outside the range of {datatype}"}
+    if datatype == "FP32":  # the exact model takes float32
+        tf_serving = client.post("/v1/models/exact:predict", json={"instances": [[value, 1, 2, 3]]})
+        assert (tf_serving.status_code, tf_serving.json) == (
+            400, {"error": "instances: a value is too large for DT_FLOAT (input 'features')"})
+
+
+def test_infinity_spelled_out_and_the_largest_float_stay_what_they_are(client):
+    answer = echo_request(client, {"FP32": [float("inf"), -3.4028235e38], "FP16": [65504, -65519]})
+
+    assert answer.status_code == 200, answer.text
+    outputs = {output["name"]: output["data"] for output in answer.json["outputs"]}
+    assert outputs["out_fp32"] == [float("inf"), float(np.finfo(np.float32).min)]
+    assert outputs["out_fp16"] == [65504.0, -65504.0]  # 65519 rounds to float16's largest, not to infinity
+
+
 # -- 9. JSON data read by numpy at once, or item by item where it must be -------------------
 
 
@@ -303,6 +330,10 @@ def test_bf16_takes_integers_past_64_bits_item_by_item_as_float_reads_them():
     assert array.tobytes() == np.array([float(2 ** 64), float(10 ** 30)]).astype(bf16).tobytes()
     with pytest.raises(v2_tensors.InvalidInput, match="^x: a value is outside the range of BF16$"):
         v2_tensors._from_json([10 ** 400, 1], bf16, 2, "x", booleans=True)
+    # Past bfloat16's range, but not a double's: refused on both readings, never infinity.
+    for data in ([3.4e38, 1], np.array([3.4e38, 1])):
+        with pytest.raises(v2_tensors.InvalidInput, match="^x: a value is outside the range of BF16$"):
+            v2_tensors._from_json(data, bf16, 2, "x", booleans=False)
 
 
 # -- 6. the OpenAPI document and the routes served ------------------------------------------
