@@ -265,8 +265,9 @@ class Settings:
     restricted_model_control: str = _env(
         "RESTRICTED_MODEL_CONTROL", validate_restriction, "",
         "`key=value`: v2's repository calls and TF Serving's HandleReloadConfigRequest are refused (403, "
-        "PERMISSION_DENIED) without header (REST) or metadata key (gRPC) `key` equal to `value`, as Triton's "
-        "`--http-restricted-api=model-repository:key=value`. Empty: not restricted.", section="Models")
+        "PERMISSION_DENIED) without header (REST) or metadata key (gRPC) `key` equal to `value` (each time, if "
+        "sent twice), as Triton's `--http-restricted-api=model-repository:key=value`. Empty: not restricted.",
+        section="Models")
     max_batch_size: int = _env(
         "MAX_BATCH_SIZE", validate_pos_int, 32,
         "Most rows in one predict call. Batches are padded to a bucket: the powers of two below it, and itself.",

@@ -65,12 +65,23 @@ class Repository:
         self.key, self._value = key, value.encode()
         self._registry = registry
 
-    def check(self, call: str, sent: str | None, *, where: str) -> None:
-        """Refuse `call` unless it came with the restriction's key and value (`sent`: what it had)."""
-        if not self.key or (sent is not None and hmac.compare_digest(sent.encode(), self._value)):
+    def check(self, call: str, sent: list[str], *, where: str) -> None:
+        """Refuse `call` unless it came with the restriction's key, every time with its value (`sent`:
+        the values it had, in order): a key sent twice is let in only if both are the value."""
+        if not self.key or (sent and all(hmac.compare_digest(value.encode(), self._value) for value in sent)):
             return
         log.warning("refused %s: no valid '%s' %s", call, self.key, where)
         raise Forbidden(f"This API is restricted, expecting {where} '{self.key}'")
+
+    def header_values(self, text: str | None) -> list[str]:
+        """The values of the restriction's header. The WSGI server joins a repeated header's with ','
+        (Gunicorn; Werkzeug's test client ', '): the text is one value where it is the restriction's
+        (which may hold a ','), else each of its parts is one."""
+        if text is None:
+            return []
+        if hmac.compare_digest(text.encode(), self._value):
+            return [text]
+        return [part.strip(" \t") for part in text.split(",")]
 
     def index(self, *, ready: bool) -> list[dict[str, str]]:
         registry = self._registry
@@ -150,8 +161,9 @@ def get(app: Flask) -> Repository:
 @bp.before_request
 def restricted() -> None:
     repository = get(current_app)
-    repository.check(request.path, request.headers.get(repository.key) if repository.key else None,
-                     where="header")
+    if repository.key:
+        repository.check(request.path, repository.header_values(request.headers.get(repository.key)),
+                         where="header")
 
 
 def _body() -> dict[str, Any]:
@@ -211,8 +223,8 @@ def restriction(repository: Repository) -> Callable[[str, Any], None]:
     def check(method: str, metadata: Any) -> None:
         if method not in RESTRICTED_METHODS or not repository.key:
             return
-        sent = next((value for key, value in metadata or () if key == repository.key and isinstance(value, str)),
-                    None)
+        # Every value of the key, as gRPC hands a repeated key over: one entry each.
+        sent = [value if isinstance(value, str) else "" for key, value in metadata or () if key == repository.key]
         repository.check(method, sent, where="metadata key")
 
     return check

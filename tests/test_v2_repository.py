@@ -200,6 +200,38 @@ def test_restricted_calls_without_the_key_are_refused_and_logged(server, http, g
     assert SECRET not in log and "wrong" not in log
 
 
+def rest_index_status(server, values: list[str]) -> int:
+    """POST /v2/repository/index with the restricted header once per value, in order (as sent on the wire)."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
+    try:
+        connection.putrequest("POST", "/v2/repository/index")
+        for value in values:
+            connection.putheader(KEY, value)
+        connection.putheader("Content-Length", "0")
+        connection.endheaders()
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("values, allowed", [([SECRET, "bad"], False), (["bad", SECRET], False),
+                                             ([SECRET, SECRET], True), ([SECRET], True)])
+def test_a_restricted_key_sent_twice_is_let_in_only_if_every_value_matches(server, values, allowed):
+    assert rest_index_status(server, values) == (200 if allowed else 403)
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        call = lambda: stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(), timeout=TIMEOUT_S,  # noqa: E731
+                                            metadata=[(KEY, value) for value in values])
+        if allowed:
+            assert [model.name for model in call().models] == ["alpha", "beta", "broken"]
+        else:
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
 # -- with MODEL_PROCESSES ---------------------------------------------------------------------
 
 
