@@ -284,6 +284,8 @@ class RequestLayer:
     def _stage(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> _Staged:
         selected = self.select_outputs(signature, call.outputs)
         inputs = decode(signature, servable.batchers[signature.name].info.max_request_rows)
+        for spec in signature.narrowed_inputs:
+            _check_exact(spec, inputs.get(spec.name))
         # A request with no inputs, or a scalar one (an unbatched signature's), is one item.
         first = next(iter(inputs.values()), None)
         rows = first.shape[0] if first is not None and first.ndim else 1
@@ -345,6 +347,20 @@ class _Staged(NamedTuple):
     selected: list[TensorInfo]
     inputs: Tensors
     rows: int
+
+
+def _check_exact(spec: TensorInfo, array: np.ndarray | None) -> None:
+    """400 for a value of the input that the narrower dtype its backend computes it in cannot hold
+    exactly: the model would have computed on another number."""
+    if array is None or not array.size:
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        held = array.astype(spec.narrowed_to).astype(array.dtype)
+    changed = (held != array) & (array == array)  # NaN stays NaN
+    if changed.any():
+        value = array[changed].flat[0].item()
+        raise InvalidInput(f"input '{spec.name}': {value!r} does not fit {spec.narrowed_to} exactly, and Keras on "
+                           f"JAX computes this {spec.dtype} input in {spec.narrowed_to} (JAX_ENABLE_X64 is off)")
 
 
 def examples_decode(examples: Callable[[int], np.ndarray]) -> Decode:
