@@ -350,16 +350,20 @@ class _Staged(NamedTuple):
 
 
 def _check_exact(spec: TensorInfo, array: np.ndarray | None) -> None:
-    """400 for a value of the input that the narrower dtype its backend computes it in cannot hold
-    exactly: the model would have computed on another number."""
+    """400 for a value of the input that the narrower dtype its backend computes it in turns into
+    another number: an integer it cannot hold exactly, a finite float past its range. A float's
+    rounding to the narrower precision is kept, as Keras's layers cast float64 on TensorFlow too."""
     if array is None or not array.size:
         return
     with np.errstate(over="ignore", invalid="ignore"):
         held = array.astype(spec.narrowed_to).astype(array.dtype)
-    changed = (held != array) & (array == array)  # NaN stays NaN
+    if array.dtype.kind in "fc":
+        changed = np.isfinite(array) & ~np.isfinite(held)
+    else:
+        changed = held != array
     if changed.any():
         value = array[changed].flat[0].item()
-        raise InvalidInput(f"input '{spec.name}': {value!r} does not fit {spec.narrowed_to} exactly, and Keras on "
+        raise InvalidInput(f"input '{spec.name}': {value!r} does not fit {spec.narrowed_to}, and Keras on "
                            f"JAX computes this {spec.dtype} input in {spec.narrowed_to} (JAX_ENABLE_X64 is off)")
 
 

@@ -287,18 +287,20 @@ def test_a_64_bit_value_32_bits_cannot_hold_is_refused_on_jax_never_changed(serv
     big = 2**31 + 5
     assert wide_predict(servers["tensorflow"], big, 0.5) == (200, {"predictions": [{"ids_out": [big], "x_out": [0.5]}]})
     assert wide_predict(servers["jax"], big, 0.5) == (400, {"error": (
-        "input 'ids': 2147483653 does not fit int32 exactly, and Keras on JAX computes this int64 input in int32 "
+        "input 'ids': 2147483653 does not fit int32, and Keras on JAX computes this int64 input in int32 "
         "(JAX_ENABLE_X64 is off)")})
-    assert wide_predict(servers["jax"], 1, 0.1) == (400, {"error": (
-        "input 'x': 0.1 does not fit float32 exactly, and Keras on JAX computes this float64 input in float32 "
+    assert wide_predict(servers["jax"], 1, 1e300) == (400, {"error": (
+        "input 'x': 1e+300 does not fit float32, and Keras on JAX computes this float64 input in float32 "
         "(JAX_ENABLE_X64 is off)")})
     v2 = requests.post(f"{servers['jax'].url}/v2/models/wide/infer", timeout=TIMEOUT_S, json={"inputs": [
         {"name": "ids", "datatype": "INT64", "shape": [1, 1], "data": [-2**31 - 1]},
         {"name": "x", "datatype": "FP64", "shape": [1, 1], "data": [0.5]}]})
     assert (v2.status_code, v2.json()["error"][:40]) == (400, "input 'ids': -2147483649 does not fit in")
-    # What 32 bits hold is served, alike on both backends.
+    # What 32 bits hold is served, alike on both backends; so is a float64 within float32's range,
+    # which JAX rounds to float32 (the answer's float32 reads back as 0.1).
     for server in servers.values():
         assert wide_predict(server, -2**31, 0.25) == (200, {"predictions": [{"ids_out": [-2**31], "x_out": [0.25]}]})
+        assert wide_predict(server, 1, 0.1) == (200, {"predictions": [{"ids_out": [1], "x_out": [0.1]}]})
 
 
 X64_PREDICT = """
