@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import SERVER_KNOBS, documented, settings_markdown
+from app.settings import GUNICORN_SECTION, SERVER_KNOBS, documented, settings_markdown
 from tests.conftest import REPO
 
 README = REPO / "README.md"
@@ -87,7 +87,8 @@ def test_settings_page_shows_the_defaults_gunicorn_conf_gives(monkeypatch, tmp_p
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     values = runpy.run_path(str(REPO / "gunicorn.conf.py"))
     # Knobs whose default is a literal; WORKERS and THREADS are derived and described in words.
-    literal = {knob.env: knob.default for knob in SERVER_KNOBS if knob.default is not None}
+    literal = {knob.env: knob.default for knob in SERVER_KNOBS
+               if knob.default is not None and knob.section == GUNICORN_SECTION}
     assert set(literal) == {"BIND", "TIMEOUT", "GRACEFUL_TIMEOUT", "KEEPALIVE"}
     assert {env: values[env.lower()] for env in literal} == literal
 
