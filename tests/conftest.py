@@ -80,6 +80,7 @@ def _ours(thing) -> bool:
 # file's weight changes by much. A file's model-process copy (below) has a key of its own, from a run of
 # that pass alone, scaled to the same machine.
 FILE_SECONDS = {
+    "test_manual_runs": 120,
     "test_reliability": 60, "test_stops": 60, "test_jax": 56, "test_model_process_faults": 49, "test_benchmark": 48,
     "test_fuzz": 37, "test_grpc": 26, "test_locust": 24, "test_tfs_live_config": 24, "test_server": 23,
     "test_tracing": 22, "test_tfs_model_server": 22, "test_hostile_grpc": 22, "test_logs": 21, "test_tf_serving": 20,
