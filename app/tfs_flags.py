@@ -34,6 +34,7 @@ from typing import Any
 from app.ops.settings import (
     allowed,
     numeral,
+    server_knob,
     validate_grpc_channel_arguments,
     validate_metrics_path,
     validate_socket_path,
@@ -380,8 +381,16 @@ def _models(value: Callable[[str], Any], *, read: Callable[[str], str], config_d
             json.dump(config, config_file)
         return {"MODEL_CONFIG": path}
     if value("model_base_path"):
-        return {"MODEL_PATH": value("model_base_path"), "MODEL_NAME": value("model_name")}
+        # Relative to where the command ran, as TF Serving's; Gunicorn runs from the repository.
+        return {"MODEL_PATH": os.path.abspath(value("model_base_path")), "MODEL_NAME": value("model_name")}
     raise FlagError("--model_base_path or --model_config_file is required")
+
+
+def check_model_base_path(values: Mapping[str, Any], env: Mapping[str, str]) -> None:
+    """A --model_base_path that is not there stops start-up here, in words that name the flag the
+    user gave: past this point it is MODEL_PATH, a variable they never set."""
+    if "MODEL_PATH" in env and not os.path.exists(env["MODEL_PATH"]):
+        raise FlagError(f"--model_base_path={values['model_base_path']}: no such file or folder")
 
 
 def _read(read: Callable[[str], str], path: str, flag: str) -> str:
@@ -407,9 +416,10 @@ def gunicorn_command(env: Mapping[str, str], also_bind: Sequence[str] = ()) -> l
 def main(argv: Sequence[str] | None = None, *, also_bind: Sequence[str] = ()) -> None:
     """Translate the flags and replace this process with Gunicorn, run from the repository."""
     try:
-        env = environment(parse_flags(sys.argv[1:] if argv is None else argv), read=_read_file,
-                          config_dir=tempfile.mkdtemp(prefix="tfs-flags-"),
-                          host=os.environ.get("TFS_LISTEN_HOST", "0.0.0.0"))
+        values = parse_flags(sys.argv[1:] if argv is None else argv)
+        env = environment(values, read=_read_file, config_dir=tempfile.mkdtemp(prefix="tfs-flags-"),
+                          host=os.environ.get("TFS_LISTEN_HOST") or server_knob("TFS_LISTEN_HOST").default)
+        check_model_base_path(values, env)
     except FlagError as exc:
         sys.exit(f"tensorflow_model_server flags: {exc}")
     repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

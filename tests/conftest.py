@@ -80,12 +80,13 @@ def _ours(thing) -> bool:
 # file's weight changes by much. A file's model-process copy (below) has a key of its own, from a run of
 # that pass alone, scaled to the same machine.
 FILE_SECONDS = {
+    "test_manual_runs": 120,
     "test_reliability": 60, "test_stops": 60, "test_jax": 56, "test_model_process_faults": 49, "test_benchmark": 48,
     "test_fuzz": 37, "test_grpc": 26, "test_locust": 24, "test_tfs_live_config": 24, "test_server": 23,
     "test_tracing": 22, "test_tfs_model_server": 22, "test_hostile_grpc": 22, "test_logs": 21, "test_tf_serving": 20,
     "test_json_logs_tensorflow_cuda": 18, "test_worker_lifecycle": 17, "test_priority": 17, "test_nginx": 16,
     "test_metrics": 16, "test_model_processes": 15, "test_model_process_gpus": 14, "test_tfs_command_flags": 14,
-    "test_grpc_truth": 13, "test_v2_statistics": 13, "test_v2_repository": 13, "test_hostile_logs": 12,
+    "test_grpc_truth": 13, "test_v2_statistics": 13, "test_v2_repository": 18, "test_hostile_logs": 12,
     "test_profile_worker": 12, "test_v2_kserve": 11, "test_nginx_grpc": 10, "test_v2": 10, "test_nginx_limits": 9,
     "test_tls": 9, "test_varlen": 9, "test_hostile": 8, "test_process_bench": 8, "test_tfs_models": 8,
     "test_signatures": 7, "test_payload_log": 6, "test_versions": 6, "test_model_process_ops": 6,

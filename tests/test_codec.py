@@ -103,6 +103,16 @@ def test_numbers_that_are_not_nan_or_infinity_are_still_refused(body, words):
         decode(body)
 
 
+def test_a_bfloat16_input_refuses_a_value_past_its_range_as_float32_does():
+    import ml_dtypes
+
+    bf16 = Spec([TensorInfo("b", (2,), np.dtype(ml_dtypes.bfloat16), "DT_BFLOAT16")])
+    with pytest.raises(InvalidInput, match=r"^instances: a value is too large for DT_BFLOAT16 \(input 'b'\)$"):
+        decode(b'{"instances": [[3.4e38, 1]]}', bf16)
+    assert decode(b'{"instances": [[3.38e38, -Infinity]]}', bf16)["b"].astype(float).tolist() == [
+        [float(np.float32(3.38e38).astype(ml_dtypes.bfloat16)), -np.inf]]
+
+
 def test_nan_for_an_integer_input_is_refused():
     """json_tensor.cc AddValueToTensor: DT_INT32 takes only IsInt() values."""
     with pytest.raises(InvalidInput, match="takes integers .*got NaN or Infinity"):

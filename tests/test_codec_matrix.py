@@ -212,4 +212,4 @@ def test_the_gil_keeping_cast_and_peak_are_numpys_astype_and_peak(shape, dtype):
     values.reshape(-1)[-1] = -2000.0 - shape[-1]  # the peak in the last piece, negative
     cast = codec.astype_keeping_gil(values, dtype)
     assert (cast.dtype, cast.shape, cast.tobytes()) == (dtype, values.shape, values.astype(dtype).tobytes())
-    assert codec._peak(values.reshape(-1)) == float(np.abs(values).max()) == 2000.0 + shape[-1]
+    assert codec.peak(values.reshape(-1)) == float(np.abs(values).max()) == 2000.0 + shape[-1]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app.ops.settings import SERVER_KNOBS, documented, settings_markdown
+from app.ops.settings import GUNICORN_SECTION, SERVER_KNOBS, documented, settings_markdown
 from tests.conftest import REPO
 
 README = REPO / "README.md"
@@ -32,15 +32,19 @@ def test_readme_is_a_landing_page_of_at_most_10_kb():
     assert size <= 10 * 1024, f"README.md is {size} bytes; the manual's pages in docs/ take the detail"
 
 
-def test_readme_starts_with_the_two_set_up_commands():
+def test_readme_starts_with_the_two_set_up_commands_each_in_its_own_block():
     lines = README.read_text().splitlines()
     block_start = lines.index("```bash")
     # Only the title and a sentence or two of what it is come first: no code before the commands.
     before = lines[:block_start]
     assert before[0].startswith("# ") and len("\n".join(before)) <= 300
     assert not any(line.startswith("```") or line.startswith("    ") for line in before)
-    assert lines[block_start + 1:block_start + 3] == SET_UP_COMMANDS
-    assert lines[block_start + 3] == "```"
+    # Each alone in its block, so that each can be pasted alone: the server never returns.
+    assert lines[block_start + 1:block_start + 3] == [SET_UP_COMMANDS[0], "```"]
+    second = lines.index("```bash", block_start + 1)
+    assert lines[second + 1:second + 3] == [SET_UP_COMMANDS[1], "```"]
+    between = " ".join(lines[block_start + 3:second])
+    assert "until Ctrl-C" in between, "the serving command says that it keeps running"
 
 
 def test_readme_has_no_dated_narrative():
@@ -87,7 +91,8 @@ def test_settings_page_shows_the_defaults_gunicorn_conf_gives(monkeypatch, tmp_p
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     values = runpy.run_path(str(REPO / "gunicorn.conf.py"))
     # Knobs whose default is a literal; WORKERS and THREADS are derived and described in words.
-    literal = {knob.env: knob.default for knob in SERVER_KNOBS if knob.default is not None}
+    literal = {knob.env: knob.default for knob in SERVER_KNOBS
+               if knob.default is not None and knob.section == GUNICORN_SECTION}
     assert set(literal) == {"BIND", "TIMEOUT", "GRACEFUL_TIMEOUT", "KEEPALIVE"}
     assert {env: values[env.lower()] for env in literal} == literal
 

@@ -39,6 +39,15 @@ ALLOCATOR = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.25", "XLA_PYTHON_CLIENT_PREALL
 LENGTHS = (2, 5, 7)
 
 
+def build_wide_model():
+    """An int64 input and a float64 one, each answered as given (Keras's layers cast the float64 to float32)."""
+    import keras
+
+    ids, x = keras.Input((1,), dtype="int64", name="ids"), keras.Input((1,), dtype="float64", name="x")
+    return keras.Model({"ids": ids, "x": x}, {"ids_out": keras.layers.Identity(name="same_ids")(ids),
+                                              "x_out": keras.layers.Identity(name="same_x")(x)})
+
+
 def keras_inputs() -> dict[str, dict[str, np.ndarray]]:
     """One request's inputs per Keras model (the masking model's are per length, below)."""
     rng = np.random.default_rng(5)
@@ -55,6 +64,7 @@ def model_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("jax-models")
     build_multi_io_model().save(root / "multi.keras")
     build_text_model().save(root / "text.keras")
+    build_wide_model().save(root / "wide.keras")
     for version in (1, 2):
         save_half_plus(root / "half" / str(version), float(version))
     config = {"default": "default", "models": [
@@ -64,6 +74,7 @@ def model_root(tmp_path_factory):
          "batch_timeout_ms": 200},
         {"name": "half", "path": str(root / "half"), "model_version_policy": {"all": {}},
          "version_labels": {"stable": 1, "canary": 2}},
+        {"name": "wide", "path": str(root / "wide.keras")},
     ]}
     (root / "models.json").write_text(json.dumps(config))
     return root
@@ -143,7 +154,7 @@ def test_readyz_and_the_start_up_log_name_the_backend(servers):
     assert "runs on Keras's JAX backend" not in servers["tensorflow"].log()
 
 
-@pytest.mark.parametrize("model", ["default", "multi", "text", "half"])
+@pytest.mark.parametrize("model", ["default", "multi", "text", "half", "wide"])
 def test_metadata_is_the_same_on_both_backends(servers, model):
     from tensorflow_serving.apis import get_model_metadata_pb2, prediction_service_pb2_grpc
 
@@ -263,6 +274,49 @@ def test_bad_requests_get_the_same_error_on_both_backends(servers, case):
     seen = {backend: (answer.status_code, answer.json()) for backend, answer in answers.items()}
     assert seen["jax"] == seen["tensorflow"]
     assert 400 <= seen["jax"][0] < 500, seen["jax"]
+
+
+def wide_predict(server, ids: int, x: float) -> tuple[int, dict]:
+    answer = requests.post(f"{server.url}/v1/models/wide:predict", json={"instances": [{"ids": [ids], "x": [x]}]},
+                           timeout=TIMEOUT_S)
+    return answer.status_code, answer.json()
+
+
+def test_a_64_bit_value_32_bits_cannot_hold_is_refused_on_jax_never_changed(servers):
+    # Without JAX_ENABLE_X64, jax.jit computes an int64 input in int32: 2**31 + 5 was -2**31 + 5.
+    big = 2**31 + 5
+    assert wide_predict(servers["tensorflow"], big, 0.5) == (200, {"predictions": [{"ids_out": [big], "x_out": [0.5]}]})
+    assert wide_predict(servers["jax"], big, 0.5) == (400, {"error": (
+        "input 'ids': 2147483653 does not fit int32, and Keras on JAX computes this int64 input in int32 "
+        "(JAX_ENABLE_X64 is off)")})
+    assert wide_predict(servers["jax"], 1, 1e300) == (400, {"error": (
+        "input 'x': 1e+300 does not fit float32, and Keras on JAX computes this float64 input in float32 "
+        "(JAX_ENABLE_X64 is off)")})
+    v2 = requests.post(f"{servers['jax'].url}/v2/models/wide/infer", timeout=TIMEOUT_S, json={"inputs": [
+        {"name": "ids", "datatype": "INT64", "shape": [1, 1], "data": [-2**31 - 1]},
+        {"name": "x", "datatype": "FP64", "shape": [1, 1], "data": [0.5]}]})
+    assert (v2.status_code, v2.json()["error"][:40]) == (400, "input 'ids': -2147483649 does not fit in")
+    # What 32 bits hold is served, alike on both backends; so is a float64 within float32's range,
+    # which JAX rounds to float32 (the answer's float32 reads back as 0.1).
+    for server in servers.values():
+        assert wide_predict(server, -2**31, 0.25) == (200, {"predictions": [{"ids_out": [-2**31], "x_out": [0.25]}]})
+        assert wide_predict(server, 1, 0.1) == (200, {"predictions": [{"ids_out": [1], "x_out": [0.1]}]})
+
+
+X64_PREDICT = """
+import json, sys
+import numpy as np
+from app.core.models import load_model
+model = load_model(sys.argv[1], name="wide")
+out = model.predict({"ids": np.array([[2**31 + 5]], np.int64), "x": np.array([[0.5]])})
+print(json.dumps([[spec.narrowed_to for spec in model.inputs], int(out["ids_out"][0, 0])]))
+"""
+
+
+def test_with_jax_enable_x64_a_64_bit_input_is_computed_exactly(model_root):
+    done = run_with_jax(X64_PREDICT, str(model_root / "wide.keras"), JAX_ENABLE_X64="1")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [[None, None], 2**31 + 5]
 
 
 def run_with_jax(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:

@@ -83,3 +83,14 @@ def test_the_checks_see_a_missing_path_and_a_missing_test():
     text = "`test_hostile.py::test_a`, `::test_b`; `test_batching.py` unless named: `::test_c`"
     assert named_tests(text) == [("test_hostile.py", "test_a"), ("test_hostile.py", "test_b"),
                                  ("test_batching.py", "test_c")]
+
+
+# What a fenced block holds: commands that tests/test_manual_runs.py runs (bash, sh, python), a
+# file it compares (json), or neither (text: a diagram, a file's shape).
+BLOCK_LANGUAGES = {"bash", "sh", "python", "json", "text"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(REPO)))
+def test_every_block_says_what_it_holds(page):
+    languages = re.findall(r"^```(\S*)\n.*?^```$", page.read_text(), flags=re.MULTILINE | re.DOTALL)
+    assert sorted(set(languages) - BLOCK_LANGUAGES) == []

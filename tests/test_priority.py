@@ -166,6 +166,8 @@ def test_model_config_reads_triton_priority_fields() -> None:
     ({"default_priority_level": 1}, "default_priority_level needs priority_levels (1 or more)"),
     ({"priority_levels": 2, "default_priority_level": 1, "priority_queue_policy": {"3": {}}},
      "priority_queue_policy['3']: a level must be one of 1..2"),
+    ({"priority_levels": 2, "default_priority_level": 1, "priority_queue_policy": {"9" * 5000: {}}},
+     f"priority_queue_policy['{'9' * 5000}']: a level must be one of 1..2"),  # past int()'s 4,300 digits
     ({"priority_levels": 2, "default_priority_level": 1, "default_queue_policy": {"timeout_action": "DELAY"}},
      "default_queue_policy has unsupported key(s) ['timeout_action']; allowed: max_queue_size, "
      "default_timeout_microseconds"),
@@ -208,7 +210,7 @@ def test_the_header_gives_a_level(value, level) -> None:
     assert priority.from_metadata([("x-request-id", "r"), *([] if value is None else [("x-priority", value)])]) == level
 
 
-@pytest.mark.parametrize("value", ["", "high", "-1", "1.0", "²", str(2**64)])
+@pytest.mark.parametrize("value", ["", "high", "-1", "1.0", "²", "1_0", "１", str(2**64), "9" * 5000])
 def test_a_bad_header_is_refused_by_name(value) -> None:
     with pytest.raises(BadRequest, match=r"^the X-Priority header must be a whole number from 0 to "):
         priority.from_header(value)
@@ -399,7 +401,8 @@ def test_grpc_doors_read_the_priority(served) -> None:
         tensor_proto.from_ndarray(values.astype(np.float32), "DT_FLOAT", request.inputs["features"])
         assert stub.Predict(request, timeout=60, metadata=[("x-priority", "1")]).outputs["scores"].tensor_shape
         for metadata, code in (([], grpc.StatusCode.DEADLINE_EXCEEDED),
-                               ([("x-priority", "x")], grpc.StatusCode.INVALID_ARGUMENT)):
+                               ([("x-priority", "x")], grpc.StatusCode.INVALID_ARGUMENT),
+                               ([("x-priority", "9" * 5000)], grpc.StatusCode.INVALID_ARGUMENT)):
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Predict(request, timeout=60, metadata=metadata)
             assert refused.value.code() == code

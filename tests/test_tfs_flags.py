@@ -253,3 +253,18 @@ def test_the_docs_flag_table_is_the_codes():
     from tests.conftest import REPO
 
     assert tfs_flags.markdown_table() in (REPO / "docs" / "tf-serving.md").read_text()
+
+
+def test_a_model_base_path_that_is_not_there_is_refused_naming_the_flag(tmp_path, monkeypatch):
+    """Refused before Gunicorn starts, so the error names the flag given, not MODEL_PATH, which
+    the user never set; and a relative path is the one below where the command ran."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tfs_flags.os, "execve", lambda *args: pytest.fail("Gunicorn started"))
+    with pytest.raises(SystemExit) as stopped:
+        tfs_flags.main(["--model_name=m", "--model_base_path=models/m"])
+    assert stopped.value.code == "tensorflow_model_server flags: --model_base_path=models/m: no such file or folder"
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    started = []
+    monkeypatch.setattr(tfs_flags.os, "execve", lambda path, argv, env: started.append(env))
+    tfs_flags.main(["--model_name=m", "--model_base_path=models/m"])
+    assert started[0]["MODEL_PATH"] == str(tmp_path / "models" / "m")

@@ -7,7 +7,7 @@ The reload server has two workers: a reload is the server's, applied by both bef
 answers, and by a worker Gunicorn starts later. Each worker is reached on connections of its
 own (the kernel spreads them, SO_REUSEPORT) and told apart by the pid of its access lines.
 
-The models are TF Serving's test models (tests/tfs_models.py): half_plus_two (y = 0.5 x + 2)
+The models are TF Serving's test models (scripts/tfs_models.py): half_plus_two (y = 0.5 x + 2)
 in versions 123 and 124, and half_plus_three (y = 0.5 x + 3); every answer is exact.
 """
 

@@ -4,7 +4,7 @@ Each test here has the name of its counterpart there, in snake case, starts this
 test's flags (RunServer in test_util/tensorflow_model_server_test_base.py, through
 `python -m app.tfs_flags`), sends the same requests with TF Serving's own client stubs, and
 asserts what it asserts, with exact values; some assert a little more. The models are TF
-Serving's test models, built by tests/tfs_models.py.
+Serving's test models, built by scripts/tfs_models.py.
 
 RunServer starts one server per model; here the tests that only read share one server, started
 from a model config file that names each of their models (`model_server`): TF Serving's
@@ -158,7 +158,7 @@ def half_plus_two_tf2(model_server) -> ModelServer:
 def keras_models(tmp_path_factory) -> dict[str, Path]:
     """The Keras models, saved in a process of their own (the mirrored one needs two virtual CPUs)."""
     root = tmp_path_factory.mktemp("keras")
-    subprocess.run([sys.executable, "-m", "tests.tfs_models", str(root)], cwd=REPO, check=True, timeout=300,
+    subprocess.run([sys.executable, "-m", "scripts.tfs_models", str(root)], cwd=REPO, check=True, timeout=300,
                    env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     return {name: root / name for name in ("keras_sequential", "keras_sequential_mirrored")}
 

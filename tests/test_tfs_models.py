@@ -1,4 +1,4 @@
-"""TF Serving's own test models (their structure, built by tests/tfs_models.py) loaded without a
+"""TF Serving's own test models (their structure, built by scripts/tfs_models.py) loaded without a
 server, and refused by one: how each loads, is described and batched. What they answer when
 served, beyond model_servers/tensorflow_model_server_test.py's own tests, is asked in
 test_tfs_model_server.py, of the one server there that serves them all.

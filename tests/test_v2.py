@@ -556,6 +556,24 @@ def test_grpc_bad_requests_have_clear_codes(served, case):
     assert message in raised.value.details()
 
 
+def test_grpc_a_version_past_int64_is_invalid_argument_on_every_method(served):
+    version = "9" * 5000  # past what int() reads: it was INTERNAL, with a traceback logged per call
+    infer_request = _raw_request()
+    infer_request.model_version = version
+    calls = {"ModelInfer": infer_request,
+             "ModelMetadata": service_pb2.ModelMetadataRequest(name="exact", version=version),
+             "ModelReady": service_pb2.ModelReadyRequest(name="exact", version=version),
+             "ModelStatistics": service_pb2.ModelStatisticsRequest(name="exact", version=version)}
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for method, request in calls.items():
+            with pytest.raises(grpc.RpcError) as raised:
+                getattr(stub, method)(request, timeout=60)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert raised.value.details().startswith(
+                f"failed to get model version from specified version string '{version[:100]}"), method
+
+
 def test_grpc_timeout_as_uint64_param_is_read_too(served):
     request = _parameter("timeout", uint64_param=300_000)
     request.model_name = "held"

@@ -14,11 +14,12 @@ import orjson
 import pytest
 
 from app import create_app, shutdown_app
+from app.core.errors import bounded
 from app.http import openapi
 from app.ops import logs
 from app.ops.settings import Settings, SettingsError, model_configs, parse, validate_pos_int
 from app.tfs_flags import FlagError, parse_flags
-from app.wire import v2_tensors
+from app.wire import priority, v2_tensors
 from tests.conftest import integer_rows
 from tests.test_v2 import DTYPES, dtype_values, save_dtype_echo
 
@@ -61,15 +62,55 @@ def echo_body(fp32: list) -> dict:
 # -- 1. Unicode digits and names that end in a newline --------------------------------------
 
 
-@pytest.mark.parametrize("length", ["²", "¹²", "١٢", "１２", " 3 4"])
+# Past what int() reads (4,300 digits, CPython's limit): a ValueError, a 500 and a traceback if it got there.
+LONG = "9" * 5000
+
+
+@pytest.mark.parametrize("length", ["²", "¹²", "١٢", "１２", " 3 4", LONG], ids=[*"abcde", "5,000 digits"])
 def test_header_length_in_other_than_ascii_digits_is_a_400_naming_the_header(client, length):
     body = json.dumps(features()).encode()
 
     answer = client.post(INFER, data=body, headers={"Inference-Header-Content-Length": length})
 
     assert answer.status_code == 400, answer.text
-    assert answer.json == {"error": f"Inference-Header-Content-Length must be a number of bytes within the "
-                                    f"body's {len(body)}; got {length!r}"}
+    assert answer.json == {"error": bounded(f"Inference-Header-Content-Length must be a number of bytes within the "
+                                            f"body's {len(body)}; got {length!r}")}
+
+
+@pytest.mark.parametrize("version", [LONG, str(2**63)], ids=["5,000 digits", "2**63"])
+def test_a_version_past_int64_is_a_400_naming_it_on_every_route(client, version):
+    v2_refusal = (400, {"error": bounded(f"failed to get model version from specified version string '{version}', "
+                                         f"version should be an integral value from 0 to {2**63 - 1}")})
+    for method, path in [("post", "/infer"), ("get", ""), ("get", "/ready"), ("get", "/stats")]:
+        answer = getattr(client, method)(f"/v2/models/exact/versions/{version}{path}", json=features())
+        assert (answer.status_code, answer.json) == v2_refusal, path
+    # TF Serving's words, where absl::SimpleAtoi cannot read the URL's version as an int64.
+    tf_refusal = (400, {"error": bounded(f"Failed to convert version: {version} to numeric.")})
+    for method, path, body in [("post", ":predict", {"instances": [[1, 2, 3, 4]]}), ("post", ":classify", EXAMPLES),
+                               ("post", ":regress", EXAMPLES), ("get", "", None), ("get", "/metadata", None)]:
+        answer = getattr(client, method)(f"/v1/models/exact/versions/{version}{path}", json=body)
+        assert (answer.status_code, answer.json) == tf_refusal, path
+    # The largest int64 is a version, which this server does not have.
+    assert client.get(f"/v1/models/exact/versions/{2**63 - 1}").status_code == 404
+    assert client.get(f"/v2/models/exact/versions/{2**63 - 1}").status_code == 404
+
+
+EXAMPLES = {"examples": [{"x": 1.0}]}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/models/exact:predict", {"instances": [[1, 2, 3, 4]]}), ("/predict", {"instances": [[1, 2, 3, 4]]}),
+    ("/v1/models/exact:classify", EXAMPLES), ("/v1/models/exact:regress", EXAMPLES)])
+def test_an_x_priority_past_its_bound_is_a_400_naming_the_header(client, path, body):
+    for value in (LONG, str(2**64)):
+        answer = client.post(path, json=body, headers={"X-Priority": value})
+        assert (answer.status_code, answer.json) == (400, {"error": priority.HEADER_ERROR}), path
+
+
+def test_a_content_length_past_int64_is_over_the_body_limit(client):
+    # Gunicorn answers 400 itself past 4,300 digits; any other WSGI server hands the text on.
+    answer = client.post(INFER, data=b"{}", environ_overrides={"CONTENT_LENGTH": LONG})
+    assert answer.status_code == 413, answer.text
 
 
 @pytest.mark.parametrize("text", ["１６", "١٦", "1_6", "²"])
@@ -147,12 +188,55 @@ def test_nan_and_infinities_go_in_and_come_back_as_tokens_not_null(client):
     assert b'"data":[-Infinity,0.5]' in client.post("/v2/models/echo/infer", data=body).data
 
 
+def test_an_integer_beside_nan_is_read_as_orjson_reads_it(client):
+    # Python's json reads the bodies that hold NaN: an integer past 64 bits is a double there too,
+    # and one past a double's range (5,000 digits, past what int() reads) is refused in the same words.
+    def fp64(data: str):
+        body = json.dumps({**echo_body([1, 2]), "outputs": [{"name": "out_fp64"}]})
+        fp64_input = '"datatype": "FP64", "shape": [1, 2], "data": [1, 2]'
+        return client.post("/v2/models/echo/infer", data=body.replace(fp64_input, fp64_input[:-6] + data).encode())
+
+    answer = fp64(f"[{LONG}, NaN]")
+    assert (answer.status_code, answer.json) == (400, {"error": f"malformed JSON: number {LONG[:40]} is too big "
+                                                                "for a double"})
+    answer = fp64(f"[{2**64}, NaN]")
+    assert answer.status_code == 200, answer.text
+    assert b'"data":[1.8446744073709552e+19,NaN]' in answer.data
+
+
 def test_a_number_too_big_for_a_double_is_still_malformed(client):
     body = json.dumps(echo_body([1, 2])).replace('"FP32", "shape": [1, 2], "data": [1, 2]',
                                                  '"FP32", "shape": [1, 2], "data": [1e400, NaN]').encode()
     answer = client.post("/v2/models/echo/infer", data=body)
     assert answer.status_code == 400
     assert answer.json == {"error": "malformed JSON: number 1e400 is too big for a double"}
+
+
+@pytest.mark.parametrize("datatype, value", [("FP32", 3.5e38), ("FP32", -1e39), ("FP16", 70000)])
+@pytest.mark.parametrize("reading", ["read at once", "item by item", "beside NaN"])
+def test_a_value_past_the_float_range_is_refused_as_tf_serving_refuses_it(client, datatype, value, reading):
+    # A finite number the datatype cannot hold would be computed on as infinity: refused, on every
+    # path the JSON takes (simdjson's; numpy's with a boolean in the body; Python's, for NaN).
+    data = {datatype: [value, 1], **({"BOOL": [True, False]} if reading == "item by item" else {})}
+    if reading == "beside NaN":
+        data[datatype] = [value, float("nan")]
+    answer = echo_request(client, data)
+
+    assert answer.status_code == 400, answer.text
+    assert answer.json == {"error": f"input 'in_{datatype.lower()}': a value is outside the range of {datatype}"}
+    if datatype == "FP32":  # the exact model takes float32
+        tf_serving = client.post("/v1/models/exact:predict", json={"instances": [[value, 1, 2, 3]]})
+        assert (tf_serving.status_code, tf_serving.json) == (
+            400, {"error": "instances: a value is too large for DT_FLOAT (input 'features')"})
+
+
+def test_infinity_spelled_out_and_the_largest_float_stay_what_they_are(client):
+    answer = echo_request(client, {"FP32": [float("inf"), -3.4028235e38], "FP16": [65504, -65519]})
+
+    assert answer.status_code == 200, answer.text
+    outputs = {output["name"]: output["data"] for output in answer.json["outputs"]}
+    assert outputs["out_fp32"] == [float("inf"), float(np.finfo(np.float32).min)]
+    assert outputs["out_fp16"] == [65504.0, -65504.0]  # 65519 rounds to float16's largest, not to infinity
 
 
 # -- 9. JSON data read by numpy at once, or item by item where it must be -------------------
@@ -249,6 +333,10 @@ def test_bf16_takes_integers_past_64_bits_item_by_item_as_float_reads_them():
     assert array.tobytes() == np.array([float(2 ** 64), float(10 ** 30)]).astype(bf16).tobytes()
     with pytest.raises(v2_tensors.InvalidInput, match="^x: a value is outside the range of BF16$"):
         v2_tensors._from_json([10 ** 400, 1], bf16, 2, "x", booleans=True)
+    # Past bfloat16's range, but not a double's: refused on both readings, never infinity.
+    for data in ([3.4e38, 1], np.array([3.4e38, 1])):
+        with pytest.raises(v2_tensors.InvalidInput, match="^x: a value is outside the range of BF16$"):
+            v2_tensors._from_json(data, bf16, 2, "x", booleans=False)
 
 
 # -- 6. the OpenAPI document and the routes served ------------------------------------------

@@ -45,6 +45,10 @@ BODIES = [
     {"x\u0000y": 1, **request(FLAT)},
     {"id\u0000x": "b", "id": "a", **request(FLAT)},
     {"inputs": [{"name": None, "datatype": "FP32", "shape": [2, FEATURES], "data": FLAT, "shape\u0000": [1]}]},
+    # Past float32's range: refused, as TF Serving's REST door refuses it; float32's largest, and
+    # a value that rounds to it rather than to infinity, served.
+    request(FLAT[:7] + [3.5e38]),
+    request(FLAT[:6] + [-3.4028235e38, 3.40282356e38]),
 ]
 RAW_BODIES = [
     b'{"inputs": [{"name": "NAME", "datatype": "FP32", "shape": [2, 4], "data": [1, 2, 3, NaN, 5, 6, 7, Infinity]}]}',
@@ -93,4 +97,7 @@ def test_answers_are_the_general_paths_byte_for_byte(client, exact_model, monkey
     assert fast[0][0] == 200
     assert orjson.loads(fast[0][1])["outputs"][0]["data"] == expected.reshape(-1).tolist()
     assert [status for status, _ in fast] == [200] * 5 + [400] * 5 + [200] + [400] * 4 + [200] + [400] * 6 + [
-        200] * 3 + [200, 200, 200, 400, 200, 200, 200, 400]
+        200] * 3 + [400, 200] + [200, 200, 200, 400, 200, 200, 400, 400]
+    # The values past float32's range took the new path, and were refused in the general path's words.
+    assert isinstance(read_whole[len(BODIES) - 2]["inputs"][0]["data"], np.ndarray)
+    assert orjson.loads(fast[len(BODIES) - 2][1]) == {"error": f"input '{name}': a value is outside the range of FP32"}

@@ -158,3 +158,6 @@ class ClientGone(ServingError):
     reason = "client_gone"
 
 
+def unreadable_version(text: str) -> BadRequest:
+    """TF Serving's answer to a URL's version that absl::SimpleAtoi cannot read as an int64."""
+    return BadRequest(f"Failed to convert version: {text} to numeric.")

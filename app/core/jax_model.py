@@ -36,8 +36,11 @@ _DATA_TYPES = {
     "bool": "DT_BOOL", "complex64": "DT_COMPLEX64", "complex128": "DT_COMPLEX128",
 }
 
+# What JAX holds a 64-bit input in unless jax_enable_x64 is on (JAX's own JAX_ENABLE_X64=1).
+_NARROWED = {"int64": "int32", "uint64": "uint32", "float64": "float32", "complex128": "complex64"}
 
-def _info(name: str, shape: Any, dtype: Any, *, model: str) -> TensorInfo:
+
+def _info(name: str, shape: Any, dtype: Any, *, model: str, narrow: bool = False) -> TensorInfo:
     import jax.numpy as jnp
 
     dtype_name = str(dtype)
@@ -45,8 +48,9 @@ def _info(name: str, shape: Any, dtype: Any, *, model: str) -> TensorInfo:
         raise ModelLoadError(f"model '{model}': tensor '{name}' is {dtype_name}, which the JAX backend cannot "
                              "hold (JAX has no string tensors); serve this model without KERAS_BACKEND=jax")
     dims = tuple(None if dim is None else int(dim) for dim in shape)
+    narrowed = np.dtype(_NARROWED[dtype_name]) if narrow and dtype_name in _NARROWED else None
     return TensorInfo(name=name, shape=dims[1:], dtype=np.dtype(jnp.dtype(dtype_name)),
-                      tf_dtype=_DATA_TYPES[dtype_name], dims=dims)
+                      tf_dtype=_DATA_TYPES[dtype_name], dims=dims, narrowed_to=narrowed)
 
 
 def from_keras(keras_model: Any, *, name: str, version: int, source: str, method: str,
@@ -56,7 +60,10 @@ def from_keras(keras_model: Any, *, name: str, version: int, source: str, method
     import jax
     import keras
 
-    inputs = [_info(t.name, t.shape, t.dtype, model=name) for t in keras_model.inputs]
+    # Without x64, jax.jit would narrow a 64-bit input silently (2**31 + 5 became -2**31 + 5): the
+    # request layer refuses a value 32 bits cannot hold instead (app/core/serving.py). With it, exact.
+    narrow = not jax.config.jax_enable_x64
+    inputs = [_info(t.name, t.shape, t.dtype, model=name, narrow=narrow) for t in keras_model.inputs]
     single_input = len(inputs) == 1
 
     def arrange(tensors: dict[str, Any]) -> Any:

@@ -28,9 +28,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, multiprocess
 
 from app.core.batching import BatchObserver
-from app.core.errors import BadRequest, Unavailable
+from app.core.errors import Unavailable
 from app.core.models import LoadedModel
-from app.core.registry import ModelRegistry, ObserverFactory
+from app.core.registry import ObserverFactory
 from app.ops.metrics import Metrics, multiprocess_dir
 from app.ops.settings import Settings
 
@@ -188,23 +188,3 @@ def observed(factory: ObserverFactory) -> ObserverFactory:
     return make
 
 
-def statistics(registry: ModelRegistry, metrics: Metrics | None, name: str = "", version: str = "") -> dict[str, Any]:
-    """Triton's statistics response for a model (all if '') and version (all if ''): a version of
-    digits names a version, any other a label. As Triton answers: a model not served is refused
-    with INVALID_ARGUMENT (HTTP 400), "requested model 'm' is not available"; a version not served
-    with "requested model version is not available for model 'm'"."""
-    if not name:
-        chosen = sorted((servable.model.name, servable.model.version) for servable in registry.servables())
-        return {"model_stats": read(metrics, chosen)}
-    served = registry.versions(name)
-    if not served:
-        raise BadRequest(f"requested model '{name}' is not available")
-    if not version:
-        numbers = served
-    elif version.isascii() and version.isdigit():
-        numbers = [int(version)]
-    else:
-        numbers = [registry.get(name, label=version).model.version]  # a label: refused as everywhere in v2
-    if not set(numbers) <= set(served):
-        raise BadRequest(f"requested model version is not available for model '{name}'")
-    return {"model_stats": read(metrics, [(name, number) for number in numbers])}

@@ -7,6 +7,7 @@ these, and every layer above reads them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +40,9 @@ class TensorInfo:
     tf_dtype: str
     tensor_name: str = ""
     dims: tuple[int | None, ...] | None = _ROWS
+    # The narrower dtype the backend computes this input in, where it does (Keras on JAX holds
+    # 64-bit inputs in 32 bits): a value it cannot hold exactly is refused, never changed.
+    narrowed_to: np.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.dims is _ROWS:
@@ -73,6 +77,10 @@ class Signature:
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]
     predict: PredictFn
+
+    @functools.cached_property
+    def narrowed_inputs(self) -> tuple[TensorInfo, ...]:
+        return tuple(spec for spec in self.inputs if spec.narrowed_to is not None)
 
     @property
     def batchable(self) -> bool:

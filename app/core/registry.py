@@ -31,7 +31,7 @@ from app.core import models, padding, shared_config
 from app.core.batching import Batcher, BatchObserver, BatchResult, Engine, Tensors, bucket_sizes
 from app.core.call import Call
 from app.core.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
-from app.ops import runtime
+from app.ops import queue_policy, runtime
 from app.ops.metrics import Metrics
 from app.ops.settings import ModelConfig, Settings, SettingsError, configs_from_document, model_configs
 
@@ -244,7 +244,7 @@ class ModelRegistry:
 
     def set_labels(self, name: str, labels: dict[str, int]) -> None:
         with self._lock:
-            self._models[name].labels = dict(labels)
+            self._models.setdefault(name, _Model(name, {})).labels = dict(labels)
 
     def get(self, name: str | None = None, version: int | None = None, *, label: str | None = None) -> Servable:
         """The servable of a version, of a label's version, or of the newest version served."""
@@ -379,11 +379,22 @@ class ModelRegistry:
         servables = self.servables()
         return bool(servables) and all(batcher.alive for s in servables for batcher in s.batchers.values())
 
+    def names(self) -> list[str]:
+        """Every model served or known by a state (unloaded, failed to load)."""
+        with self._lock:
+            return sorted(name for name, entry in self._models.items() if entry.serving or entry.states)
+
     def reload_config(self, document: dict[str, Any], *, timeout_s: float | None) -> None:
         """HandleReloadConfigRequest: serve the models of a MODEL_CONFIG document, in every worker."""
         if self.live_config is None:
             raise Unavailable("this server's models come from no config it can reload")
         self.live_config.reload(document, RELOAD, timeout_s=timeout_s)
+
+    def edit_config(self, edit: ConfigEdit, *, timeout_s: float | None) -> None:
+        """v2's repository load or unload: the served config changed by `edit`, in every worker."""
+        if self.live_config is None:
+            raise Unavailable("this server's models come from no config it can change")
+        self.live_config.edit(edit, timeout_s=timeout_s)
 
     def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
         if self.live_config is not None and self.live_config.shared is not None:
@@ -428,27 +439,37 @@ class LiveConfig:
     def serve(self, config: ModelConfig) -> None:
         """Load and serve a model the registry does not serve yet, with its labels."""
         available = models.available_versions(config.path) if config.path else []
+        # A path without numbered versions is served as version 1 (models.resolve_version).
+        wanted = wanted_versions(config, available) if available else [1]
         with self._changing:
             try:
-                if available:
-                    wanted = wanted_versions(config, available)
-                    if not wanted:
-                        raise models.ModelLoadError(f"model '{config.name}': its model_version_policy "
-                                                    f"{config.version_policy} wants none of the versions in "
-                                                    f"{config.path!r}: {available}")
-                    for version in wanted:
-                        self.registry.add(load_servable(config, self._settings, self._metrics, version,
-                                                        on_broken=self._on_broken, loading=self._loading))
-                else:
-                    self.registry.add(load_servable(config, self._settings, self._metrics, on_broken=self._on_broken,
+                if not wanted:
+                    raise models.ModelLoadError(f"model '{config.name}': its model_version_policy "
+                                                f"{config.version_policy} wants none of the versions in "
+                                                f"{config.path!r}: {available}")
+                for version in wanted:
+                    self.registry.add(load_servable(config, self._settings, self._metrics,
+                                                    version if available else None, on_broken=self._on_broken,
                                                     loading=self._loading))
                 self.label(config)
-            except Exception:
+            except Exception as exc:
                 # Served in full or not at all: a live reload must not leave versions no config names.
                 for version in self.registry.versions(config.name):
                     self.registry.retire(config.name, version)
+                # Each version asked for ends with the reason: Triton's index lists it UNAVAILABLE
+                # with it, TF Serving's GetModelStatus END with it.
+                message = self.load_error(config, exc)
+                for version in wanted or available[-1:]:
+                    self.registry.set_state(config.name, version, END, message)
                 raise
             self.configs[config.name] = config
+
+    def load_error(self, config: ModelConfig, exc: Exception) -> str:
+        """Why a load failed, as a version's status tells clients (paths hidden but with READYZ_DETAIL)."""
+        message = f"{type(exc).__name__}: {exc}"
+        if not self._settings.readyz_detail:
+            message = without_paths(message, name=config.name, path=config.path or "")
+        return message[:1000]
 
     def label(self, config: ModelConfig) -> None:
         labels = dict(config.version_labels)
@@ -578,10 +599,7 @@ class LiveConfig:
                                              loading=self._loading)
                 except Exception as exc:
                     self._failed.add((config.name, version))
-                    message = f"{type(exc).__name__}: {exc}"
-                    if not self._settings.readyz_detail:
-                        message = without_paths(message, name=config.name, path=config.path or "")
-                    self.registry.set_state(config.name, version, END, message[:1000])
+                    self.registry.set_state(config.name, version, END, self.load_error(config, exc))
                     log.exception("cannot load version %d of model '%s'; serving %s", version, config.name, served)
                     continue
                 if stopped():
@@ -605,6 +623,54 @@ def _inputs(servable: Servable, signature: str) -> tuple[models.TensorInfo, ...]
 
 # Where a reloaded config came from, as its errors name it.
 RELOAD = "ReloadConfigRequest"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigEdit:
+    """v2's repository load (`path` given: serve model `name` from it) or unload (stop serving
+    `name`), as data a worker can hand a model process; called, it is LiveConfig.edit's change."""
+
+    name: str
+    path: str | None = None
+
+    def __call__(self, configs: list[ModelConfig]) -> dict[str, Any]:
+        """The MODEL_CONFIG document of the served `configs` (the default first) so changed."""
+        entries = [config_entry(config) for config in configs if config.name != self.name]
+        if self.path is not None:
+            return {"models": [*entries, {"name": self.name, "path": self.path}],
+                    "default": entries[0]["name"] if entries else self.name}
+        if not entries:
+            raise BadRequest(f"failed to unload '{self.name}': it is the only model served, and the server "
+                             "serves at least one")
+        return {"models": entries}
+
+
+def config_entry(config: ModelConfig) -> dict[str, Any]:
+    """A served model's config as a MODEL_CONFIG entry that reads back equal: unchanged by a reload."""
+    kind, value = config.version_policy
+    policy: dict[str, Any] = {}  # "all"
+    if kind == "latest":
+        policy = {"num_versions": value}
+    elif kind == "specific":
+        policy = {"versions": list(value)}  # type: ignore[arg-type]
+    entry: dict[str, Any] = {
+        "name": config.name, "max_batch_size": config.max_batch_size, "batch_timeout_ms": config.batch_timeout_ms,
+        "max_queue_rows": config.max_queue_rows, "max_request_rows": config.max_request_rows,
+        "pad_variable_length": config.pad_variable_length, "pad_value": config.pad_value,
+        "length_buckets": list(config.length_buckets), "model_version_policy": {kind: policy},
+        "version_labels": dict(config.version_labels)}
+    if config.path is not None:
+        entry["path"] = config.path
+    if config.payload_log_sampling_rate:
+        entry["payload_log_sampling_rate"] = config.payload_log_sampling_rate
+    if config.priorities != queue_policy.ONE_LEVEL:
+        priorities = config.priorities
+        entry.update(priority_levels=priorities.levels, default_priority_level=priorities.default_level,
+                     priority_queue_policy={str(level): {
+                         "max_queue_size": queue.max_queue_rows,
+                         "default_timeout_microseconds": round(queue.default_timeout_s * 1e6)}
+                         for level, queue in enumerate(priorities.policies, start=1)})
+    return entry
 
 
 class _Poller:

@@ -2,10 +2,14 @@
 
 The index lists every model of MODEL_REPOSITORY and every model served, with each version's state
 (READY, LOADING, UNLOADING, UNAVAILABLE and its reason). Load and unload change the server's model
-config as TF Serving's HandleReloadConfigRequest does (LiveConfig.edit in app/core/registry.py):
-every worker has applied it before the call answers, and a model that fails to load is answered
-with its reason while the others go on. They are refused (503, UNAVAILABLE, Triton's words)
-unless MODEL_CONTROL_MODE is explicit. Its doors: app/http/v2_repository.py and app/grpc/v2.py.
+config as TF Serving's HandleReloadConfigRequest does, by the same path (ModelRegistry.edit_config;
+with MODEL_PROCESSES, the model processes apply it): every model process and worker has applied it
+before the call answers, within the call's deadline (REST: REQUEST_TIMEOUT_MS; gRPC: the client's,
+as HandleReloadConfigRequest). A model that fails to load is answered with its reason, and listed
+UNAVAILABLE with it, while the others go on. They are refused (503, UNAVAILABLE, Triton's words)
+unless MODEL_CONTROL_MODE is explicit. Each parameter Triton reads is type-checked, in Triton's
+words on each door (`expected_parameter`); then every load parameter, and any other unload one, is
+refused. Its doors: app/http/v2_repository.py and app/grpc/v2.py.
 
 RESTRICTED_MODEL_CONTROL=key=value restricts these calls and HandleReloadConfigRequest to callers
 that send header (or gRPC metadata key) `key` with that value, as Triton's `--http-restricted-api`
@@ -18,13 +22,12 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from app.core.errors import BadRequest, Forbidden, NotFound, Unavailable
-from app.core.registry import AVAILABLE, END, LOADING, UNLOADING, ModelRegistry
-from app.ops.settings import MODEL_NAME_PATTERN, ModelConfig, Settings
+from app.core.registry import AVAILABLE, END, LOADING, UNLOADING, ConfigEdit, ModelRegistry
+from app.ops.settings import MODEL_NAME_PATTERN, Settings
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +45,23 @@ class Repository:
         self.key, self._value = key, value.encode()
         self._registry = registry
 
-    def check(self, call: str, sent: str | None, *, where: str) -> None:
-        """Refuse `call` unless it came with the restriction's key and value (`sent`: what it had)."""
-        if not self.key or (sent is not None and hmac.compare_digest(sent.encode(), self._value)):
+    def check(self, call: str, sent: list[str], *, where: str) -> None:
+        """Refuse `call` unless it came with the restriction's key, every time with its value (`sent`:
+        the values it had, in order): a key sent twice is let in only if both are the value."""
+        if not self.key or (sent and all(hmac.compare_digest(value.encode(), self._value) for value in sent)):
             return
         log.warning("refused %s: no valid '%s' %s", call, self.key, where)
         raise Forbidden(f"This API is restricted, expecting {where} '{self.key}'")
+
+    def header_values(self, text: str | None) -> list[str]:
+        """The values of the restriction's header. The WSGI server joins a repeated header's with ','
+        (Gunicorn; Werkzeug's test client ', '): the text is one value where it is the restriction's
+        (which may hold a ','), else each of its parts is one."""
+        if text is None:
+            return []
+        if hmac.compare_digest(text.encode(), self._value):
+            return [text]
+        return [part.strip(" \t") for part in text.split(",")]
 
     def index(self, *, ready: bool) -> list[dict[str, str]]:
         registry = self._registry
@@ -78,14 +92,8 @@ class Repository:
         if not MODEL_NAME_PATTERN.fullmatch(name) or not path.is_dir():
             raise BadRequest(f"failed to load '{name}', failed to poll from model repository: no folder "
                              f"'{name}' in MODEL_REPOSITORY")
-
-        def loaded(configs: list[ModelConfig]) -> dict[str, Any]:
-            entries = [config_entry(config) for config in configs if config.name != name]
-            return {"models": [*entries, {"name": name, "path": str(path)}],
-                    "default": entries[0]["name"] if entries else name}
-
         try:
-            self._edit(loaded, timeout_s)
+            self._registry.edit_config(ConfigEdit(name, str(path)), timeout_s=timeout_s)
         except BadRequest as exc:
             raise BadRequest(f"failed to load '{name}': {exc.message}") from None
 
@@ -94,15 +102,7 @@ class Repository:
         self._control(parameters, allowed=("unload_dependents",))
         if not self._registry.versions(name):
             return  # as Triton: unloading what is not served succeeds
-
-        def unloaded(configs: list[ModelConfig]) -> dict[str, Any]:
-            entries = [config_entry(config) for config in configs if config.name != name]
-            if not entries:
-                raise BadRequest(f"failed to unload '{name}': it is the only model served, and the server "
-                                 "serves at least one")
-            return {"models": entries}
-
-        self._edit(unloaded, timeout_s)
+        self._registry.edit_config(ConfigEdit(name), timeout_s=timeout_s)
 
     def _control(self, parameters: dict[str, Any], *, allowed: tuple[str, ...]) -> None:
         if not self.explicit:
@@ -113,35 +113,17 @@ class Repository:
             raise BadRequest(f"parameter(s) {unknown} not supported: a model is loaded from its folder in "
                              "MODEL_REPOSITORY as it is")
 
-    def _edit(self, change: Callable[[list[ModelConfig]], dict[str, Any]], timeout_s: float | None) -> None:
-        live = self._registry.live_config
-        if live is None:
-            raise Unavailable("this server's models come from no config it can change")
-        live.edit(change, timeout_s=timeout_s)
+
+# The parameters Triton's repository extension reads, by call: the JSON type REST takes and the
+# ModelRepositoryParameter field gRPC takes. A name ending in ':' is a prefix (`file:<path>`).
+PARAMETERS: dict[str, dict[str, tuple[type, str]]] = {
+    "load": {"config": (str, "string_param"), "file:": (str, "bytes_param")},
+    "unload": {"unload_dependents": (bool, "bool_param")},
+}
 
 
-def config_entry(config: ModelConfig) -> dict[str, Any]:
-    """A served model's config as a MODEL_CONFIG entry that reads back equal: unchanged by a reload."""
-    kind, value = config.version_policy
-    policy: dict[str, Any] = {}  # "all"
-    if kind == "latest":
-        policy = {"num_versions": value}
-    elif kind == "specific":
-        policy = {"versions": list(value)}  # type: ignore[arg-type]
-    entry: dict[str, Any] = {
-        "name": config.name, "max_batch_size": config.max_batch_size, "batch_timeout_ms": config.batch_timeout_ms,
-        "max_queue_rows": config.max_queue_rows, "max_request_rows": config.max_request_rows,
-        "pad_variable_length": config.pad_variable_length, "pad_value": config.pad_value,
-        "length_buckets": list(config.length_buckets), "model_version_policy": {kind: policy},
-        "version_labels": dict(config.version_labels)}
-    if config.path is not None:
-        entry["path"] = config.path
-    return entry
-
-
-# -- REST ---------------------------------------------------------------------------------
-
-
-# -- gRPC ---------------------------------------------------------------------------------
-
-
+def expected_parameter(call: str, name: str) -> tuple[type, str] | None:
+    """The type a repository call's parameter must have: (REST's JSON type, gRPC's field), or None."""
+    known = PARAMETERS[call]
+    return known.get(name) or next((kind for prefix, kind in known.items()
+                                    if prefix.endswith(":") and name.startswith(prefix)), None)

@@ -166,6 +166,8 @@ class RequestLayer:
     def _stage(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> _Staged:
         selected = self.select_outputs(signature, call.outputs)
         inputs = decode(signature, servable.batchers[signature.name].info.max_request_rows)
+        for spec in signature.narrowed_inputs:
+            _check_exact(spec, inputs.get(spec.name))
         if call.trace is not None:
             call.trace.decoded()
         # A request with no inputs, or a scalar one (an unbatched signature's), is one item.
@@ -242,6 +244,24 @@ class _Staged(NamedTuple):
     selected: list[TensorInfo]
     inputs: Tensors
     rows: int
+
+
+def _check_exact(spec: TensorInfo, array: np.ndarray | None) -> None:
+    """400 for a value of the input that the narrower dtype its backend computes it in turns into
+    another number: an integer it cannot hold exactly, a finite float past its range. A float's
+    rounding to the narrower precision is kept, as Keras's layers cast float64 on TensorFlow too."""
+    if array is None or not array.size:
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        held = array.astype(spec.narrowed_to).astype(array.dtype)
+    if array.dtype.kind in "fc":
+        changed = np.isfinite(array) & ~np.isfinite(held)
+    else:
+        changed = held != array
+    if changed.any():
+        value = array[changed].flat[0].item()
+        raise InvalidInput(f"input '{spec.name}': {value!r} does not fit {spec.narrowed_to}, and Keras on "
+                           f"JAX computes this {spec.dtype} input in {spec.narrowed_to} (JAX_ENABLE_X64 is off)")
 
 
 def braced(names: Any) -> str:

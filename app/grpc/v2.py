@@ -28,12 +28,12 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from app.core.errors import BadRequest, NotFound
-from app.core.model_stats import statistics
-from app.core.repository import Repository
+from app.core.repository import Repository, expected_parameter
 from app.core.serving import Answer, RequestLayer
 from app.grpc.calls import handler
 from app.grpc.exchange import GrpcExchange
 from app.wire import priority, v2_tensors
+from app.wire.v2_statistics import statistics
 
 SERVICE = "/inference.GRPCInferenceService"
 # InferTensorContents: the typed field each datatype's values travel in (FP16 and BF16 have
@@ -113,13 +113,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def _repository_load(self, request: Any, exchange: GrpcExchange) -> Any:
         _one_repository(request)
-        self._repository.load(request.model_name, _grpc_parameters(request),
+        self._repository.load(request.model_name, _grpc_parameters(request, "load"),
                               timeout_s=exchange.context.time_remaining())
         return service_pb2.RepositoryModelLoadResponse()
 
     def _repository_unload(self, request: Any, exchange: GrpcExchange) -> Any:
         _one_repository(request)
-        self._repository.unload(request.model_name, _grpc_parameters(request),
+        self._repository.unload(request.model_name, _grpc_parameters(request, "unload"),
                                 timeout_s=exchange.context.time_remaining())
         return service_pb2.RepositoryModelUnloadResponse()
 
@@ -192,8 +192,8 @@ def restriction(repository: Repository) -> Callable[[str, Any], None]:
     def check(method: str, metadata: Any) -> None:
         if method not in RESTRICTED_METHODS or not repository.key:
             return
-        sent = next((value for key, value in metadata or () if key == repository.key and isinstance(value, str)),
-                    None)
+        # Every value of the key, as gRPC hands a repeated key over: one entry each.
+        sent = [value if isinstance(value, str) else "" for key, value in metadata or () if key == repository.key]
         repository.check(method, sent, where="metadata key")
 
     return check
@@ -204,5 +204,15 @@ def _one_repository(request: Any) -> None:
         raise BadRequest("'repository_name' specification is not supported")
 
 
-def _grpc_parameters(request: Any) -> dict[str, Any]:
-    return {key: request.parameters[key] for key in request.parameters}
+def _grpc_parameters(request: Any, call: str) -> dict[str, Any]:
+    parameters = {}
+    for name, parameter in request.parameters.items():
+        choice = parameter.WhichOneof("parameter_choice")
+        expected = expected_parameter(call, name)
+        if expected is not None and choice != expected[1]:
+            # Triton's words (grpc_server.cc, RepositoryModelLoad and RepositoryModelUnload).
+            raise BadRequest(f"invalid value type for load parameter '{name}', expected {expected[1]}."
+                             if call == "load" else
+                             f"invalid value type for '{name}' parameter, expected {expected[1]}.")
+        parameters[name] = getattr(parameter, choice) if choice else None
+    return parameters

@@ -32,6 +32,7 @@ from typing import Any
 
 from app.core.errors import BadRequest, PayloadTooLarge, ServingError, Unavailable, UnsupportedEncoding
 from app.http.layers import HttpExchange, exchange_of
+from app.ops.numerals import INT64_MAX, whole_number
 
 try:
     from gunicorn.http.errors import NoMoreData, ParseException
@@ -152,9 +153,13 @@ class BodyLimits:
 
 
 def _content_length(environ: dict[str, Any]) -> int:
-    # The WSGI server has checked the header's syntax (Gunicorn answers 400 otherwise).
+    # The WSGI server has checked the header's syntax (Gunicorn answers 400 otherwise, and past
+    # 4,300 digits); past int64, a length is over any limit all the same.
     text = environ.get("CONTENT_LENGTH") or "0"
-    return int(text) if text.isascii() and text.isdigit() else 0
+    if not (text.isascii() and text.isdigit()):
+        return 0
+    length = whole_number(text, INT64_MAX)
+    return INT64_MAX if length is None else length
 
 
 def _read_exactly(stream: Any, length: int) -> bytes:

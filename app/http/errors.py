@@ -13,8 +13,9 @@ import orjson
 from flask import Flask, Response, current_app, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
-from app.core.errors import PredictFailed, ServingError
+from app.core.errors import PredictFailed, ServingError, unreadable_version
 from app.http.layers import current_request_id
+from app.ops.numerals import INT64_MAX, whole_number
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ def handle_http_error(exc: HTTPException) -> Response:
             return _answer(400, f"Malformed request: {request.method} {path}")
         if match is not None and not match.group(1):
             return _answer(400, "Missing model name in request.")
+        if match is not None and match.group(2) and whole_number(match.group(2), INT64_MAX) is None:
+            return _answer(400, unreadable_version(match.group(2)).message)
     return _answer(exc.code or 500, message, headers)
 
 

@@ -27,13 +27,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from flask import Flask, Response, request
-from werkzeug.routing import BaseConverter, IntegerConverter
+from werkzeug.routing import BaseConverter, IntegerConverter, ValidationError
 
+from app.core.errors import unreadable_version
 from app.core.services import Services
 from app.http import bodies, errors
 from app.http.bodies import BodyLimits
 from app.http.layers import exchange_of
 from app.http.patches import CachedEnsureSync
+from app.ops.numerals import INT64_MAX, whole_number
 from app.ops.settings import MODEL_NAME_PATTERN
 
 
@@ -78,13 +80,29 @@ class ModelNameConverter(BaseConverter):
 
 
 class AsciiIntConverter(IntegerConverter):
-    # Versions in ASCII digits only ('\\d' and int() also take '１' and Arabic-Indic digits).
+    """A URL's version: ASCII digits up to int64 ('\\d' and int() also take '１' and Arabic-Indic
+    digits), or no match (app/http/errors.py then answers TF Serving's 400)."""
+
     regex = r"[0-9]+"
+
+    def to_python(self, value: str) -> int:
+        number = whole_number(value, INT64_MAX)
+        if number is None:
+            raise ValidationError()
+        return number
+
+
+def _url_version(text: str) -> int:
+    """The direct router's reading of a version: TF Serving's 400 past int64, as Flask's path gives."""
+    number = whole_number(text, INT64_MAX)
+    if number is None:
+        raise unreadable_version(text)
+    return number
 
 
 # The rules' converters: Werkzeug's for Flask, and (expression, to the value) for the direct router.
 CONVERTERS: dict[str, type[BaseConverter]] = {"model_name": ModelNameConverter, "int": AsciiIntConverter}
-_VALUES: dict[str, Callable[[str], Any]] = {"int": int}
+_VALUES: dict[str, Callable[[str], Any]] = {"int": _url_version}
 _PART = re.compile(r"<(?:(\w+):)?(\w+)>")
 
 

@@ -34,13 +34,14 @@ import simdjson
 from flask import request
 
 from app.core.errors import BadRequest, Unavailable
-from app.core.model_stats import statistics
 from app.core.services import Services
 from app.core.serving import Answer
 from app.http import bodies
 from app.http.layers import HttpExchange
 from app.http.routes import Reply, Route
+from app.ops.numerals import whole_number
 from app.wire import codec, priority, v2_tensors
+from app.wire.v2_statistics import statistics
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # Its WSGI name: read from the environ as request.headers would read it.
@@ -148,12 +149,11 @@ def _split(data: bytes, header_length: str | None) -> tuple[dict[str, Any], memo
     if header_length is None:
         length = len(data)
     else:
-        text = header_length.strip()
-        # ASCII digits only: isdigit() also takes '²', which int() then refuses.
-        if not (text.isascii() and text.isdigit()) or int(text) > len(data):
+        found = whole_number(header_length.strip(), len(data))
+        if found is None:
             raise BadRequest(f"{HEADER_LENGTH} must be a number of bytes within the body's {len(data)}; "
                              f"got {header_length!r}")
-        length = int(text)
+        length = found
     json_text = data if length == len(data) else data[:length]
     body = _numbers_read_whole(json_text)
     if body is None:

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from app.core.errors import BadRequest
-from app.core.repository import Repository
+from app.core.repository import Repository, expected_parameter
 from app.core.services import Services
 from app.http.layers import HttpExchange
 from app.http.routes import Reply, Route
@@ -30,12 +30,14 @@ def index(services: Services, exchange: HttpExchange) -> Reply:
 
 
 def load(services: Services, exchange: HttpExchange, name: str) -> Reply:
-    _restricted(services.repository, exchange).load(name, _parameters(exchange), timeout_s=None)
+    _restricted(services.repository, exchange).load(name, _parameters(exchange, "load"),
+                                                    timeout_s=services.layer.deadline_s())
     return Reply(b"")
 
 
 def unload(services: Services, exchange: HttpExchange, name: str) -> Reply:
-    _restricted(services.repository, exchange).unload(name, _parameters(exchange), timeout_s=None)
+    _restricted(services.repository, exchange).unload(name, _parameters(exchange, "unload"),
+                                                      timeout_s=services.layer.deadline_s())
     return Reply(b"")
 
 
@@ -48,9 +50,10 @@ ROUTES = [
 
 def _restricted(repository: Repository, exchange: HttpExchange) -> Repository:
     """The repository, once the call came with RESTRICTED_MODEL_CONTROL's header (Forbidden if not)."""
-    # The header as request.headers reads it from the environ.
-    sent = exchange.environ.get("HTTP_" + repository.key.upper().replace("-", "_")) if repository.key else None
-    repository.check(exchange.path, sent, where="header")
+    if repository.key:
+        # The header as request.headers reads it from the environ.
+        sent = exchange.environ.get("HTTP_" + repository.key.upper().replace("-", "_"))
+        repository.check(exchange.path, repository.header_values(sent), where="header")
     return repository
 
 
@@ -62,8 +65,16 @@ def _body(exchange: HttpExchange) -> dict[str, Any]:
     return body
 
 
-def _parameters(exchange: HttpExchange) -> dict[str, Any]:
+def _parameters(exchange: HttpExchange, call: str) -> dict[str, Any]:
     parameters = _body(exchange).get("parameters", {})
     if not isinstance(parameters, dict):
         raise BadRequest("'parameters' must be a JSON object")
+    for name, value in parameters.items():
+        expected = expected_parameter(call, name)
+        if expected is None or type(value) is expected[0]:
+            continue
+        # Triton's words (http_server.cc, HandleRepositoryControl, and TritonJson's).
+        if expected[0] is bool:
+            raise BadRequest(f"Unable to parse '{name}': attempt to access JSON non-boolean as boolean")
+        raise BadRequest("attempt to access JSON non-string as string")
     return parameters

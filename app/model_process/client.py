@@ -11,6 +11,7 @@ answer is waited for as any engine's, until the call's deadline. Nothing here im
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import select
@@ -22,7 +23,7 @@ from app.core.batching import BatchResult, Engine, EngineInfo, Tensors
 from app.core.batching.batcher import given_ms
 from app.core.call import Call
 from app.core.errors import DeadlineExceeded
-from app.core.registry import ModelRegistry, Servable
+from app.core.registry import ConfigEdit, ModelRegistry, Servable
 from app.model_process import meta, protos
 from app.model_process.link import ModelProcessLink, batch_result
 from app.model_process.supervisor import FOLDER_VARIABLE, socket_path
@@ -32,8 +33,8 @@ log = logging.getLogger(__name__)
 
 
 class RemoteRegistry(ModelRegistry):
-    """The registry of the default mode, but a reload of the model config is the model processes' to
-    apply, and a flush or a close is this worker's link's: its rows live in the model process."""
+    """The registry of the default mode, but a change of the model config (a reload, or v2's
+    repository load and unload) is the model processes' to apply."""
 
     link: ModelProcessLink | None = None
 
@@ -49,10 +50,17 @@ class RemoteRegistry(ModelRegistry):
 
     def reload_config(self, document: dict[str, Any], *, timeout_s: float | None) -> None:
         """Applied by every model process, and by each of their workers, before it returns."""
-        assert self.link is not None, "connect() first"
+        self._reload({"document": document}, timeout_s)
+
+    def edit_config(self, edit: ConfigEdit, *, timeout_s: float | None) -> None:
+        """As reload_config: the model processes make the document, from the config they serve."""
+        self._reload({"edit": dataclasses.asdict(edit)}, timeout_s)
+
+    def _reload(self, change: dict[str, Any], timeout_s: float | None) -> None:
+        assert self.link is not None, "init_app() first"
         if timeout_s is not None and timeout_s >= threading.TIMEOUT_MAX:
             timeout_s = None  # gRPC reports a call without a deadline as one 2**63 ns away: no limit
-        future = self.link.request({"op": "reload", "document": document, "timeout_s": timeout_s})
+        future = self.link.request({"op": "reload", **change, "timeout_s": timeout_s})
         try:
             future.result(timeout_s)
         except concurrent.futures.TimeoutError:

@@ -14,9 +14,10 @@ from app.model_process.wire import dtype_from_text, dtype_text
 
 
 def describe(registry: ModelRegistry) -> dict[str, Any]:
-    """Every model the registry serves: versions, labels and states (model process side)."""
+    """Every model the registry serves or knows (unloaded, failed to load): versions served,
+    labels and states (model process side)."""
     models = []
-    for name, _ in registry.items():
+    for name in registry.names():
         versions = [_servable(registry.get(name, version)) for version in registry.versions(name)]
         models.append({"name": name, "labels": _labels(registry, name), "versions": versions,
                        "states": registry.model_status(name)})
@@ -60,7 +61,8 @@ def _signature(signature: Signature) -> dict[str, Any]:
 
 def _tensor(info: TensorInfo) -> dict[str, Any]:
     return {"name": info.name, "shape": list(info.shape), "dtype": dtype_text(info.dtype), "tf_dtype": info.tf_dtype,
-            "tensor_name": info.tensor_name, "dims": None if info.dims is None else list(info.dims)}
+            "tensor_name": info.tensor_name, "dims": None if info.dims is None else list(info.dims),
+            "narrowed_to": None if info.narrowed_to is None else dtype_text(info.narrowed_to)}
 
 
 def loaded_model(name: str, version: dict[str, Any]) -> LoadedModel:
@@ -76,8 +78,9 @@ def loaded_model(name: str, version: dict[str, Any]) -> LoadedModel:
 
 def _info(item: dict[str, Any]) -> TensorInfo:
     dims = None if item["dims"] is None else tuple(item["dims"])
+    narrowed = item["narrowed_to"]
     return TensorInfo(item["name"], tuple(item["shape"]), dtype_from_text(item["dtype"]), item["tf_dtype"],
-                      item["tensor_name"], dims)
+                      item["tensor_name"], dims, None if narrowed is None else dtype_from_text(narrowed))
 
 
 def _not_here(name: str) -> Any:

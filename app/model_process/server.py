@@ -34,7 +34,7 @@ from app.core import services
 from app.core.batching import Batcher, BatchResult
 from app.core.call import Call
 from app.core.errors import ClientGone, PredictFailed, ServingError, Unavailable
-from app.core.registry import RELOAD, ModelRegistry, Servable
+from app.core.registry import ConfigEdit, ModelRegistry, Servable
 from app.model_process import meta, wire
 from app.model_process.arena import Arena
 from app.ops import logs, runtime
@@ -127,13 +127,14 @@ class WorkerConnection:
         return acked
 
     def _reload(self, header: dict[str, Any]) -> None:
-        """A worker's HandleReloadConfigRequest: applied here and by every sibling model process
-        (the run folder of app/core/shared_config.py), each of which tells its workers before this answers."""
-        live = self.models.live_config
+        """A worker's HandleReloadConfigRequest (a document) or v2 repository load or unload (an
+        edit of the config served here): applied here and by every sibling model process (the run
+        folder of app/core/shared_config.py), each of which tells its workers before this answers."""
         try:
-            if live is None:
-                raise Unavailable("this server's models come from no config it can reload")
-            live.reload(header["document"], RELOAD, timeout_s=header["timeout_s"])
+            if "edit" in header:
+                self.models.edit_config(ConfigEdit(**header["edit"]), timeout_s=header["timeout_s"])
+            else:
+                self.models.reload_config(header["document"], timeout_s=header["timeout_s"])
         except Exception as exc:
             self._error(header["id"], exc)
             return

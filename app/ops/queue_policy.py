@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from app.ops.numerals import whole_number
+
 KEYS = ("priority_levels", "default_priority_level", "default_queue_policy", "priority_queue_policy")
 _POLICY_KEYS = ("max_queue_size", "default_timeout_microseconds")
 
@@ -72,7 +74,7 @@ def from_entry(entry: Mapping[str, Any]) -> Priorities:
     policies = [default] * levels
     for key, value in by_level.items():
         where = f"priority_queue_policy[{key!r}]"
-        level = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else 0
+        level = (whole_number(key, levels) if isinstance(key, str) else None) or 0
         if not 1 <= level <= levels:
             raise ValueError(f"{where}: a level must be one of 1..{levels}")
         policies[level - 1] = _policy(value, where)

@@ -261,12 +261,13 @@ class Settings:
     model_control_mode: str = _env(
         "MODEL_CONTROL_MODE", validate_choice("none", "explicit"), "none",
         "Triton's name: `explicit` lets v2's repository load and unload change the models served, in every "
-        "worker; `none` refuses them (503). Needs `MODEL_REPOSITORY`.", section="Models")
+        "process; `none` refuses them (503). Needs `MODEL_REPOSITORY`.", section="Models")
     restricted_model_control: str = _env(
         "RESTRICTED_MODEL_CONTROL", validate_restriction, "",
         "`key=value`: v2's repository calls and TF Serving's HandleReloadConfigRequest are refused (403, "
-        "PERMISSION_DENIED) without header (REST) or metadata key (gRPC) `key` equal to `value`, as Triton's "
-        "`--http-restricted-api=model-repository:key=value`. Empty: not restricted.", section="Models")
+        "PERMISSION_DENIED) without header (REST) or metadata key (gRPC) `key` equal to `value` (each time, if "
+        "sent twice), as Triton's `--http-restricted-api=model-repository:key=value`. Empty: not restricted.",
+        section="Models")
     max_batch_size: int = _env(
         "MAX_BATCH_SIZE", validate_pos_int, 32,
         "Most rows in one predict call. Batches are padded to a bucket: the powers of two below it, and itself.",
@@ -286,9 +287,9 @@ class Settings:
     pad_variable_length: bool = _env(
         "PAD_VARIABLE_LENGTH", validate_bool, False,
         "true: requests whose rows differ only in dimensions the signature declares `None` share a predict "
-        "call, padded with `PAD_VALUE`, and each request's outputs are cut back to its own length. Only for "
-        "models that mask padding; a start-up check leaves it off where padding changes the answers "
-        "([variable-length inputs](batching.md#variable-length-inputs)).", section="Batching")
+        "call, padded with `PAD_VALUE`, their outputs cut back to their own length; a start-up check leaves it "
+        "off where padding changes the answers ([variable-length inputs](batching.md#variable-length-inputs)).",
+        section="Batching")
     pad_value: float = _env(
         "PAD_VALUE", validate_finite_float, 0.0,
         "The value variable-length inputs are padded with (string inputs: the empty string); 0 suits Keras "
@@ -373,8 +374,8 @@ class Settings:
     grpc_channel_arguments: tuple[tuple[str, int | str], ...] = _env(
         "GRPC_CHANNEL_ARGUMENTS", validate_grpc_channel_arguments, (),
         "TF Serving's `--grpc_channel_arguments` (`grpc.max_connection_age_ms=2000,...`), passed to every "
-        "worker's gRPC server; an argument named here replaces the server's own value for it, so that it takes "
-        "effect as in TF Serving ([TF Serving](tf-serving.md#grpc-channel-arguments)).", section="gRPC")
+        "worker's gRPC server in place of its own values ([TF Serving](tf-serving.md#grpc-channel-arguments)).",
+        section="gRPC")
     grpc_max_connections: int = _env(
         "GRPC_MAX_CONNECTIONS", validate_non_neg_int, 0,
         "Open gRPC connections per worker; beyond, new ones are closed at once. 0: a quarter of the "
@@ -431,10 +432,9 @@ class Settings:
 
     model_processes: int = _env(
         "MODEL_PROCESSES", validate_non_neg_int, 0,
-        "Model processes apart from the HTTP and gRPC workers: Gunicorn's master starts this many, each loads "
-        "the models once and runs the batchers, and workers hand them rows through shared memory "
-        "([model processes](scaling.md#model-processes)). 0: every worker loads its own copy. With GPUs: a "
-        "multiple of the GPUs visible, each model process on one of them.",
+        "Model processes apart from the workers, each loading the models once and running the batchers; "
+        "workers hand them rows through shared memory ([model processes](scaling.md#model-processes)). 0: "
+        "every worker loads its own copy. With GPUs: a multiple of the GPUs visible, one GPU each.",
         section="Model processes")
     model_process_arena_mb: int = _env(
         "MODEL_PROCESS_ARENA_MB", validate_pos_int, 32,
@@ -465,9 +465,6 @@ class Settings:
     def __post_init__(self) -> None:
         if self.model_control_mode == "explicit" and not self.model_repository:
             raise SettingsError("MODEL_CONTROL_MODE='explicit' loads models from MODEL_REPOSITORY: set it")
-        if self.model_control_mode == "explicit" and self.model_processes:
-            raise SettingsError(f"MODEL_CONTROL_MODE='explicit' with MODEL_PROCESSES={self.model_processes} is not "
-                                "supported: v2's repository load and unload change a worker's own models")
         if self.model_control_mode == "explicit" and self.model_config_poll_seconds:
             # As Triton, which refuses explicit control with polling: the file would undo a load at its next read.
             raise SettingsError("MODEL_CONTROL_MODE='explicit' and MODEL_CONFIG_POLL_SECONDS="
@@ -650,19 +647,25 @@ def parse(name: str, raw: str, validator: Callable[[str], Any]) -> Any:
 
 
 def documented() -> list[tuple[str, Any, str]]:
-    """(variable, default, help) for every setting of the app (Gunicorn's knobs are in SERVER_KNOBS)."""
+    """(variable, default, help) for every setting of the app (the rest the server reads are in SERVER_KNOBS)."""
     return [(f.metadata["env"], f.default, f.metadata["help"]) for f in dataclasses.fields(Settings)]
+
+
+GUNICORN_SECTION = "Gunicorn (gunicorn.conf.py)"
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerKnob:
-    """A Gunicorn setting that gunicorn.conf.py reads from the environment, for the settings page."""
+    """A variable read outside the Settings object, for the settings page: a Gunicorn setting that
+    gunicorn.conf.py reads, or one read before Gunicorn starts (TF Serving's command line) or by
+    a part that runs without the settings."""
 
     env: str
     default: Any  # None where it is derived, and described by default_text
     allowed: str
     help: str
     default_text: str = ""
+    section: str = GUNICORN_SECTION
 
 
 SERVER_KNOBS = (
@@ -684,7 +687,19 @@ SERVER_KNOBS = (
     ServerKnob("PROMETHEUS_MULTIPROC_DIR", None, "a path",
                "Where workers write their metrics for `/metrics` to add up; its `.db` files are removed at start.",
                default_text="a fresh temporary folder"),
+    ServerKnob("TFS_LISTEN_HOST", "0.0.0.0", "an address",
+               "The address TF Serving's command line (`python -m app.tfs_flags`) listens on (TF Serving: all).",
+               section="TensorFlow Serving"),
+    ServerKnob("MODEL_BASE_PATH", None, "a path", "The image runs TF Serving's command line on "
+               "`MODEL_BASE_PATH/MODEL_NAME` ([image](tf-serving.md#the-docker-image)).",
+               default_text="`/models`", section="TensorFlow Serving"),
+    ServerKnob("POD_NAMESPACE", None, "a name", "Payload CloudEvents' `ce-namespace`, as KServe's logger's.",
+               default_text="empty", section="Payload logging"),
 )
+
+
+def server_knob(env: str) -> ServerKnob:
+    return next(knob for knob in SERVER_KNOBS if knob.env == env)
 
 
 def _default_text(value: Any) -> str:
@@ -699,25 +714,39 @@ def _default_text(value: Any) -> str:
     return f"`{value}`"
 
 
+# The page's short forms of the most common allowed values (an error message gives them in full).
+_SHORT_ALLOWED = {
+    allowed(validate_pos_int): "whole, ≥ 1", allowed(validate_non_neg_int): "whole, ≥ 0",
+    allowed(validate_bool): "true/false", allowed(validate_non_neg_float): "≥ 0",
+    allowed(validate_pos_float): "> 0", allowed(validate_fraction): "0 to 1",
+    allowed(validate_length_buckets): "increasing, ≥ 1 (`16,32,64`), or empty",
+    allowed(validate_grpc_channel_arguments): "`key=value,...`, or empty",
+    allowed(validate_restriction): "`key=value`, or empty",
+}
+
+
 def settings_markdown() -> str:
     """docs/settings.md: every setting, grouped by section, from the definitions above."""
     sections: dict[str, list[tuple[str, str, str, str]]] = {}
     for field in dataclasses.fields(Settings):
         meta = field.metadata
-        row = (meta["env"], _default_text(field.default), allowed(meta["validate"]), meta["help"])
+        text = allowed(meta["validate"])
+        row = (meta["env"], _default_text(field.default), _SHORT_ALLOWED.get(text, text), meta["help"])
         sections.setdefault(meta["section"], []).append(row)
-    sections["Gunicorn (gunicorn.conf.py)"] = [
-        (knob.env, knob.default_text or _default_text(knob.default), knob.allowed, knob.help)
-        for knob in SERVER_KNOBS]
+    for knob in SERVER_KNOBS:
+        default = knob.default_text or _default_text(knob.default)
+        row = (knob.env, default, _SHORT_ALLOWED.get(knob.allowed, knob.allowed), knob.help)
+        sections.setdefault(knob.section, []).append(row)
     lines = [
         "# Settings reference",
         "",
-        "<!-- Generated from app/ops/settings.py by `python scripts/settings_doc.py`;",
+        "<!-- Generated from app/ops/settings.py by `.venv/bin/python scripts/settings_doc.py`;",
         "     edit the definitions there, not this page (tests/test_docs.py fails when it is stale). -->",
         "",
         "Every setting is an environment variable, read once at start and validated: a bad value stops",
-        "start-up with a message that names the variable, the value and what is allowed. Gunicorn's",
-        "command-line flags (`--workers=2 --timeout=180`) override the Gunicorn settings.",
+        "start-up with a message that names the variable, the value and what is allowed (numbers in ASCII",
+        "digits; true/false also as 1/0, yes/no, on/off). Gunicorn's command-line flags",
+        "(`--workers=2 --timeout=180`) override the Gunicorn settings.",
         "[Configuration](configuration.md) explains how they fit together.",
     ]
     for section, rows in sections.items():

@@ -27,6 +27,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import ml_dtypes
 import numpy as np
 import orjson
 import simdjson
@@ -84,7 +85,7 @@ def loads(body: bytes | memoryview) -> Any:
     # orjson keeps to RFC 8259; TF Serving's and Triton's parser (rapidjson, kParseNanAndInfFlag)
     # also read NaN, Infinity and -Infinity. Python's json does too, more slowly: only for such bodies.
     try:
-        document = json.loads(body.decode(), parse_float=_finite_float)
+        document = json.loads(body.decode(), parse_float=_finite_float, parse_int=_orjson_int)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadRequest(f"malformed JSON: {exc}") from None
     # Python's json, unlike orjson, reads a lone surrogate escape ("\ud800") into a str that no
@@ -125,6 +126,16 @@ def _finite_float(text: str) -> float:
     if math.isinf(value):  # '1e400' is too big for a double; only the token 'Infinity' means infinity
         raise ValueError(f"number {text[:40]} is too big for a double")
     return value
+
+
+def _orjson_int(text: str) -> int | float:
+    # An integer as orjson reads one: exact within int64 and uint64, past them a double. int()
+    # would read up to 4,300 digits exactly, and raise past them.
+    if len(text) <= 20:
+        number = int(text)
+        if -2**63 <= number < 2**64:
+            return number
+    return _finite_float(text)
 
 
 def parse_request(body: bytes, *, max_rows: int | None = None) -> ParsedRequest:
@@ -245,10 +256,10 @@ def _numbers(value: simdjson.Array, *, integers: bool) -> tuple[np.ndarray, floa
         except (TypeError, ValueError):  # a fraction, an exponent, or an integer past int64
             pass
     flat = np.frombuffer(value.as_buffer(of_type="d"), dtype=np.float64)
-    peak = _peak(flat)
+    largest = peak(flat)
     # numpy reads integers past int64 among others as uint64 and casts them to float32 in one
     # rounding; through a double they would round twice. Only those are that large.
-    return (flat, peak) if peak < _EXACT_IN_DOUBLE else None
+    return (flat, largest) if largest < _EXACT_IN_DOUBLE else None
 
 
 # numpy lets the GIL go for a loop over more than 500 values (NPY_BEGIN_THREADS_THRESHOLDED). For
@@ -259,7 +270,7 @@ _GIL_KEPT = 500
 _IN_PIECES_UP_TO = 8 * _GIL_KEPT
 
 
-def _peak(flat: np.ndarray) -> float:
+def peak(flat: np.ndarray) -> float:
     """The largest magnitude in `flat` (1-D, not empty)."""
     if flat.size > _IN_PIECES_UP_TO:
         return float(np.abs(flat).max())
@@ -275,6 +286,20 @@ def astype_keeping_gil(matrix: np.ndarray, dtype: np.dtype) -> np.ndarray:
     for start in range(0, values.size, _GIL_KEPT):
         into[start:start + _GIL_KEPT] = values[start:start + _GIL_KEPT]
     return result
+
+
+def within_range(flat: np.ndarray, dtype: np.dtype, peak: float) -> np.ndarray | None:
+    """`flat` (finite numbers, the largest `peak` in magnitude) as the float `dtype`, as numpy
+    casts it; None where a value is past the dtype's range: the cast would make it infinite."""
+    if peak < _largest(dtype):  # nothing rounds to infinity: the one common case, spared two passes
+        return astype_keeping_gil(flat, dtype) if dtype.kind == "f" else flat.astype(dtype)
+    with np.errstate(over="ignore"):
+        array = flat.astype(dtype)
+    return array if np.isfinite(array).all() else None
+
+
+def _largest(dtype: np.dtype) -> float:
+    return float(np.finfo(dtype).max if dtype.kind == "f" else ml_dtypes.finfo(dtype).max)  # 'V': bfloat16
 
 
 def may_hold_booleans(body: bytes) -> bool:
@@ -320,12 +345,8 @@ def _matrix_input(matrix: np.ndarray, peak: float, spec: TensorSpecs) -> np.ndar
     if kind not in ("i", "u", "f") or not info.batched or not info.accepts_row_shape(matrix.shape[1:]):
         return None
     if kind == "f":
-        if peak < np.finfo(info.dtype).max:  # nothing rounds to infinity: the one common case, spared two passes
-            return astype_keeping_gil(matrix, info.dtype)
-        with np.errstate(over="ignore"):
-            array = matrix.astype(info.dtype)
         # Past float32's range (or float16's): the general path refuses it in its words.
-        return array if np.isfinite(array).all() else None
+        return within_range(matrix, info.dtype, peak)
     limits = np.iinfo(info.dtype)
     # A fraction for an integer input, or a value outside its range: refused there, in its words.
     if matrix.dtype.kind != "i" or matrix.min() < limits.min or matrix.max() > limits.max:
@@ -487,7 +508,7 @@ def _to_number_array(value: list[Any], spec: TensorInfo, where: str, booleans: b
             raise InvalidInput(f"{where}: a value is outside the range of {spec.tf_dtype} for input '{spec.name}'")
     with np.errstate(over="ignore"):
         array = raw.astype(spec.dtype, copy=False)
-    if spec.dtype.kind == "f" and not np.isfinite(array).all() and (np.isfinite(raw) & ~np.isfinite(array)).any():
+    if spec.dtype.kind in "fV" and not np.isfinite(array).all() and (np.isfinite(raw) & ~np.isfinite(array)).any():
         raise InvalidInput(f"{where}: a value is too large for {spec.tf_dtype} (input '{spec.name}')")
     return array
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from app.core.errors import BadRequest
+from app.ops.numerals import whole_number
 
 HEADER = "X-Priority"
 METADATA_KEY = HEADER.lower()  # gRPC metadata keys are lowercase
@@ -45,11 +46,10 @@ def from_header(value: str | None) -> int:
     """The `X-Priority` header (or `x-priority` metadata) of a TF Serving API request; 0 without one."""
     if value is None:
         return 0
-    text = value.strip()
-    # ASCII digits only: isdigit() also takes '²', which int() then refuses.
-    if not (text.isascii() and text.isdigit()) or int(text) > MAX_PRIORITY:
+    level = whole_number(value.strip(), MAX_PRIORITY)
+    if level is None:
         raise BadRequest(HEADER_ERROR)
-    return int(text)
+    return level
 
 
 def from_metadata(metadata: Any) -> int:

@@ -27,9 +27,10 @@ import orjson
 
 from app.core.batching import check_rows
 from app.core.call import ModelSpec
-from app.core.errors import InvalidInput
+from app.core.errors import BadRequest, InvalidInput
 from app.core.models import STRING, LoadedModel, Signature, TensorInfo
 from app.core.serving import braced
+from app.ops.numerals import INT64_MAX, whole_number
 from app.wire import codec
 
 SERVER_NAME = "tensorflow-model-server"
@@ -59,8 +60,18 @@ def model_spec(name: str, version: str | None) -> ModelSpec:
     """A v2 version string: digits are a version number, anything else a version label."""
     if not version:
         return ModelSpec(name)
-    number = version.isascii() and version.isdigit()
-    return ModelSpec(name, int(version)) if number else ModelSpec(name, label=version)
+    if not (version.isascii() and version.isdigit()):
+        return ModelSpec(name, label=version)
+    return ModelSpec(name, version_number(version))
+
+
+def version_number(version: str) -> int:
+    """A version of digits as a number; 400 past int64, as Triton refuses a version stol cannot read."""
+    number = whole_number(version, INT64_MAX)
+    if number is None:
+        raise BadRequest(f"failed to get model version from specified version string '{version}', version "
+                         f"should be an integral value from 0 to {INT64_MAX}")
+    return number
 
 
 def datatype(spec: TensorInfo) -> str:
@@ -148,7 +159,7 @@ def _from_values(values: Sequence[Any], dtype: np.dtype, count: int, where: str)
     try:
         return np.array(values, dtype=dtype)
     except OverflowError:
-        raise InvalidInput(f"{where}: a value is outside the range of {_NAMES[dtype]}") from None
+        raise _past_range(dtype, where) from None
 
 
 def from_bytes(raw: bytes | memoryview, dtype: np.dtype, count: int, where: str) -> np.ndarray:
@@ -201,8 +212,13 @@ def _from_json(data: Any, dtype: np.dtype, count: int, where: str, *, booleans: 
     if isinstance(data, np.ndarray):  # numbers read flat, as doubles (v2_rest._numbers_read_whole)
         if data.size != count:
             raise InvalidInput(f"{where}: 'data' holds {data.size} values; its shape holds {count}")
-        # bfloat16 (ml_dtypes, kind 'V') keeps numpy's astype: its casts are ml_dtypes' own.
-        return codec.astype_keeping_gil(data, dtype) if dtype.kind == "f" else data.astype(dtype)
+        if dtype.itemsize >= data.dtype.itemsize:
+            return codec.astype_keeping_gil(data, dtype)
+        # simdjson reads no NaN or infinity: a value past the datatype's range is all that can overflow.
+        array = codec.within_range(data, dtype, codec.peak(data) if data.size else 0.0)
+        if array is None:
+            raise _past_range(dtype, where)
+        return array
     if dtype != STRING and not (booleans and dtype.kind != "b"):
         flat = _read_whole(data, dtype, count, where)
         if flat is not None:
@@ -242,11 +258,11 @@ def _read_whole(data: Any, dtype: np.dtype, count: int, where: str) -> np.ndarra
         # numpy's cast wraps where np.array(values, dtype) refuses; the range is checked first.
         limits = np.iinfo(dtype)
         if flat.size and (flat.min() < limits.min or flat.max() > limits.max):
-            raise InvalidInput(f"{where}: a value is outside the range of {_NAMES[dtype]}")
-    elif dtype.kind != "b" and inferred.dtype.kind != "f":
+            raise _past_range(dtype, where)
+    elif dtype.kind != "b":
         # A whole number becomes a float through float64, as Python's int does (2**60 + 2**36 + 1
         # rounds differently straight to float32).
-        flat = flat.astype(np.float64)
+        return _floats(flat.astype(np.float64, copy=False), dtype, where)
     return flat.astype(dtype, copy=False)
 
 
@@ -266,13 +282,27 @@ def _from_json_by_item(data: Any, dtype: np.dtype, count: int, where: str) -> np
         name = _NAMES.get(dtype, str(dtype))
         raise InvalidInput(f"{where}: {name} data must be {'booleans' if bool in allowed else 'numbers'}")
     try:
-        if dtype.kind == "V":
-            # ml_dtypes' bfloat16 takes no Python int past int64 (a TypeError, which was a 500):
-            # through a double, as float() would read it.
-            return np.array(flat, dtype=np.float64).astype(dtype)
+        if dtype.kind in "fV":
+            # Through a double, as float() reads a number (ml_dtypes' bfloat16 takes no Python int
+            # past int64: a TypeError, which was a 500).
+            return _floats(np.array(flat, dtype=np.float64), dtype, where)
         return np.array(flat, dtype=dtype)
     except OverflowError:
-        raise InvalidInput(f"{where}: a value is outside the range of {_NAMES[dtype]}") from None
+        raise _past_range(dtype, where) from None
+
+
+def _floats(wide: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
+    """float64 values as the float `dtype`; 400 for a finite one the cast would make infinite (as
+    TF Serving's REST door refuses it). NaN and the infinities JSON spells out stay as they are."""
+    with np.errstate(over="ignore"):
+        array = wide.astype(dtype)
+    if not np.isfinite(array).all() and (np.isfinite(wide) & ~np.isfinite(array)).any():
+        raise _past_range(dtype, where)
+    return array
+
+
+def _past_range(dtype: np.dtype, where: str) -> InvalidInput:
+    return InvalidInput(f"{where}: a value is outside the range of {_NAMES[dtype]}")
 
 
 def output_array(array: np.ndarray, spec: TensorInfo) -> np.ndarray:
