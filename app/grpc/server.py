@@ -22,7 +22,7 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -43,8 +43,6 @@ log = logging.getLogger(__name__)
 
 
 _T = TypeVar("_T")
-# What wraps a servicer's method for the call path: observed(route, blocking[, on_loop]) (app/grpc/calls.py).
-Observed = Callable[..., Any]
 
 
 class GrpcServer:

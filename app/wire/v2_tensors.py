@@ -209,7 +209,7 @@ def _flatten(data: Any, where: str) -> list[Any]:
 
 
 def _from_json(data: Any, dtype: np.dtype, count: int, where: str, *, booleans: bool = True) -> np.ndarray:
-    if isinstance(data, np.ndarray):  # numbers read flat, as doubles (v2_rest._numbers_read_whole)
+    if isinstance(data, np.ndarray):  # numbers read flat, as doubles (app/http/v2.py, _numbers_read_whole)
         if data.size != count:
             raise InvalidInput(f"{where}: 'data' holds {data.size} values; its shape holds {count}")
         if dtype.itemsize >= data.dtype.itemsize:
