@@ -1,15 +1,13 @@
-"""Servers side by side under one load generator (wrk): the model-processes and peers scenarios.
+"""Servers side by side under one load generator (wrk): the model-processes, peers and floor scenarios.
 
-model-processes: the default with WORKERS=1, 2 and 4 (a model copy per worker), MODEL_PROCESSES=1
-with WORKERS=1, 2 and 4 (one copy), and PyTriton. peers: this server (the default, one worker) beside
-PyTriton (Triton's server and dynamic batcher around a compiled tf.function, scripts/pytriton_server.py,
-from a virtualenv of its own: --pytriton-python) and the small Flask batcher (scripts/floor_app.py:
-Flask and one model thread under the same Gunicorn configuration, fixed answers). Every layout serves
-the same saved Keras model, built from fixed seeds; wrk loads each in a closed loop, one row per
-request, over v2 REST infer (the Flask batcher: TF Serving's REST /predict). Each answer to that very
-request is first checked against the Keras model's own output (but the Flask batcher's); a load with
-any non-2xx answer or socket error is refused, not reported. Server CPU and resident memory are those
-of the server's whole process tree. Rounds run the layouts in alternating order, so that drift shows.
+PyTriton is Triton's server and dynamic batcher around a compiled tf.function (scripts/pytriton_server.py,
+from a virtualenv of its own: --pytriton-python); the small Flask batcher is scripts/floor_app.py: Flask
+and one model thread under the same Gunicorn configuration, fixed answers. Every layout serves the same
+saved Keras model, built from fixed seeds; wrk loads each in a closed loop, one row per request, over
+v2 REST infer unless its name says otherwise (the Flask batcher: TF Serving's REST /predict). Each answer
+to that very request is first checked against the Keras model's own output (but the Flask batcher's); a
+load with any non-2xx answer or socket error is refused, not reported. Server CPU and resident memory are
+those of the server's whole process tree. Rounds run the layouts in alternating order, so that drift shows.
 """
 
 from __future__ import annotations

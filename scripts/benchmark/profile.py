@@ -4,9 +4,7 @@ For each tree (this one; with --baseline-ref a git worktree of that commit; unle
 the floor and floor-batcher of scripts/floor_app.py), a real Gunicorn with one worker serves the
 model while headless Locust runs a closed loop, one row per request. py-spy (PyPI) samples the
 thread holding the GIL (`--gil`); each sample is put in the stage of the frame nearest the leaf that
-belongs to one (STAGES), and GIL shares become GIL milliseconds per request with the share of wall
-time the GIL was held. A second run, without py-spy, reads each thread's CPU time from /proc
-before and after: CPU per request by kind of thread, told by the name Python gave the thread.
+belongs to one (STAGES). A second run, without py-spy, reads each thread's CPU time from /proc.
 py-spy runs `--nonblocking` at a low rate; it still takes CPU on the same cores, so the req/s
 beside a profile are below a benchmark's.
 """
