@@ -2,7 +2,7 @@
 
 The image example (examples/image_classifier/: Pillow decodes a JPEG and resizes it to 224 × 224, a
 small Keras CNN scores it, the top 5 labels and scores come back) under wrk in a closed loop: 16
-camera-like photos in turn (scripts/benchmark/photos.py) as TF Serving REST `{"b64": ...}` (b64) or as
+camera-like photos in turn (examples/image_classifier/photos.py) as TF Serving REST `{"b64": ...}` (b64) or as
 a v2 binary BYTES tensor (bytes; PyTriton's of shape [1, 1]). LitServe (scripts/litserve_server.py: its
 batching API, max batch 32, its default batch_timeout 0) and PyTriton (scripts/pytriton_server.py
 --photos) run the same decode, model and top 5. Every server's answers to the 16 photos are checked
@@ -235,10 +235,9 @@ def build(folder: str, count: int) -> None:
     """The photos, the saved model, its own answer to each photo (one at a time, as the checks send them), and
     its CPU time per photo in batches of 32 (as under load) into build.json."""
     import keras
-    from examples.image_classifier import handler
-    from examples.image_classifier import model as example
 
-    from scripts.benchmark import photos
+    from examples.image_classifier import handler, photos
+    from examples.image_classifier import model as example
 
     work = Path(folder)
     sizes = photos.make(work / "photos", count)
@@ -276,9 +275,8 @@ def decode_for(jpegs: list[bytes], seconds: float, start: float) -> tuple[int, f
 def decode_limit(folder: str, seconds: float) -> None:
     """The handler's own decode (Pillow: JPEG decode, RGB, bilinear resize to 224 × 224) over the photos in turn,
     in one process with nothing of this run beside it, then in one process per usable CPU at once; limit.json."""
-    from examples.image_classifier.handler import decode
-
     from app.ops.runtime import usable_cpus
+    from examples.image_classifier.handler import decode
 
     jpegs = [path.read_bytes() for path in sorted((Path(folder) / "photos").glob("*.jpg"))]
     for jpeg in jpegs:
@@ -352,7 +350,7 @@ def table(results: Sequence[Measured], chosen: Sequence[Layout], rounds: int, li
              fmt(average(layout.name, "p50_ms")), fmt(average(layout.name, "p99_ms")),
              fmt(average(layout.name, "cpu_ms_per_request"), 2), fmt(average(layout.name, "rss_mib"), 0),
              fmt(average(layout.name, "batch_rows"))) for layout in chosen]
-    lines = [f"Means of {rounds} rounds.", "", *markdown_table(
+    lines = [f"Means of {rounds} round{'s' if rounds > 1 else ''}.", "", *markdown_table(
         ("layout", "req/s", "÷ LitServe best", "÷ PyTriton", "of limit", "p50 ms", "p99 ms", "CPU ms/req", "RSS MiB",
          "batch rows"), rows)]
     ours = {name: value for name, value in rps.items() if value and not LAYOUTS_BY_NAME[name].peer}
