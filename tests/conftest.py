@@ -110,6 +110,15 @@ MODEL_PROCESSES_FILES: dict[str, set[str] | None] = {
     "test_hostile.py": None, "test_client_gone.py": None,
     "test_stops.py": {"test_group_stop_under_load_loses_no_accepted_request"},
     "test_worker_lifecycle.py": {"test_quick_shutdown_answers_a_request_held_in_its_batch_window"},
+    # Triton's extensions: raw binary, the model config, streaming and the restricted categories.
+    "test_triton_server.py": {
+        "test_raw_binary", "test_byte", "test_raw_requests_batch_with_json_requests_and_are_refused_past_the_row_limit",
+        "test_model_config_answers_tritons_fields_on_both_doors",
+        "test_stream_answers_in_request_order_each_with_its_id",
+        "test_stream_requests_batch_with_each_other_and_with_unary_calls",
+        "test_a_streamed_failure_is_answered_in_the_stream_which_goes_on",
+        "test_a_cancelled_stream_cancels_its_requests_before_they_run", "test_stream_infer", "test_infer",
+        "test_grpc_methods_answer_unavailable_without_their_categorys_metadata"},
 }
 MODEL_PROCESSES_SUFFIX = "[model-processes]"
 
