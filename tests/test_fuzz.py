@@ -99,7 +99,7 @@ def test_openapi_document_describes_every_route(server):
     # (openapi.init_app); tests/test_v2_edges.py holds that check to a failing case.
     documented = {(path, method) for path, operations in SPEC["paths"].items() for method in operations}
     assert ("/v2/models/{name}/infer", "post") in documented
-    assert len(documented) == 35
+    assert len(documented) == 37
 
     served = requests.get(server.url + "/openapi.json", timeout=CLIENT_TIMEOUT_S)
     assert served.status_code == 200
