@@ -594,13 +594,18 @@ def test_stream_requests_batch_with_each_other_and_with_unary_calls(explicit):
 def test_a_streamed_failure_is_answered_in_the_stream_which_goes_on(explicit):
     unknown = simple_request(1, "a")
     unknown.model_name = "nothing"
+    # A streamed request's parameters are read as a unary call's: its priority too.
+    priority = simple_request(5, "f")
+    priority.parameters["priority"].string_param = "high"
     messages = stream_messages(explicit, [unknown, simple_request(2, "b"),
                                           simple_request(3, "c", outputs=("OUTPUT0", "OUTPUT0")),
-                                          held_request(1, "d", timeout=-1), simple_request(4, "e")])
+                                          held_request(1, "d", timeout=-1), simple_request(4, "e"), priority])
     assert [(m.error_message, m.infer_response.id) for m in messages] == [
         ("Request for unknown model: 'nothing' is not found", "a"), ("", "b"),
         ("output 'OUTPUT0' already exists in request", "c"),
-        ("the parameter 'timeout' is microseconds, a whole number of 0 or more", "d"), ("", "e")]
+        ("the parameter 'timeout' is microseconds, a whole number of 0 or more", "d"), ("", "e"),
+        ("the parameter 'priority' must be a whole number from 0 to 18446744073709551615 (1 is the highest level)",
+         "f")]
     assert np.frombuffer(messages[4].infer_response.raw_output_contents[0], np.int32).tolist() == [8] * 16
 
 
