@@ -363,8 +363,7 @@ def test_a_handlers_value_error_is_the_clients_400_on_every_door(server):
     answer = v2_json(server, "faults", "text", [b"bad"])
     assert (answer.status_code, answer.json()) == (400, {"error": "preprocess: the text 'bad' is refused"})
     answer = tfs_rest(server, "image", "image_bytes", [b"not a photo"])
-    assert answer.status_code == 400
-    assert answer.json()["error"].startswith("preprocess: image_bytes is not a JPEG or PNG image Pillow can read")
+    assert (answer.status_code, answer.json()) == (400, {"error": "preprocess: image_bytes is not a JPEG or PNG image"})
     with pytest.raises(grpc.RpcError) as refused:
         v2_grpc(server, "text", "text", [b"fine"], {"temperature": "hot"})
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
