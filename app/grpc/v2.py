@@ -91,7 +91,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         timeout_s = _timeout_s(parameters)
         call = exchange.call(spec, signature=_signature_name(parameters), client_timeout_s=timeout_s,
                              outputs=tuple(output.name for output in request.outputs),
-                             priority=priority.from_v2_grpc(parameters))
+                             priority=priority.from_v2_grpc(parameters), parameters=_values(parameters))
         answer = await self._layer.start(call, lambda signature, max_rows: v2_tensors.decode_inputs(
             _tensors(request), signature, max_rows=max_rows))
         return _infer_response(request, answer)
@@ -132,6 +132,12 @@ def _infer_response(request: Any, answer: Answer) -> Any:
         response.outputs.add(name=output.name, datatype=v2_tensors.datatype(output), shape=array.shape)
         response.raw_output_contents.append(v2_tensors.to_bytes(array))
     return response
+
+
+def _values(parameters: Any) -> dict[str, Any]:
+    """The request's InferParameters as JSON values, as REST's `parameters` reads (a model's handler's)."""
+    return {name: getattr(parameter, choice) for name, parameter in parameters.items()
+            if (choice := parameter.WhichOneof("parameter_choice"))}
 
 
 def _signature_name(parameters: Any) -> str:

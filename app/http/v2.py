@@ -97,7 +97,7 @@ def infer(services: Services, exchange: HttpExchange, name: str, version: str | 
     wanted = _requested_outputs(body)
     call = exchange.call(v2_tensors.model_spec(name, version), signature=signature_name,
                          outputs=tuple(output for output, _ in wanted), client_timeout_s=_timeout_s(parameters),
-                         priority=priority.from_v2_rest(parameters))
+                         priority=priority.from_v2_rest(parameters), parameters=parameters)
     answer = services.layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
         _inputs(body, tensors, json_text), signature, max_rows=max_rows))
     binary = {output_name: every_binary if choice is None else choice for output_name, choice in wanted}
