@@ -11,6 +11,9 @@ unless MODEL_CONTROL_MODE is explicit. Each parameter Triton reads is type-check
 words on each door (`expected_parameter`); then every load parameter, and any other unload one, is
 refused. Its doors: app/http/v2_repository.py and app/grpc/v2.py.
 
+A model folder may hold a handler, `handler.py` (app/core/handlers.py): a load imports it only
+with MODEL_REPOSITORY_HANDLERS=true, and refuses the folder otherwise, naming the setting.
+
 Who may call them (RESTRICTED_MODEL_CONTROL, Triton's `model-repository` category) is the
 doors' check, before they call here (app/wire/restricted.py).
 """
@@ -35,6 +38,8 @@ class Repository:
     def __init__(self, settings: Settings, registry: ModelRegistry) -> None:
         self.folder = Path(settings.model_repository) if settings.model_repository else None
         self.explicit = settings.model_control_mode == "explicit"
+        # Whether a load imports the handler.py a model's folder holds (app/core/handlers.py).
+        self.handlers = settings.model_repository_handlers
         self._registry = registry
 
     def index(self, *, ready: bool) -> list[dict[str, str]]:
@@ -66,6 +71,10 @@ class Repository:
         if not MODEL_NAME_PATTERN.fullmatch(name) or not path.is_dir():
             raise BadRequest(f"failed to load '{name}', failed to poll from model repository: no folder "
                              f"'{name}' in MODEL_REPOSITORY")
+        if not self.handlers and (path / "handler.py").is_file():
+            # A handler is code: the repository's folders are data unless the operator says otherwise.
+            raise BadRequest(f"failed to load '{name}': its folder holds handler.py, which is code; set "
+                             "MODEL_REPOSITORY_HANDLERS=true to import it")
         try:
             self._registry.edit_config(ConfigEdit(name, str(path)), timeout_s=timeout_s)
         except BadRequest as exc:

@@ -24,11 +24,12 @@ ModelStreamInfer stream has one of its own, closed with its own status once its 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
 
-from app.core.call import ANY_MODEL, Call, Exchange, ModelSpec, deadline_s
+from app.core.call import ANY_MODEL, NO_PARAMETERS, Call, Exchange, ModelSpec, deadline_s
 from app.core.exchange import Exchanges
 from app.ops.logs import accept_request_id
 from app.wire.priority import from_metadata as priority_from_metadata
@@ -58,12 +59,14 @@ class GrpcExchange(Exchange):
             context.add_done_callback(self._ended)
 
     def call(self, model: ModelSpec = ANY_MODEL, *, signature: str = "", outputs: tuple[str, ...] = (),
-             client_timeout_s: float | None = None, priority: int | None = None) -> Call:
+             client_timeout_s: float | None = None, priority: int | None = None,
+             parameters: Mapping[str, Any] = NO_PARAMETERS) -> Call:
         """The call's Call: its deadline the gRPC call's own (and `client_timeout_s`, if sooner),
         capped by REQUEST_TIMEOUT_MS; its priority from the x-priority metadata unless given."""
         return super().call(model, signature=signature, outputs=outputs,
                             client_timeout_s=deadline_s(self.context.time_remaining(), client_timeout_s),
-                            priority=priority_from_metadata(self.metadata) if priority is None else priority)
+                            priority=priority_from_metadata(self.metadata) if priority is None else priority,
+                            parameters=parameters)
 
     async def echo_id(self) -> None:
         """The request id to the client, in the call's initial metadata."""

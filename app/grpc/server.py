@@ -56,6 +56,8 @@ class GrpcServer:
         self._lock = threading.Lock()
         self._threads = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc")
         self._loop = asyncio.new_event_loop()
+        # Where a call on the loop runs what must not block it (a model handler's stages, app/core/serving.py).
+        self._loop.set_default_executor(self._threads)
         self._loop_thread = threading.Thread(target=self._run_loop, name="grpc-loop", daemon=True)
         self._loop_thread.start()
         try:

@@ -114,7 +114,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         outputs = tuple(output.name for output in request.outputs)
         v2_tensors.check_outputs(outputs)
         call = exchange.call(spec, signature=_signature_name(parameters), client_timeout_s=timeout_s,
-                             outputs=outputs, priority=priority.from_v2_grpc(parameters))
+                             outputs=outputs, priority=priority.from_v2_grpc(parameters),
+                             parameters=_values(parameters))
         try:
             answer = await self._layer.start(call, lambda signature, max_rows: v2_tensors.decode_inputs(
                 _tensors(request), signature, max_rows=max_rows))
@@ -158,6 +159,12 @@ def _infer_response(request: Any, answer: Answer) -> Any:
         response.outputs.add(name=output.name, datatype=v2_tensors.datatype(output), shape=array.shape)
         response.raw_output_contents.append(v2_tensors.to_bytes(array))
     return response
+
+
+def _values(parameters: Any) -> dict[str, Any]:
+    """The request's InferParameters as JSON values, as REST's `parameters` reads (a model's handler's)."""
+    return {name: getattr(parameter, choice) for name, parameter in parameters.items()
+            if (choice := parameter.WhichOneof("parameter_choice"))}
 
 
 def _signature_name(parameters: Any) -> str:

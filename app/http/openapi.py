@@ -4,17 +4,22 @@ Werkzeug's '/v1/models/<model_name:name>:predict' is the literal OpenAPI path
 '/v1/models/{name}:predict': the name pattern stops at ':'. Every error answers
 {"error": "..."} with one of the statuses listed for its route (the README's error table);
 init_app checks the document against the routes the app serves; tests/test_fuzz.py holds a live
-server to it.
+server to it. `x-model-signatures` shows each model's serving signature as served now (a model
+with a handler: the handler's), by name: per-row shapes (null: any size) and dtypes ("bytes" for
+strings), as a handler declares them.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, cast
 
 import orjson
-from flask import Flask, Response
+from flask import Flask, Response, current_app
 
+from app.core.models import STRING, Signature, TensorInfo
+from app.core.registry import ModelRegistry
+from app.http.routes import HttpApp
 from app.ops.settings import MODEL_NAME_PATTERN
 
 OPENAPI_VERSION = "3.0.3"
@@ -392,7 +397,9 @@ def init_app(app: Flask) -> None:
 
     @app.get("/openapi.json")
     def openapi_json() -> Response:
-        return Response(served, mimetype="application/json")
+        # Models change live (reloads, versions): their signatures are read at each request.
+        signatures = orjson.dumps(model_signatures(cast(HttpApp, current_app).services.registry))
+        return Response(served[:-1] + b',"x-model-signatures":' + signatures + b"}", mimetype="application/json")
 
     described = {(path, method) for path, methods in document["paths"].items() for method in methods}
     served_routes = operations(app)
@@ -401,3 +408,24 @@ def init_app(app: Flask) -> None:
                            f"{sorted(served_routes - described)}, described but not served "
                            f"{sorted(described - served_routes)}")
     served = orjson.dumps(document)
+
+
+def model_signatures(registry: ModelRegistry) -> dict[str, Any]:
+    """Each model's serving signature (its newest version's), as clients send and get it."""
+    shown = {}
+    for name, servable in registry.items():
+        model = servable.model
+        signature = model.signatures.get(model.default_signature)
+        if signature is not None:
+            shown[name] = _signature(signature)
+    return shown
+
+
+def _signature(signature: Signature) -> dict[str, Any]:
+    return {"inputs": {spec.name: _tensor(spec) for spec in signature.inputs},
+            "outputs": {spec.name: _tensor(spec) for spec in signature.outputs}}
+
+
+def _tensor(spec: TensorInfo) -> dict[str, Any]:
+    return {"dtype": "bytes" if spec.dtype == STRING else spec.dtype.name,
+            "shape": None if spec.unknown_rank else list(spec.shape)}

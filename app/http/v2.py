@@ -124,7 +124,7 @@ def infer(services: Services, exchange: HttpExchange, name: str, version: str | 
     v2_tensors.check_outputs(names)
     spec = v2_tensors.model_spec(name, version)
     call = exchange.call(spec, signature=signature_name, outputs=names, client_timeout_s=_timeout_s(parameters),
-                         priority=priority.from_v2_rest(parameters))
+                         priority=priority.from_v2_rest(parameters), parameters=parameters)
     try:
         answer = services.layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
             _inputs(body, tensors, json_text), signature, max_rows=max_rows))
