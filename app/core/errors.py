@@ -5,7 +5,7 @@
     │   ├── InvalidInput (400)          body parsed, but not what the model takes
     │   ├── UnsupportedEncoding (415)   a Content-Encoding the server does not decode
     │   └── SignatureNotFound (400)     gRPC answers it FAILED_PRECONDITION, as TF Serving
-    ├── Forbidden (403)                 a restricted call without its header; gRPC: PERMISSION_DENIED
+    ├── Forbidden (403)                 a restricted call without its header; gRPC: UNAVAILABLE (Triton's)
     ├── NotFound (404)
     ├── MethodNotAllowed (405)
     ├── PayloadTooLarge (413)

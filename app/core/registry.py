@@ -365,6 +365,12 @@ class ModelRegistry:
                 return [entry.states[version].as_json(version)]
             return [entry.states[v].as_json(v) for v in sorted(entry.states, reverse=True)]
 
+    def config_entry(self, name: str) -> dict[str, Any] | None:
+        """The MODEL_CONFIG entry a served model came from (`config_entry`); None where none is known."""
+        live = self.live_config
+        config = live.configs.get(name) if live is not None else None
+        return config_entry(config) if config is not None else None
+
     def items(self) -> list[tuple[str, Servable]]:
         """Each model with its newest served version."""
         with self._lock:

@@ -168,7 +168,6 @@ class RequestLayer:
     def run(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
         """`queue` on a signature the caller chose (TF Serving's classify and regress rules,
         app/wire/classify.py), waited for on this thread."""
-        self.predict_only(servable)
         return self.queue(call, servable, signature, decode).answer()
 
     @staticmethod

@@ -72,7 +72,7 @@ class GrpcServer:
         path = grpc_calls.CallPath(
             services.exchanges, max_calls=threads, receive_timeout_s=settings.grpc_receive_timeout_ms / 1000.0,
             timeout_s=layer.timeout_s, threads=self._threads, tracing=services.tracing,
-            restricted=v2_grpc.restriction(services.repository))
+            restricted=v2_grpc.restriction(settings))
         # Connections, streams, metadata and messages (app/grpc/limits.py); calls and their
         # message's wait, the exchange, the trace, errors to codes (app/grpc/calls.py).
         server = grpc_limits.build_server(settings, max_bytes=max_bytes, threads=self._threads, path=path)

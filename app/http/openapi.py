@@ -30,6 +30,7 @@ _ERRORS = {
          "a path under /v1/ that is not one of TensorFlow Serving's URLs ('Malformed request: ...'); "
          "model outputs that are not one row per input row; an unknown version label or signature_name; "
          "classify/regress with a signature of another method.",
+    403: "A restricted API category (HTTP_RESTRICTED_API, RESTRICTED_MODEL_CONTROL) called without its header.",
     404: "Unknown route, model or version.",
     405: "Wrong method for this path; 'Allow' lists the right ones.",
     413: "Body over MAX_REQUEST_BYTES, or more rows in one request than MAX_REQUEST_ROWS.",
@@ -161,7 +162,8 @@ def _v2_paths() -> dict[str, Any]:
     }
     header_length = {
         "name": "Inference-Header-Content-Length", "in": "header", "required": False,
-        "description": "Binary tensor data: the length of the JSON request at the body's start.",
+        "description": "Binary tensor data: the length of the JSON request at the body's start; 0: the "
+                       "body is the one input's raw data.",
         "schema": {"type": "integer", "minimum": 0},
     }
     signature = {"name": "signature_name", "in": "query", "required": False,
@@ -187,17 +189,23 @@ def _v2_paths() -> dict[str, Any]:
                                            parameters=(*parameters, signature))}
         paths[f"{prefix}/ready"] = {"get": _operation("Whether a model can serve.", ready_ok, (*_GET_ERRORS, 503),
                                                       parameters=parameters)}
+        paths[f"{prefix}/config"] = {"get": _operation(
+            "Triton's model configuration extension: the model as Triton's ModelConfig describes it.",
+            _json_ok("Triton's ModelConfig, every field written.", {"type": "object", "required": ["name"]}),
+            _GET_ERRORS, parameters=parameters)}
         infer = _operation("Run the model on named tensors (Open Inference Protocol).", infer_ok, _PREDICT_ERRORS,
                            parameters=(*parameters, header_length), body=True)
         infer["requestBody"]["content"]["application/json"]["schema"] = {"$ref": "#/components/schemas/V2InferRequest"}
+        infer["requestBody"]["content"]["application/octet-stream"] = {"schema": {"type": "string", "format": "binary"}}
         paths[f"{prefix}/infer"] = {"post": infer}
+    for operations in paths.values():  # every route has a category HTTP_RESTRICTED_API may restrict
+        for operation in operations.values():
+            operation["responses"]["403"] = _error(403)
     return {**paths, **_repository_paths()}
 
 
 def _repository_paths() -> dict[str, Any]:
     """Triton's model repository extension (app/core/repository.py)."""
-    forbidden = {"description": "RESTRICTED_MODEL_CONTROL is set and the request lacks its header and value.",
-                 "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     body = {"required": False, "content": {"application/json": {"schema": {"type": "object"}}}}
     index = _operation("Every model of MODEL_REPOSITORY and every model served, with each version's state.",
                        _json_ok("name, version, state, reason per model version.",
@@ -209,7 +217,7 @@ def _repository_paths() -> dict[str, Any]:
                                parameters=(_NAME,))
         paths[f"/v2/repository/models/{{name}}/{action}"] = {"post": operation}
     for path in paths.values():
-        path["post"]["responses"]["403"] = forbidden
+        path["post"]["responses"]["403"] = _error(403)
         path["post"]["requestBody"] = body
     return paths
 

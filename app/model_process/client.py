@@ -39,6 +39,14 @@ class RemoteRegistry(ModelRegistry):
 
     link: ModelProcessLink | None = None
 
+    def __init__(self, default_name: str) -> None:
+        super().__init__(default_name)
+        # Each model's MODEL_CONFIG entry, as its model process last described it.
+        self.entries: dict[str, dict[str, Any]] = {}
+
+    def config_entry(self, name: str) -> dict[str, Any] | None:
+        return self.entries.get(name)
+
     def flush(self, *, later_too: bool = False) -> None:
         """A stop was asked (the worker's when_stopping): this worker's rows wait out no batch window."""
         if self.link is not None:
@@ -259,6 +267,8 @@ class RemoteModels:
                     self.load_errors.append(f"model '{name}' v{number}: {exc}")
                     self.registry.set_state(name, number, END, str(exc)[:1000])
         self.registry.set_labels(name, {label: int(version) for label, version in entry["labels"].items()})
+        if isinstance(self.registry, RemoteRegistry) and entry.get("config") is not None:
+            self.registry.entries[name] = entry["config"]
         for state in entry["states"]:
             number = int(state["version"])
             if number not in served and number not in wanted:

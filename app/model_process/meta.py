@@ -1,9 +1,10 @@
 """What a model process tells its workers about the models it serves, as plain JSON values.
 
 Workers need a model's signatures (to parse and validate requests), its versions, labels
-and states (to resolve them), and its batchers' limits (to refuse early); never the model. A
-model's handler runs in the workers: they import it by the reference given here, and check what
-its preprocess makes against the model's own signatures, sent beside the ones clients see.
+and states (to resolve them), its batchers' limits (to refuse early) and its MODEL_CONFIG
+entry (v2's model configuration); never the model. A model's handler runs in the workers: they
+import it by the reference given here, and check what its preprocess makes against the model's
+own signatures, sent beside the ones clients see.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def describe(registry: ModelRegistry) -> dict[str, Any]:
     for name in registry.names():
         versions = [_servable(registry.get(name, version)) for version in registry.versions(name)]
         models.append({"name": name, "labels": _labels(registry, name), "versions": versions,
-                       "states": registry.model_status(name)})
+                       "states": registry.model_status(name), "config": registry.config_entry(name)})
     return {"default": registry.default_name, "models": models}
 
 

@@ -109,6 +109,52 @@ def _shown_restriction(raw: str) -> str:
 validate_restriction.shown = _shown_restriction  # type: ignore[attr-defined]
 
 
+# Triton's restricted API categories (src/restricted_features.h), in its spelling.
+RESTRICTED_CATEGORIES = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
+                         "statistics", "trace", "logging")
+# One group of a restricted-API setting: the categories it restricts, the header and its value.
+RestrictedGroup = tuple[tuple[str, ...], str, str]
+
+
+def _restricted_groups(noun: str) -> Callable[[str], tuple[RestrictedGroup, ...]]:
+    """A validator of Triton's `--http-restricted-api` / `--grpc-restricted-protocol` values, one
+    `<category>[,<category>...]:<key>=<value>` group each, groups separated by ';'. As Triton
+    refuses them: an unknown category, or one named in two groups (the words are its own)."""
+
+    def validate(value: str) -> tuple[RestrictedGroup, ...]:
+        groups: list[RestrictedGroup] = []
+        seen: set[str] = set()
+        for text in value.split(";") if value else []:
+            names, colon, restriction = text.strip().partition(":")
+            categories = tuple(name.strip() for name in names.split(","))
+            if not colon or not all(categories):
+                raise ValueError
+            for category in categories:
+                if category not in RESTRICTED_CATEGORIES:
+                    raise SettingsError(f"unknown restricted {noun} '{category}'")
+                if category in seen:
+                    raise SettingsError(f"restricted {noun} '{category}' can not be specified in multiple "
+                                        "config groups")
+                seen.add(category)
+            key, _, secret = validate_restriction(restriction).partition("=")
+            groups.append((categories, key, secret))
+        return tuple(groups)
+
+    validate.shown = _shown_groups  # type: ignore[attr-defined]
+    return validate
+
+
+def _shown_groups(raw: str) -> str:
+    # Categories and keys are shown, never a value.
+    return repr(";".join(f"{names}:{key}=<hidden>" if equals else "<hidden>"
+                         for names, _, rest in (group.partition(":") for group in raw.split(";"))
+                         for key, equals, _ in [rest.partition("=")]))
+
+
+validate_restricted_api = _restricted_groups("api")
+validate_restricted_protocol = _restricted_groups("protocol")
+
+
 # Matched with fullmatch: "$" would also match before a final newline ("abc\n").
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -229,6 +275,10 @@ _ALLOWED: dict[Callable[[str], Any], str] = {
     validate_restriction: "`key=value`: a header name (lowercase letters, digits, '-', '_' or '.'; not `grpc-...` "
                           "nor `...-bin`) and a value; or empty",
     validate_socket_path: f"a path of at most {MAX_SOCKET_PATH} bytes once absolute, or empty",
+    validate_restricted_api: "Triton's `<category>[,<category>...]:<key>=<value>` groups, separated by ';', "
+                             f"each category one of {', '.join(RESTRICTED_CATEGORIES)}; or empty",
+    validate_restricted_protocol: "Triton's `<category>[,<category>...]:<key>=<value>` groups, separated by ';', "
+                                  f"each category one of {', '.join(RESTRICTED_CATEGORIES)}; or empty",
 }
 
 
@@ -278,9 +328,18 @@ class Settings:
         "process; `none` refuses them (503). Needs `MODEL_REPOSITORY`.", section="Models")
     restricted_model_control: str = _env(
         "RESTRICTED_MODEL_CONTROL", validate_restriction, "",
-        "`key=value`: v2's repository calls and TF Serving's HandleReloadConfigRequest are refused (403, "
-        "PERMISSION_DENIED) without header (REST) or metadata key (gRPC) `key` equal to `value` (each time, if "
-        "sent twice), as Triton's `--http-restricted-api=model-repository:key=value`. Empty: not restricted.",
+        "`key=value`: the `model-repository` category of `HTTP_RESTRICTED_API` and `GRPC_RESTRICTED_PROTOCOL` "
+        "at once, TF Serving's HandleReloadConfigRequest included; gRPC also takes the bare metadata key `key`. "
+        "Empty: not restricted.", section="Models")
+    http_restricted_api: tuple[RestrictedGroup, ...] = _env(
+        "HTTP_RESTRICTED_API", validate_restricted_api, (),
+        "Triton's `--http-restricted-api`: v2 REST routes of these categories answer 403 without header "
+        "`key: value` (`inference,metadata:infer-key=s3cret;model-repository:admin-key=...`) "
+        "([restricted APIs](api-v2.md#restricted-apis)).", section="Models")
+    grpc_restricted_protocol: tuple[RestrictedGroup, ...] = _env(
+        "GRPC_RESTRICTED_PROTOCOL", validate_restricted_protocol, (),
+        "Triton's `--grpc-restricted-protocol`: v2 gRPC methods of these categories answer UNAVAILABLE "
+        "without metadata `triton-grpc-protocol-<key>: <value>`; same syntax as `HTTP_RESTRICTED_API`.",
         section="Models")
     model_handler: str | None = _env(
         "MODEL_HANDLER", validate_handler, None,
@@ -492,6 +551,12 @@ class Settings:
             # As Triton, which refuses explicit control with polling: the file would undo a load at its next read.
             raise SettingsError("MODEL_CONTROL_MODE='explicit' and MODEL_CONFIG_POLL_SECONDS="
                                 f"{self.model_config_poll_seconds:g} both change the models served: set one of them")
+        if self.restricted_model_control:
+            for name, groups in (("HTTP_RESTRICTED_API", self.http_restricted_api),
+                                 ("GRPC_RESTRICTED_PROTOCOL", self.grpc_restricted_protocol)):
+                if any("model-repository" in categories for categories, _, _ in groups):
+                    raise SettingsError(f"RESTRICTED_MODEL_CONTROL and {name} both restrict 'model-repository': "
+                                        "set one of them")
         if self.model_handler and self.model_config:
             raise SettingsError(f"MODEL_HANDLER={self.model_handler!r} names the handler of MODEL_PATH's model; with "
                                 "MODEL_CONFIG, name it in the model's entry (\"handler\")")
@@ -714,6 +779,8 @@ def _version_labels(value: Any) -> tuple[tuple[str, int], ...]:
 def parse(name: str, raw: str, validator: Callable[[str], Any]) -> Any:
     try:
         return validator(raw.strip())
+    except SettingsError as exc:  # the validator's own words (Triton's, for its settings)
+        raise SettingsError(f"{name}: {exc}") from None
     except (ValueError, TypeError):
         shown = getattr(validator, "shown", repr)(raw)
         raise SettingsError(f"{name}={shown} is not valid: expected {allowed(validator)}") from None
@@ -795,6 +862,8 @@ _SHORT_ALLOWED = {
     allowed(validate_length_buckets): "increasing, ≥ 1 (`16,32,64`), or empty",
     allowed(validate_grpc_channel_arguments): "`key=value,...`, or empty",
     allowed(validate_restriction): "`key=value`, or empty",
+    allowed(validate_restricted_api): "`<category>,...:<key>=<value>;...`, or empty",
+    allowed(validate_restricted_protocol): "`<category>,...:<key>=<value>;...`, or empty",
 }
 
 

@@ -37,8 +37,10 @@ def decode(data: bytes) -> np.ndarray:
     try:
         with Image.open(io.BytesIO(data), formats=("JPEG", "PNG")) as image:
             rgb = image.convert("RGB").resize((SIZE, SIZE), Image.Resampling.BILINEAR)
-    except (OSError, Image.DecompressionBombError) as exc:  # UnidentifiedImageError is an OSError
-        raise ValueError(f"image_bytes is not a JPEG or PNG image Pillow can read: {exc}") from None
+    except Image.UnidentifiedImageError:  # an OSError, whose message names a Python object
+        raise ValueError("image_bytes is not a JPEG or PNG image") from None
+    except (OSError, Image.DecompressionBombError) as exc:  # a truncated file, say
+        raise ValueError(f"image_bytes is a JPEG or PNG image Pillow cannot read: {exc}") from None
     return np.asarray(rgb, dtype=np.uint8)
 
 
