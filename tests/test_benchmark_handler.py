@@ -25,10 +25,10 @@ JPEG = b"\xff\xd8\xff\xe0 not really a photo \n\x00\xff\xd9"
 TOP = {"labels": ["milk", "egg", "apple", "bread", "onion"], "scores": [0.5, 0.2, 0.125, 0.1, 0.075]}
 
 
-def test_the_scenario_runs_this_server_two_ways_and_two_layouts_beside_litserve_and_pytriton():
+def test_the_scenario_runs_this_server_two_ways_and_three_layouts_beside_litserve_and_pytriton():
     args = parse_args(["handler"])
-    assert args.layouts == ["default-b64", "default-bytes", "procs-2w-b64", "procs-2w-bytes", "litserve-1",
-                            "litserve-2", "pytriton"]
+    assert args.layouts == ["default-b64", "default-bytes", "procs-2w-b64", "procs-2w-bytes", "default-2w-bytes",
+                            "litserve-1", "litserve-2", "pytriton"]
     assert (args.out, args.litserve_python, args.pytriton_python) == (
         common.DOCS / "handler-benchmark.md", common.REPO / ".venv-litserve/bin/python", layouts.PYTRITON_PYTHON)
     # The page's command names no local folder.
