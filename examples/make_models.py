@@ -14,6 +14,10 @@ run from the repository's root as every command there is:
     models.config, batching.config
                          TF Serving's ModelServerConfig and BatchingParameters for them
     *.json               the MODEL_CONFIG files the manual shows
+    image_classifier.keras, photo.jpg
+                         the handler example's CNN (examples/image_classifier/) and a 640 x 480 photo
+    text_classifier.keras
+                         the handler example's text model, with a custom layer (examples/text_classifier/)
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ CONFIGS = {
                                   "default_priority_level": 2,
                                   "priority_queue_policy": {"2": {"max_queue_size": 256,
                                                                   "default_timeout_microseconds": 5000000}}}]},
+    # handlers.md: the two handler examples.
+    "handlers.json": {"default": "image", "models": [
+        {"name": "image", "path": f"{FOLDER}/image_classifier.keras", "handler": "examples.image_classifier.handler"},
+        {"name": "text", "path": f"{FOLDER}/text_classifier.keras", "handler": "examples.text_classifier.handler"}]},
     # api.md: the built-in model as `default`, a model of two inputs and two outputs, and a
     # regress signature.
     "api.json": {"models": [{"name": "default"}, {"name": "multi", "path": f"{FOLDER}/multi.keras"},
@@ -110,6 +118,17 @@ def tf_serving_model(save, base: Path) -> None:
         shutil.rmtree(leftover)
 
 
+def handler_examples() -> None:
+    """The handlers page's models (docs/handlers.md) and a photo for its curl lines."""
+    from examples.image_classifier import model as image_classifier
+    from examples.image_classifier import photos
+    from examples.text_classifier import model as text_classifier
+
+    image_classifier.build().save(MODELS / "image_classifier.keras")
+    text_classifier.build().save(MODELS / "text_classifier.keras")
+    (MODELS / "photo.jpg").write_bytes(photos.photo(0))
+
+
 def main() -> None:
     import tensorflow as tf
 
@@ -130,6 +149,7 @@ def main() -> None:
     (MODELS / "batching.config").write_text(BATCHING_CONFIG)
     for name, config in CONFIGS.items():
         (MODELS / name).write_text(json.dumps(config, indent=1) + "\n")
+    handler_examples()
     print(f"wrote {FOLDER}/: {', '.join(sorted(path.name for path in MODELS.iterdir()))}")
 
 

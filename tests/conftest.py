@@ -81,18 +81,21 @@ def _ours(thing) -> bool:
 # that pass alone, scaled to the same machine.
 FILE_SECONDS = {
     "test_manual_runs": 120,
-    "test_reliability": 60, "test_stops": 60, "test_jax": 56, "test_model_process_faults": 49, "test_benchmark": 48,
-    "test_fuzz": 37, "test_grpc": 26, "test_locust": 24, "test_tfs_live_config": 24, "test_server": 23,
+    "test_reliability": 60, "test_stops": 60, "test_jax": 59, "test_model_process_faults": 49, "test_benchmark": 48,
+    "test_fuzz": 37, "test_grpc": 26, "test_handler_server": 25, "test_locust": 24, "test_tfs_live_config": 24,
+    "test_server": 23,
     "test_tracing": 22, "test_tfs_model_server": 22, "test_hostile_grpc": 22, "test_logs": 21, "test_tf_serving": 20,
     "test_json_logs_tensorflow_cuda": 18, "test_worker_lifecycle": 17, "test_priority": 17, "test_nginx": 16,
     "test_metrics": 16, "test_model_processes": 15, "test_model_process_gpus": 14, "test_tfs_command_flags": 14,
+    "test_triton_server": 35, "test_triton_clients": 16,
     "test_grpc_truth": 13, "test_v2_statistics": 13, "test_v2_repository": 18, "test_hostile_logs": 12,
     "test_profile_worker": 12, "test_v2_kserve": 11, "test_nginx_grpc": 10, "test_v2": 10, "test_nginx_limits": 9,
     "test_tls": 9, "test_varlen": 9, "test_hostile": 8, "test_process_bench": 8, "test_tfs_models": 8,
-    "test_signatures": 7, "test_payload_log": 6, "test_versions": 6, "test_model_process_ops": 6,
+    "test_signatures": 7, "test_handlers": 6, "test_payload_log": 6, "test_versions": 6, "test_model_process_ops": 6,
     "test_tfs_inference": 6, "test_client_gone": 6, "test_deploy": 5, "test_live_server": 5, "test_http_errors": 5,
     "test_status_privacy": 5, "test_rest_fidelity": 5, "test_cores": 4, "test_app_factory": 4,
-    "test_grpc[model-processes]": 34, "test_jax[model-processes]": 20, "test_server[model-processes]": 18,
+    "test_grpc[model-processes]": 34, "test_handler_server[model-processes]": 25, "test_jax[model-processes]": 20,
+    "test_server[model-processes]": 18, "test_triton_server[model-processes]": 18,
     "test_v2[model-processes]": 13, "test_stops[model-processes]": 10, "test_http_errors[model-processes]": 10,
     "test_hostile[model-processes]": 8, "test_signatures[model-processes]": 7, "test_rest_fidelity[model-processes]": 7,
     "test_versions[model-processes]": 6, "test_client_gone[model-processes]": 5,
@@ -107,9 +110,18 @@ FILE_SECONDS = {
 MODEL_PROCESSES_FILES: dict[str, set[str] | None] = {
     "test_server.py": None, "test_http_errors.py": None, "test_rest_fidelity.py": None, "test_signatures.py": None,
     "test_versions.py": None, "test_grpc.py": None, "test_v2.py": None, "test_jax.py": None,
-    "test_hostile.py": None, "test_client_gone.py": None,
+    "test_hostile.py": None, "test_client_gone.py": None, "test_handler_server.py": None,
     "test_stops.py": {"test_group_stop_under_load_loses_no_accepted_request"},
     "test_worker_lifecycle.py": {"test_quick_shutdown_answers_a_request_held_in_its_batch_window"},
+    # Triton's extensions: raw binary, the model config, streaming and the restricted categories.
+    "test_triton_server.py": {
+        "test_raw_binary", "test_byte", "test_raw_requests_batch_with_json_requests_and_are_refused_past_the_row_limit",
+        "test_model_config_answers_tritons_fields_on_both_doors",
+        "test_stream_answers_in_request_order_each_with_its_id",
+        "test_stream_requests_batch_with_each_other_and_with_unary_calls",
+        "test_a_streamed_failure_is_answered_in_the_stream_which_goes_on",
+        "test_a_cancelled_stream_cancels_its_requests_before_they_run", "test_stream_infer", "test_infer",
+        "test_grpc_methods_answer_unavailable_without_their_categorys_metadata"},
 }
 MODEL_PROCESSES_SUFFIX = "[model-processes]"
 

@@ -170,11 +170,14 @@ def stages() -> dict[str, list[tuple[str, str]]]:
 @pytest.fixture(scope="module")
 def get_routes() -> set[str]:
     """Paths the app answers to GET, from its url_map: no model and no TensorFlow needed."""
+    from types import SimpleNamespace
+
     from app.http import routes, tfs
+    from app.ops.settings import Settings
 
     probe_app = Flask("probe")
     routes.init_app(probe_app)
-    routes.register(probe_app, None, "tfs", tfs.ROUTES)
+    routes.register(probe_app, SimpleNamespace(settings=Settings()), "tfs", tfs.ROUTES)
     return {rule.rule for rule in probe_app.url_map.iter_rules() if "GET" in rule.methods}
 
 

@@ -99,12 +99,17 @@ def test_openapi_document_describes_every_route(server):
     # (openapi.init_app); tests/test_v2_edges.py holds that check to a failing case.
     documented = {(path, method) for path, operations in SPEC["paths"].items() for method in operations}
     assert ("/v2/models/{name}/infer", "post") in documented
-    assert len(documented) == 35
+    assert len(documented) == 37
 
     served = requests.get(server.url + "/openapi.json", timeout=CLIENT_TIMEOUT_S)
     assert served.status_code == 200
     assert served.headers["Content-Type"] == "application/json"
-    assert served.json() == SPEC
+    document = served.json()
+    # Beside the routes, each model's signature as served now (a handler's, where a model has one).
+    assert document.pop("x-model-signatures") == {"default": {
+        "inputs": {"features": {"dtype": "float32", "shape": [4]}},
+        "outputs": {"scores": {"dtype": "float32", "shape": [3]}}}}
+    assert document == SPEC
     assert SPEC["paths"]["/v1/models/{name}:predict"]["post"]["responses"].keys() == {
         "200", "400", "404", "405", "413", "415", "500", "503", "504"}
 

@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import requests
 
+from examples.text_classifier import handler as text_handler
+from examples.text_classifier import model as text_classifier
 from scripts.text_model import build_text_model, token_rows
 from tests.conftest import REPO, Server
 from tests.test_tf_serving import build_multi_io_model
@@ -65,6 +67,7 @@ def model_root(tmp_path_factory):
     build_multi_io_model().save(root / "multi.keras")
     build_text_model().save(root / "text.keras")
     build_wide_model().save(root / "wide.keras")
+    text_classifier.build().save(root / "classifier.keras")
     for version in (1, 2):
         save_half_plus(root / "half" / str(version), float(version))
     config = {"default": "default", "models": [
@@ -75,6 +78,8 @@ def model_root(tmp_path_factory):
         {"name": "half", "path": str(root / "half"), "model_version_policy": {"all": {}},
          "version_labels": {"stable": 1, "canary": 2}},
         {"name": "wide", "path": str(root / "wide.keras")},
+        # A handler's model: its custom layer loads on either backend through the handler's custom_objects.
+        {"name": "classifier", "path": str(root / "classifier.keras"), "handler": "examples.text_classifier.handler"},
     ]}
     (root / "models.json").write_text(json.dumps(config))
     return root
@@ -154,7 +159,7 @@ def test_readyz_and_the_start_up_log_name_the_backend(servers):
     assert "runs on Keras's JAX backend" not in servers["tensorflow"].log()
 
 
-@pytest.mark.parametrize("model", ["default", "multi", "text", "half", "wide"])
+@pytest.mark.parametrize("model", ["default", "multi", "text", "half", "wide", "classifier"])
 def test_metadata_is_the_same_on_both_backends(servers, model):
     from tensorflow_serving.apis import get_model_metadata_pb2, prediction_service_pb2_grpc
 
@@ -240,6 +245,25 @@ def test_every_protocol_answers_alike_on_both_backends(servers, own_outputs, sen
     """Row for row, within float tolerance, and each backend as the file answers by itself."""
     for (model, key, _), by_backend in zip(requests_by_model(), send_all(send, servers), strict=True):
         assert_alike(by_backend, own_outputs[key], where=model)
+
+
+def test_a_handled_model_with_a_custom_layer_answers_alike_on_both_backends(servers, model_root):
+    import keras
+
+    model = keras.models.load_model(model_root / "classifier.keras", compile=False,
+                                    custom_objects=text_handler.custom_objects())
+    texts, parameters = [b"fresh milk", b"a loaf of rye bread"], {"temperature": 0.5}
+    inputs = text_handler.preprocess({"text": np.array(texts, dtype=object)}, parameters)
+    own = text_handler.postprocess({"probabilities": np.asarray(model(inputs))}, {}, parameters)
+    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": [text.decode() for text in texts]}],
+            "parameters": parameters}
+    for backend, server in servers.items():
+        answer = requests.post(f"{server.url}/v2/models/classifier/infer", json=body, timeout=TIMEOUT_S)
+        assert answer.status_code == 200, (backend, answer.text)
+        outputs = {output["name"]: output["data"] for output in answer.json()["outputs"]}
+        assert outputs["label"] == [label.decode() for label in own["label"]], backend
+        np.testing.assert_allclose(np.reshape(outputs["probabilities"], (2, 4)), own["probabilities"], rtol=RTOL,
+                                   atol=ATOL, err_msg=backend)
 
 
 def test_versions_and_labels_of_a_saved_model_answer_on_the_jax_server(servers):

@@ -10,6 +10,8 @@ answers, with settings the server accepts.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import kubernetes_validate
 import pytest
 import yaml
@@ -96,5 +98,5 @@ def test_port_probe_and_grpc_agree_with_the_server(runtime):
     assert settings.grpc_bind == ""
     app = Flask(__name__)
     routes.init_app(app)
-    routes.register(app, None, "v2", v2_rest.ROUTES)
+    routes.register(app, SimpleNamespace(settings=settings), "v2", v2_rest.ROUTES)
     assert container["readinessProbe"]["httpGet"]["path"] in {rule.rule for rule in app.url_map.iter_rules()}

@@ -110,3 +110,32 @@ def test_request_row_limit_is_derived_from_the_batch_size_unless_set(env, expect
 def test_batches_fill_under_load_unless_turned_off():
     assert Settings.from_env({}).batch_fill_under_load is True
     assert Settings.from_env({"BATCH_FILL_UNDER_LOAD": "false"}).batch_fill_under_load is False
+
+
+def test_restricted_api_groups_are_read_in_tritons_syntax():
+    settings = Settings.from_env({
+        "HTTP_RESTRICTED_API": "model-repository:Admin-Key=admin-value; inference, metadata:infer-key=s3cret=2",
+        "GRPC_RESTRICTED_PROTOCOL": "health:k=v"})
+    assert settings.http_restricted_api == ((("model-repository",), "admin-key", "admin-value"),
+                                            (("inference", "metadata"), "infer-key", "s3cret=2"))
+    assert settings.grpc_restricted_protocol == ((("health",), "k", "v"),)
+    assert Settings.from_env({}).http_restricted_api == ()
+
+
+@pytest.mark.parametrize("env, message", [
+    # Triton's words (command_line_parser.cc), after the variable's name.
+    ({"HTTP_RESTRICTED_API": "model-reposit:k=v"}, "HTTP_RESTRICTED_API: unknown restricted api 'model-reposit'"),
+    ({"GRPC_RESTRICTED_PROTOCOL": "health:a=1;health,inference:b=2"},
+     "GRPC_RESTRICTED_PROTOCOL: restricted protocol 'health' can not be specified in multiple config groups"),
+    # The value is a credential: an error shows the categories and keys, never a value.
+    ({"HTTP_RESTRICTED_API": "inference:k="}, "HTTP_RESTRICTED_API='inference:k=<hidden>' is not valid"),
+    ({"HTTP_RESTRICTED_API": "inference:s3cret"}, "HTTP_RESTRICTED_API='<hidden>' is not valid"),
+    ({"HTTP_RESTRICTED_API": "k=v"}, "HTTP_RESTRICTED_API='<hidden>' is not valid"),
+    ({"RESTRICTED_MODEL_CONTROL": "k=v", "GRPC_RESTRICTED_PROTOCOL": "model-repository:k=v"},
+     "RESTRICTED_MODEL_CONTROL and GRPC_RESTRICTED_PROTOCOL both restrict 'model-repository': set one of them"),
+])
+def test_bad_restricted_api_groups_stop_start_up_in_tritons_words(env, message):
+    with pytest.raises(SettingsError) as error:
+        Settings.from_env(env)
+    assert str(error.value).startswith(message)
+    assert "s3cret" not in str(error.value)

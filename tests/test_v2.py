@@ -130,7 +130,7 @@ def test_health_and_server_metadata(client):
     assert not client.is_model_ready("versioned", "3")
     assert not client.is_model_ready("nothing")
     metadata = client.get_server_metadata()
-    assert metadata["extensions"] == ["binary_tensor_data", "statistics", "model_repository"]
+    assert metadata["extensions"] == ["binary_tensor_data", "statistics", "model_repository", "model_configuration"]
 
 
 def test_model_metadata_names_datatypes_and_variable_dimensions(client):
@@ -194,13 +194,18 @@ def test_every_datatype_goes_in_and_comes_back_unchanged(client, binary):
         np.testing.assert_array_equal(answer, expected, err_msg=name)
 
 
-@pytest.mark.parametrize("every, own, binary", [
-    (None, None, False), (True, None, True), (True, False, False), (None, True, True), (False, True, True),
+@pytest.mark.parametrize("listed, every, own, binary", [
+    (True, None, None, False), (True, True, None, False), (True, True, False, False), (True, None, True, True),
+    (True, False, True, True), (False, True, None, True), (False, False, None, False), (False, None, None, False),
 ])
-def test_an_outputs_own_binary_data_wins_over_the_requests(served, exact_model, every, own, binary):
+def test_an_outputs_own_binary_data_decides_and_the_requests_only_for_outputs_not_listed(
+        served, exact_model, listed, every, own, binary):
+    """As Triton (http_server.cc): `binary_data_output` is the form of the outputs a request does not
+    list; a listed output is binary only if its own `binary_data` says so."""
     rows = integer_rows(2, seed=12)
     body = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [2, 4], "data": rows.ravel().tolist()}],
-            "outputs": [{"name": "scores", **({} if own is None else {"parameters": {"binary_data": own}})}],
+            **({"outputs": [{"name": "scores", **({} if own is None else {"parameters": {"binary_data": own}})}]}
+               if listed else {}),
             **({} if every is None else {"parameters": {"binary_data_output": every}})}
 
     answer = post(served, "/v2/models/exact/infer", json.dumps(body).encode())
@@ -302,17 +307,18 @@ def framed(header: dict, binary: bytes, *, length: str | None = None) -> tuple[b
 FOUR_FLOATS = np.arange(4, dtype=np.float32).tobytes()
 BAD_REQUESTS = {
     "unknown model": ("/v2/models/nothing/infer", json.dumps(features()).encode(), None, 404,
-                      "Servable not found for request: Latest(nothing)"),
+                      "Request for unknown model: 'nothing' is not found"),
     "unknown version": ("/v2/models/exact/versions/9/infer", json.dumps(features()).encode(), None, 404,
-                        "Servable not found for request: Specific(exact, 9)"),
+                        "Request for unknown model: 'exact' version 9 is not found"),
     "unknown label": ("/v2/models/versioned/versions/beta/infer", json.dumps(features()).encode(), None, 400,
-                      "Unrecognized servable version label: beta"),
+                      "failed to get model version from specified version string 'beta': it is neither a "
+                      "version number nor a version label of model 'versioned'"),
     "wrong datatype": ("/v2/models/exact/infer", json.dumps(features(datatype="FP64")).encode(), None, 400,
                        "input 'features' takes datatype FP32; the request sent FP64"),
     "wrong shape": ("/v2/models/exact/infer", json.dumps(features(shape=[1, 3], data=[1, 2, 3])).encode(), None,
                     400, "input 'features' takes shape [-1, 4]; the request sent [1, 3]"),
     "data short of the shape": ("/v2/models/exact/infer", json.dumps(features(shape=[2, 4])).encode(), None, 400,
-                                "input 'features': 'data' holds 4 values; its shape holds 8"),
+                                "Failed to parse 'data' field: shape does not match true shape"),
     "strings for floats": ("/v2/models/exact/infer", json.dumps(features(data=["a", "b", "c", "d"])).encode(),
                            None, 400, "input 'features': FP32 data must be numbers"),
     "value out of range": ("/v2/models/dtypes/infer", json.dumps({"inputs": [
@@ -383,7 +389,7 @@ def test_tritonclient_raises_the_servers_error(client):
     tensor.set_data_from_numpy(np.zeros((1, 4), np.float64))
     with pytest.raises(InferenceServerException, match="takes datatype FP32; the request sent FP64"):
         client.infer("exact", [tensor])
-    with pytest.raises(InferenceServerException, match="Servable not found"):
+    with pytest.raises(InferenceServerException, match="Request for unknown model: 'nothing' is not found"):
         client.get_model_metadata("nothing")
 
 
@@ -438,7 +444,7 @@ def test_grpc_health_and_metadata(grpc_client):
     assert not grpc_client.is_model_ready("versioned", "3")
     assert not grpc_client.is_model_ready("nothing")
     assert list(grpc_client.get_server_metadata().extensions) == [
-        "binary_tensor_data", "statistics", "model_repository"]
+        "binary_tensor_data", "statistics", "model_repository", "model_configuration"]
     metadata = grpc_client.get_model_metadata("tss", as_json=True)
     assert metadata["inputs"][0] == {"name": "sensor", "datatype": "FP32", "shape": ["-1", "2", "2"]}
     assert metadata["outputs"][2] == {"name": "tag_length", "datatype": "INT32", "shape": ["-1"]}
@@ -522,7 +528,8 @@ FOUR_FLOATS_LIST = [np.arange(4, dtype=np.float32).tobytes()]
 TIMEOUT_REFUSED = "the parameter 'timeout' is microseconds, a whole number of 0 or more"
 BAD_GRPC = {
     "typed contents beside raw": (_typed_beside_raw(), grpc.StatusCode.INVALID_ARGUMENT,
-                                  "input 'features': contents must not be given with raw_input_contents"),
+                                  "contents field must not be specified when using raw_input_contents for "
+                                  "'features' for model 'exact'"),
     "timeout as text": (_parameter("timeout", string_param="300000"), grpc.StatusCode.INVALID_ARGUMENT,
                         TIMEOUT_REFUSED),
     "timeout as a boolean": (_parameter("timeout", bool_param=True), grpc.StatusCode.INVALID_ARGUMENT,
@@ -531,7 +538,7 @@ BAD_GRPC = {
                          TIMEOUT_REFUSED),
     "signature_name as a number": (_parameter("signature_name", int64_param=1), grpc.StatusCode.INVALID_ARGUMENT,
                                    "the parameter 'signature_name' must be a string"),
-    "unknown model": (_raw_request("nothing"), grpc.StatusCode.NOT_FOUND, "Servable not found"),
+    "unknown model": (_raw_request("nothing"), grpc.StatusCode.NOT_FOUND, "Request for unknown model"),
     "wrong datatype": (_raw_request(datatype="FP64"), grpc.StatusCode.INVALID_ARGUMENT,
                        "input 'features' takes datatype FP32; the request sent FP64"),
     "wrong shape": (_raw_request(shape=(1, 3)), grpc.StatusCode.INVALID_ARGUMENT,

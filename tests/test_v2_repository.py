@@ -176,8 +176,8 @@ def test_restricted_calls_without_the_key_are_refused_and_logged(server, http, g
     calls = (("get_model_repository_index", ()), ("load_model", ("beta",)), ("unload_model", ("alpha",)))
     for headers in ({}, {KEY: "wrong"}):
         for client, expected in ((http, ("403", f"This API is restricted, expecting header '{KEY}'")),
-                                 (grpc_client, ("StatusCode.PERMISSION_DENIED",
-                                                f"This API is restricted, expecting metadata key '{KEY}'"))):
+                                 (grpc_client, ("StatusCode.UNAVAILABLE", "This protocol is restricted, "
+                                                f"expecting header 'triton-grpc-protocol-{KEY}'"))):
             for method, args in calls:
                 with pytest.raises(InferenceServerException) as error:
                     getattr(client, method)(*args, headers=headers)
@@ -186,16 +186,19 @@ def test_restricted_calls_without_the_key_are_refused_and_logged(server, http, g
         stub = model_service_pb2_grpc.ModelServiceStub(channel)
         with pytest.raises(grpc.RpcError) as reload_refused:
             stub.HandleReloadConfigRequest(reload_request(repository), TIMEOUT_S)
-        assert reload_refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        allowed = stub.HandleReloadConfigRequest(reload_request(repository), TIMEOUT_S, metadata=[(KEY, SECRET)])
-        assert allowed.status.error_code == 0
+        assert reload_refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # RESTRICTED_MODEL_CONTROL's bare key, as before Triton's spelling, and Triton's.
+        for key in (KEY, f"triton-grpc-protocol-{KEY}"):
+            allowed = stub.HandleReloadConfigRequest(reload_request(repository), TIMEOUT_S, metadata=[(key, SECRET)])
+            assert allowed.status.error_code == 0
     log = server.log()
     warnings = [json.loads(line) for line in log.splitlines()
-                if line.startswith("{") and "refused" in line and '"app.core.repository"' in line]
+                if line.startswith("{") and "refused" in line and '"app.wire.restricted"' in line]
     assert {entry["message"] for entry in warnings} >= {
         f"refused /v2/repository/index: no valid '{KEY}' header",
-        f"refused /inference.GRPCInferenceService/RepositoryModelLoad: no valid '{KEY}' metadata key",
-        f"refused /tensorflow.serving.ModelService/HandleReloadConfigRequest: no valid '{KEY}' metadata key"}
+        f"refused /inference.GRPCInferenceService/RepositoryModelLoad: no valid 'triton-grpc-protocol-{KEY}' header",
+        "refused /tensorflow.serving.ModelService/HandleReloadConfigRequest: no valid "
+        f"'triton-grpc-protocol-{KEY}' header"}
     assert all(entry["level"] == "WARNING" for entry in warnings)
     assert SECRET not in log and "wrong" not in log
 
@@ -229,7 +232,7 @@ def test_a_restricted_key_sent_twice_is_let_in_only_if_every_value_matches(serve
         else:
             with pytest.raises(grpc.RpcError) as refused:
                 call()
-            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 # -- with MODEL_PROCESSES ---------------------------------------------------------------------
@@ -380,7 +383,7 @@ def test_in_process_load_unload_and_bad_calls(in_process_app, repository, models
              "failed to unload 'beta': it is the only model served, and the server serves at least one"),
             ("/v2/repository/models/beta/load", {"parameters": {"config": "{}"}},
              "parameter(s) ['config'] not supported: a model is loaded from its folder in MODEL_REPOSITORY as it is"),
-            ("/v2/repository/index", {"ready": "yes"}, "'ready' must be true or false"),
+            ("/v2/repository/index", {"ready": "yes"}, "Invalid value for 'ready': expected a boolean"),
             ("/v2/repository/index", [1], "the request must be a JSON object")):
         answer = client.post(path, json=sent)
         assert (answer.status_code, answer.json) == (400, {"error": message}), path

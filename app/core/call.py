@@ -29,7 +29,8 @@ request. This module imports nothing of the app: the engine below and every laye
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple
 
 # True once nobody will read the answer. Asked on the batch thread: it must be quick and never block.
@@ -50,6 +51,8 @@ class ModelSpec(NamedTuple):
 
 
 ANY_MODEL = ModelSpec()
+# A call without request parameters (TF Serving's doors): one shared, read-only mapping.
+NO_PARAMETERS: Mapping[str, Any] = types.MappingProxyType({})
 
 
 def deadline_s(server_s: float | None, client_s: float | None) -> float | None:
@@ -80,6 +83,12 @@ class Call(NamedTuple):
     # How long the call was given when its deadline was set: what a timeout's message names
     # (the deadline, not this, is what every layer acts on).
     timeout_s: float | None = None
+    # The request's own parameters, as JSON values (v2's `parameters`; none on TF Serving's doors):
+    # what a model's handler reads (app/core/handlers.py).
+    parameters: Mapping[str, Any] = NO_PARAMETERS
+    # Rows share a predict call only with rows of an equal group: a handler's batch key, set by the
+    # request layer, never by a door (None: the rows' shapes alone decide).
+    group: Hashable = None
 
     @classmethod
     def within(cls, timeout_s: float | None, **fields: Any) -> Call:
@@ -95,10 +104,12 @@ class Call(NamedTuple):
 
     def frame(self) -> dict[str, Any]:
         """What a model process needs of the call, as JSON values, by name: the model it names (its
-        pinning), the deadline, the priority and the trace's link (a trace's `frame_fields`)."""
+        pinning), the deadline, the priority, the batch group and the trace's link (a trace's
+        `frame_fields`)."""
         model = self.model
         return {"name": model.name, "version": model.version, "label": model.label, "deadline": self.deadline,
-                "priority": self.priority, "trace": None if self.trace is None else self.trace.frame_fields()}
+                "priority": self.priority, "group": self.group,
+                "trace": None if self.trace is None else self.trace.frame_fields()}
 
     @classmethod
     def from_frame(cls, fields: dict[str, Any], *, signature: str, client_gone: ClientGonePredicate | None = None,
@@ -106,9 +117,11 @@ class Call(NamedTuple):
         """The call `frame()` wrote, on the model process's side: its own client-gone check, and
         its trace made by `trace` from the fields (None: the call is not traced there)."""
         link = fields["trace"]
+        group = fields.get("group")
         return cls(ModelSpec(fields["name"], fields["version"], fields["label"]), signature,
                    deadline=fields["deadline"], client_gone=client_gone, priority=fields["priority"],
-                   trace=None if link is None or trace is None else trace(link))
+                   trace=None if link is None or trace is None else trace(link),
+                   group=tuple(group) if isinstance(group, list) else group)
 
 
 class Exchange:
@@ -141,7 +154,8 @@ class Exchange:
         self.client_gone = client_gone
 
     def call(self, model: ModelSpec = ANY_MODEL, *, signature: str = "", outputs: tuple[str, ...] = (),
-             client_timeout_s: float | None = None, priority: int = 0) -> Call:
+             client_timeout_s: float | None = None, priority: int = 0,
+             parameters: Mapping[str, Any] = NO_PARAMETERS) -> Call:
         """The request's Call: its deadline is set now, REQUEST_TIMEOUT_MS or the client's if less."""
         trace = self.trace
         # A trace sampled out is not linked to by any predict span.
@@ -150,7 +164,8 @@ class Exchange:
         timeout_s = deadline_s(self.timeout_s, client_timeout_s)
         # Call.within's deadline, made here: its **fields would pass every keyword twice, per request.
         return Call(model, signature, outputs, deadline=None if timeout_s is None else time.monotonic() + timeout_s,
-                    client_gone=self.client_gone, priority=priority, exchange=self, trace=trace, timeout_s=timeout_s)
+                    client_gone=self.client_gone, priority=priority, exchange=self, trace=trace, timeout_s=timeout_s,
+                    parameters=parameters)
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started

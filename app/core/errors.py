@@ -5,11 +5,12 @@
     │   ├── InvalidInput (400)          body parsed, but not what the model takes
     │   ├── UnsupportedEncoding (415)   a Content-Encoding the server does not decode
     │   └── SignatureNotFound (400)     gRPC answers it FAILED_PRECONDITION, as TF Serving
-    ├── Forbidden (403)                 a restricted call without its header; gRPC: PERMISSION_DENIED
+    ├── Forbidden (403)                 a restricted call without its header; gRPC: UNAVAILABLE (Triton's)
     ├── NotFound (404)
     ├── MethodNotAllowed (405)
     ├── PayloadTooLarge (413)
     ├── PredictFailed (500)             the model raised; carries the cause's class and message
+    ├── HandlerFailed (500)             a model's handler raised, or broke its contract; names the request id
     ├── Unavailable (503)               carries Retry-After
     │   ├── QueueFull (503)
     │   ├── ShuttingDown (503)
@@ -124,6 +125,13 @@ class PredictFailed(ServingError):
         if len(first) > FIRST_LINE_CHARS:
             first = first[:FIRST_LINE_CHARS] + " ..."
         return cls(f"model raised {type(exc).__name__}: {first}", detail=f"{type(exc).__name__}: {text}")
+
+
+class HandlerFailed(ServingError):
+    """A handler's own fault (app/core/handlers.py): its request alone fails, its traceback logged once."""
+
+    status_code = 500
+    reason = "handler_failed"
 
 
 class Unavailable(ServingError):

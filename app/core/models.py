@@ -86,8 +86,10 @@ def build_default_model(
     return keras.Model(inputs, scores, name="default")
 
 
-def load_model(path: str | None, *, name: str, method: str = "function", version: int | None = None) -> LoadedModel:
-    """Load `path`; for a base folder of versions, `version` (default: the newest)."""
+def load_model(path: str | None, *, name: str, method: str = "function", version: int | None = None,
+               custom_objects: Mapping[str, Any] | None = None) -> LoadedModel:
+    """Load `path`; for a base folder of versions, `version` (default: the newest). `custom_objects`:
+    the Keras objects a `.keras` or `.h5` model needs by name (a handler's), on either backend."""
     started = time.perf_counter()
     if path is None:
         source = "built-in default model"
@@ -101,7 +103,7 @@ def load_model(path: str | None, *, name: str, method: str = "function", version
             import keras
 
             try:
-                keras_model = keras.models.load_model(resolved, compile=False)
+                keras_model = keras.models.load_model(resolved, compile=False, custom_objects=custom_objects)
             except Exception as exc:
                 raise ModelLoadError(f"cannot load {resolved}: {type(exc).__name__}: {exc}") from exc
             model = _keras_servable(keras_model, name=name, version=version, source=source, method=method)

@@ -27,13 +27,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from app.core import models, padding, shared_config
+from app.core import handlers, models, padding, shared_config
 from app.core.batching import Batcher, BatchObserver, BatchResult, Engine, Tensors, bucket_sizes
 from app.core.call import Call
 from app.core.errors import BadRequest, NotFound, SignatureNotFound, Unavailable
 from app.ops import queue_policy, runtime
 from app.ops.metrics import Metrics
-from app.ops.settings import ModelConfig, Settings, SettingsError, configs_from_document, model_configs
+from app.ops.settings import RELOAD, ModelConfig, Settings, SettingsError, configs_from_document, model_configs
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,9 @@ class Servable:
 
     model: models.LoadedModel
     batchers: dict[str, Engine]
+    # The model's handler (app/core/handlers.py): `model` is then the model as clients see it, and
+    # its batchers run the model's own signatures behind the handler's.
+    handler: handlers.Handled | None = None
 
     def __post_init__(self) -> None:
         self._users = threading.Condition()
@@ -143,17 +146,22 @@ class Loading:
 
 def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, version: int | None = None, *,
                   on_broken: Callable[[Batcher], None] | None = None, loading: Loading = Loading()) -> Servable:
-    model = models.load_model(config.path, name=config.name, method=settings.predict_method, version=version)
+    handler = handlers.load(config.handler) if config.handler else None
+    model = models.load_model(config.path, name=config.name, method=settings.predict_method, version=version,
+                              custom_objects=handlers.custom_objects(handler))
     buckets = bucket_sizes(config.max_batch_size)
     models.warm_up(model, buckets, padding.warm_lengths(config))
     paddings = padding.model_paddings(model, config)
     metrics.load_seconds.labels(config.name).set(model.load_s)
     metrics.warmup_seconds.labels(config.name).set(model.warmup_s)
+    # Clients see the handler's signature; its batcher runs the model's own behind it.
+    shown, handled = handlers.view(model, handler) if handler is not None else (model, None)
+    runs = handled.model_signatures if handled is not None and handled.model_signatures else model.signatures
     batchers: dict[str, Engine] = {}
-    for key, signature in model.signatures.items():
+    for key, signature in runs.items():
         batchers[key] = Batcher(
             signature.predict,
-            name=config.name if len(model.signatures) == 1 else f"{config.name}/{key}",
+            name=config.name if len(runs) == 1 else f"{config.name}/{key}",
             max_batch_size=config.max_batch_size,
             batch_timeout_ms=config.batch_timeout_ms,
             max_queue_rows=config.max_queue_rows,
@@ -162,14 +170,14 @@ def load_servable(config: ModelConfig, settings: Settings, metrics: Metrics, ver
             whole=not signature.batchable,
             fill_under_load=settings.batch_fill_under_load,
             buckets=buckets,
-            padding=paddings[key],
+            padding=paddings[signature.name],
             priorities=config.priorities,
             observer=loading.observer(metrics, settings, model, key),
             on_broken=on_broken,
         )
-    log.info("model '%s' v%d from %s loaded in %.2f s (signatures: %s)", config.name, model.version, model.source,
-             model.load_s, ", ".join(sorted(model.signatures)))
-    servable = Servable(model, batchers)
+    log.info("model '%s' v%d from %s loaded in %.2f s (signatures: %s)%s", config.name, model.version, model.source,
+             model.load_s, ", ".join(sorted(model.signatures)), f", handler {config.handler}" if handler else "")
+    servable = Servable(shown, batchers, handled)
     if settings.enable_model_warmup and loading.warm_up is not None:
         try:
             loading.warm_up(servable, settings, metrics)
@@ -356,6 +364,12 @@ class ModelRegistry:
                     raise NotFound(f"Could not find version {version} of model {name}")
                 return [entry.states[version].as_json(version)]
             return [entry.states[v].as_json(v) for v in sorted(entry.states, reverse=True)]
+
+    def config_entry(self, name: str) -> dict[str, Any] | None:
+        """The MODEL_CONFIG entry a served model came from (`config_entry`); None where none is known."""
+        live = self.live_config
+        config = live.configs.get(name) if live is not None else None
+        return config_entry(config) if config is not None else None
 
     def items(self) -> list[tuple[str, Servable]]:
         """Each model with its newest served version."""
@@ -564,10 +578,11 @@ class LiveConfig:
             self.on_applied()
 
     def _change(self, current: ModelConfig, config: ModelConfig) -> None:
-        if not (config.path and models.available_versions(config.path)) or config.path != current.path:
+        if not (config.path and models.available_versions(config.path)) or config.path != current.path \
+                or config.handler != current.handler:
             raise models.ModelLoadError("only the version policy, labels and batching of a model served from a base "
                                         "folder of numbered versions change live; remove the model and add it "
-                                        "under another name to change its path")
+                                        "under another name to change its path or its handler")
         self.configs[config.name] = config
         self._failed = {key for key in self._failed if key[0] != config.name}
         self.sync_versions(config)
@@ -621,8 +636,6 @@ def _inputs(servable: Servable, signature: str) -> tuple[models.TensorInfo, ...]
     return tuple(found.inputs) if found is not None else None
 
 
-# Where a reloaded config came from, as its errors name it.
-RELOAD = "ReloadConfigRequest"
 
 
 @dataclasses.dataclass(frozen=True)

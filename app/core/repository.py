@@ -11,25 +11,22 @@ unless MODEL_CONTROL_MODE is explicit. Each parameter Triton reads is type-check
 words on each door (`expected_parameter`); then every load parameter, and any other unload one, is
 refused. Its doors: app/http/v2_repository.py and app/grpc/v2.py.
 
-RESTRICTED_MODEL_CONTROL=key=value restricts these calls and HandleReloadConfigRequest to callers
-that send header (or gRPC metadata key) `key` with that value, as Triton's `--http-restricted-api`
-and `--grpc-restricted-protocol` do; anyone else gets 403 or PERMISSION_DENIED, and one warning
-line that names the call and the key, never a value.
+A model folder may hold a handler, `handler.py` (app/core/handlers.py): a load imports it only
+with MODEL_REPOSITORY_HANDLERS=true, and refuses the folder otherwise, naming the setting.
+
+Who may call them (RESTRICTED_MODEL_CONTROL, Triton's `model-repository` category) is the
+doors' check, before they call here (app/wire/restricted.py).
 """
 
 from __future__ import annotations
 
-import hmac
-import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from app.core.errors import BadRequest, Forbidden, NotFound, Unavailable
+from app.core.errors import BadRequest, NotFound, Unavailable
 from app.core.registry import AVAILABLE, END, LOADING, UNLOADING, ConfigEdit, ModelRegistry
 from app.ops.settings import MODEL_NAME_PATTERN, Settings
-
-log = logging.getLogger(__name__)
 
 # TF Serving's version states as Triton's index names them.
 _STATES = {AVAILABLE: "READY", LOADING: "LOADING", UNLOADING: "UNLOADING", END: "UNAVAILABLE"}
@@ -41,27 +38,9 @@ class Repository:
     def __init__(self, settings: Settings, registry: ModelRegistry) -> None:
         self.folder = Path(settings.model_repository) if settings.model_repository else None
         self.explicit = settings.model_control_mode == "explicit"
-        key, _, value = settings.restricted_model_control.partition("=")
-        self.key, self._value = key, value.encode()
+        # Whether a load imports the handler.py a model's folder holds (app/core/handlers.py).
+        self.handlers = settings.model_repository_handlers
         self._registry = registry
-
-    def check(self, call: str, sent: list[str], *, where: str) -> None:
-        """Refuse `call` unless it came with the restriction's key, every time with its value (`sent`:
-        the values it had, in order): a key sent twice is let in only if both are the value."""
-        if not self.key or (sent and all(hmac.compare_digest(value.encode(), self._value) for value in sent)):
-            return
-        log.warning("refused %s: no valid '%s' %s", call, self.key, where)
-        raise Forbidden(f"This API is restricted, expecting {where} '{self.key}'")
-
-    def header_values(self, text: str | None) -> list[str]:
-        """The values of the restriction's header. The WSGI server joins a repeated header's with ','
-        (Gunicorn; Werkzeug's test client ', '): the text is one value where it is the restriction's
-        (which may hold a ','), else each of its parts is one."""
-        if text is None:
-            return []
-        if hmac.compare_digest(text.encode(), self._value):
-            return [text]
-        return [part.strip(" \t") for part in text.split(",")]
 
     def index(self, *, ready: bool) -> list[dict[str, str]]:
         registry = self._registry
@@ -92,6 +71,10 @@ class Repository:
         if not MODEL_NAME_PATTERN.fullmatch(name) or not path.is_dir():
             raise BadRequest(f"failed to load '{name}', failed to poll from model repository: no folder "
                              f"'{name}' in MODEL_REPOSITORY")
+        if not self.handlers and (path / "handler.py").is_file():
+            # A handler is code: the repository's folders are data unless the operator says otherwise.
+            raise BadRequest(f"failed to load '{name}': its folder holds handler.py, which is code; set "
+                             "MODEL_REPOSITORY_HANDLERS=true to import it")
         try:
             self._registry.edit_config(ConfigEdit(name, str(path)), timeout_s=timeout_s)
         except BadRequest as exc:

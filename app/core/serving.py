@@ -19,6 +19,13 @@ door: which model, version, label and signature a call names, with TensorFlow Se
 for each refusal; the row limit (handed to `decode`, so it refuses before building any array)
 and the outputs asked for.
 
+A model with a handler (app/core/handlers.py) takes the same path: its door decodes against
+the handler's signature, `queue` runs the handler's batch key and preprocess on this thread and
+queues the rows they make under the call's `group`, and `Pending` runs postprocess on the rows
+that come back, before the payload log and the trace see the answer; the deadline is checked
+after each. On an asyncio loop (`start`), both stages run on the loop's executor, never on the
+loop. Classify and regress refuse such a model: its handler answers Predict only.
+
 `Call.client_gone` is the one way a front door says whether its client still waits: a cheap
 predicate, asked once just before the call's first rows run. When it answers True the rows
 never run and the layer raises ClientGone (HTTP 499, gRPC CANCELLED), counted as the
@@ -28,17 +35,19 @@ asks its call's context.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Callable, Generator
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
+from app.core import handlers
 from app.core.batching import BatchResult, Engine, Tensors, awaited, wait
 from app.core.call import Call, Exchange, ModelSpec
-from app.core.errors import ClientGone, DeadlineExceeded, InvalidInput
+from app.core.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidInput
 from app.core.models import (
     Signature,
     TensorInfo,
@@ -138,30 +147,64 @@ class RequestLayer:
     def infer(self, call: Call, decode: Decode) -> Answer:
         """The call's model and signature resolved, its inputs decoded, its rows run within its
         deadline, waited for on this thread (an HTTP request's)."""
-        return self.start(call, decode).answer()
-
-    def start(self, call: Call, decode: Decode) -> Pending:
-        """`infer` up to its wait: the rows queued. A caller on an asyncio loop awaits the Pending
-        (gRPC's doors: the wait holds no thread)."""
         servable = self.model(call.model, call.exchange)
-        return self.queue(call, servable, servable.signature(call.signature), decode)
+        return self.queue(call, servable, servable.signature(call.signature), decode).answer()
+
+    def start(self, call: Call, decode: Decode) -> Awaitable[Answer]:
+        """`infer` on an asyncio loop (gRPC's doors): the rows queued, and a Pending whose wait holds
+        no thread. A model's handler runs on the loop's executor (the gRPC server's threads), never
+        on the loop, each stage bound by the call's deadline."""
+        servable = self.model(call.model, call.exchange)
+        signature = servable.signature(call.signature)
+        if servable.handler is None:
+            return self.queue(call, servable, signature, decode)
+        return self._start_handled(call, servable, signature, decode)
+
+    async def _start_handled(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
+        loop = asyncio.get_running_loop()
+        pending = await _within(call, loop.run_in_executor(None, self.queue, call, servable, signature, decode))
+        return await pending
 
     def run(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Answer:
         """`queue` on a signature the caller chose (TF Serving's classify and regress rules,
         app/wire/classify.py), waited for on this thread."""
         return self.queue(call, servable, signature, decode).answer()
 
+    @staticmethod
+    def predict_only(servable: Servable) -> None:
+        """Classify, Regress and MultiInference refuse a model with a handler: its signature is its handler's."""
+        if servable.handler is not None:
+            raise BadRequest(f"model '{servable.model.name}' has a handler, which answers Predict only")
+
     def queue(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> Pending:
-        """Decode against `signature` and queue the rows on its batcher. Every prediction (predict,
-        classify, regress, multi-inference) comes through here."""
+        """Decode against `signature`, run the model's handler on it, if it has one, and queue the
+        rows on its batcher. Every prediction (predict, classify, regress, multi-inference) comes
+        through here."""
         try:
             staged = self._stage(call, servable, signature, decode)
-            servable, engine, future = self.registry.submit(call, servable, signature, staged.inputs)
+            inputs = staged.inputs
+            if servable.handler is not None:
+                call, inputs = self._preprocess(call, servable.handler, signature, staged)
+            servable, engine, future = self.registry.submit(call, servable, signature, inputs)
         except BaseException:
             if call.trace is not None:
                 call.trace.waited()
             raise
         return Pending(self, call, servable, signature, staged, engine, future)
+
+    @staticmethod
+    def _preprocess(call: Call, handled: handlers.Handled, signature: Signature, staged: _Staged
+                    ) -> tuple[Call, Tensors]:
+        """The handler's batch key and model inputs, on this thread; none queued past the deadline."""
+        started = time.time_ns()
+        inputs, group = handlers.stage(handled, call, signature, staged.inputs, staged.rows)
+        for spec in handled.model_signature(signature).narrowed_inputs:
+            _check_exact(spec, inputs.get(spec.name))
+        if call.trace is not None:
+            call.trace.handled("preprocess", started)
+        if call.deadline is not None and call.deadline <= time.monotonic():
+            raise DeadlineExceeded("the call's deadline passed while its handler's preprocess ran")
+        return (call if group is None else call._replace(group=group)), inputs
 
     def _stage(self, call: Call, servable: Servable, signature: Signature, decode: Decode) -> _Staged:
         selected = self.select_outputs(signature, call.outputs)
@@ -214,7 +257,11 @@ class Pending:
             raise ClientGone("the client left before its request ran") from None
         finally:
             self._waited()
-        return self._answered(result)
+        if self._servable.handler is None:
+            return self._answered(result)
+        # The handler's postprocess: off the loop, as its preprocess.
+        answering = asyncio.get_running_loop().run_in_executor(None, self._answered, result)
+        return (yield from _within(self.call, answering).__await__())
 
     def _waited(self) -> None:
         if self.call.trace is not None:
@@ -227,8 +274,12 @@ class Pending:
             exchange.batch_rows, exchange.batch_requests = result.batch_rows, result.batch_requests
         # The version that answered may be newer than the one resolved (a retired one sends on).
         servable = self._servable
-        answer = Answer(servable, servable.model.signatures.get(self._signature.name, self._signature), staged.selected,
-                        result.outputs, staged.rows, result.batch_rows, result.batch_requests)
+        signature = servable.model.signatures.get(self._signature.name, self._signature)
+        outputs = result.outputs
+        if servable.handler is not None:
+            outputs = self._postprocess(servable.handler, signature, outputs)
+        answer = Answer(servable, signature, staged.selected, outputs, staged.rows, result.batch_rows,
+                        result.batch_requests)
         # Here, and only here, a finished call has its decoded inputs and its outputs together.
         payload_log = self._layer.payload_log
         if payload_log is not None:
@@ -236,6 +287,32 @@ class Pending:
         if call.trace is not None:
             call.trace.answered(answer)
         return answer
+
+    def _postprocess(self, handled: handlers.Handled, signature: Signature, outputs: dict[str, np.ndarray]
+                     ) -> dict[str, np.ndarray]:
+        call = self.call
+        started = time.time_ns()
+        answer = handlers.finish(handled, call, signature, self._staged.inputs, outputs, self._staged.rows)
+        if call.trace is not None:
+            call.trace.handled("postprocess", started)
+        if call.deadline is not None and call.deadline <= time.monotonic():
+            raise DeadlineExceeded("the call's deadline passed while its handler's postprocess ran")
+        return answer
+
+
+_T = TypeVar("_T")
+
+
+async def _within(call: Call, running: Awaitable[_T]) -> _T:
+    """`running` (a handler's stage on a thread), or DeadlineExceeded once the call's deadline passed:
+    the thread cannot be stopped, but the call's answer does not wait for it."""
+    left = call.seconds_left()
+    if left is None:
+        return await running
+    try:
+        return await asyncio.wait_for(running, max(left, 0.0))
+    except TimeoutError:
+        raise DeadlineExceeded("the call's deadline passed while its handler ran") from None
 
 
 class _Staged(NamedTuple):

@@ -15,7 +15,9 @@ server's only interceptor. For each call, in order:
    such limit: every unary method is served as a client-streaming one that reads its one
    message under a timer), else CANCELLED; a message that does not parse is INVALID_ARGUMENT
    (grpc's own path answers INTERNAL and logs a traceback per call).
-5. RESTRICTED_MODEL_CONTROL: a restricted method without the key is PERMISSION_DENIED.
+5. Triton's restricted categories (GRPC_RESTRICTED_PROTOCOL, RESTRICTED_MODEL_CONTROL): a method
+   of a restricted category called without its key is UNAVAILABLE, in Triton's words (the
+   probes' too).
 6. The trace (TRACING): a SERVER span, continuing the trace in the call's metadata, ended with
    the exchange, with the status its client got.
 7. The handler: `handler(request, exchange)`, awaited on the loop where it is a coroutine
@@ -23,6 +25,18 @@ server's only interceptor. For each call, in order:
    (metadata, status, reloads: calls that block). Its ServingError becomes its status code
    (`STATUS_CODES`), anything else INTERNAL.
 8. The answer, serialized here: an answer that cannot be is INTERNAL.
+
+A bidirectional stream whose servicer method is `Streamed` (ModelStreamInfer) is checked against
+its category once, as it opens (Triton's check); then each request it carries is read as it
+comes and served as a unary call is, on a task of its own: its own exchange, a place in the call
+limit (held until its answer is written), its trace, its deadline (the stream's, and its own
+`timeout`, REQUEST_TIMEOUT_MS from its arrival), its priority, and cancellation with the stream.
+So a stream's requests are decoded and queued while earlier ones wait, and batch with each other
+and with unary calls; their answers are written in the order the requests came, as Triton writes
+a non-decoupled model's. A request that fails is answered in the stream (`Streamed.failed`) and the
+stream goes on; with the metadata `triton_grpc_error: true` the first failure ends the stream
+with its status instead, as in Triton. A stream ends once the client half-closed and every
+answer was written.
 """
 
 from __future__ import annotations
@@ -39,7 +53,7 @@ import grpc
 from app.core import errors
 from app.core.errors import SignatureNotFound
 from app.core.exchange import Exchanges
-from app.grpc.exchange import GrpcExchange
+from app.grpc.exchange import GrpcExchange, ended_code
 
 if TYPE_CHECKING:
     from app.ops.tracing import Tracing
@@ -95,6 +109,20 @@ def handler(run: Callable[[Any, GrpcExchange], Any]) -> Handler:
     return Handler(run, inspect.iscoroutinefunction(run))
 
 
+class Streamed(NamedTuple):
+    """A servicer's bidirectional-streaming method whose every request is served as a unary call:
+    `run(request, exchange)` (a coroutine function) answers one; `answered(response)` and
+    `failed(request, message)` make the stream's message of an answer and of a failure."""
+
+    run: Callable[[Any, GrpcExchange], Awaitable[Any]]
+    answered: Callable[[Any], Any]
+    failed: Callable[[Any, str], Any]
+
+
+# Triton's metadata key: a stream's first failure ends it with its status.
+STREAM_ERROR_KEY = "triton_grpc_error"
+
+
 class _Refused(Exception):
     """Ends a call with a status of the path's own (not a handler's error)."""
 
@@ -118,7 +146,8 @@ class CallPath(grpc.aio.ServerInterceptor):
         self._receive_timeout_s = receive_timeout_s
         self._threads = threads
         self._tracing = tracing
-        # Raises errors.Forbidden for a restricted method called without the key (app/core/repository.py).
+        # Raises errors.Forbidden for a method of a restricted category called without its key
+        # (app/wire/restricted.py).
         self._restricted = restricted
         self._methods: dict[str, Any] = {}
         # Calls holding a place: on the loop, or on a thread until their handler returned.
@@ -130,6 +159,9 @@ class CallPath(grpc.aio.ServerInterceptor):
         wrapped = self._methods.get(method)
         if wrapped is None:
             handler = await continuation(details_)
+            if handler is not None and isinstance(handler.stream_stream, Streamed):
+                wrapped = self._methods[method] = self._wrap_stream(method, handler)
+                return wrapped
             if handler is None or handler.unary_unary is None:
                 return handler
             wrapped = self._methods[method] = self._wrap(method, handler)
@@ -143,6 +175,7 @@ class CallPath(grpc.aio.ServerInterceptor):
 
             async def probe(_messages: Any, context: grpc.aio.ServicerContext) -> bytes:
                 try:
+                    self._check_restriction(method, context)
                     request = await _receive(context, timeout_s, parse)
                     response = behavior(request, context)
                     return serialize(response) if serialize is not None else response
@@ -174,52 +207,64 @@ class CallPath(grpc.aio.ServerInterceptor):
 
     async def _serve(self, method: str, behavior: Any, parse: Any, serialize: Any, exchange: GrpcExchange,
                      context: grpc.aio.ServicerContext) -> bytes:
-        if self.active >= self._max_calls:
-            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, CONCURRENCY_EXCEEDED)
-        self.active += 1
+        self.admit()
         released = False
         try:
             request = await _receive(context, self._receive_timeout_s, parse)
-            if self._restricted is not None:
-                try:
-                    self._restricted(method, context.invocation_metadata())
-                except errors.Forbidden as exc:
-                    raise _Refused(grpc.StatusCode.PERMISSION_DENIED, exc.message) from None
-            if self._tracing is not None:
-                exchange.trace = self._tracing.grpc_span(method, exchange.metadata)
+            self._check_restriction(method, context)
+            self._trace(method, exchange)
             try:
-                if isinstance(behavior, Handler):
-                    if behavior.on_loop:
-                        response = await behavior.run(request, exchange)
-                    else:
-                        # The place is held until the thread is done, even if the call ends first.
-                        loop = asyncio.get_running_loop()
-                        running = self._threads.submit(behavior.run, request, exchange)
-                        running.add_done_callback(lambda _running: self._release_from_thread(loop))
-                        released = True
-                        response = await asyncio.wrap_future(running)
+                if isinstance(behavior, Handler) and not behavior.on_loop:
+                    # The place is held until the thread is done, even if the call ends first.
+                    loop = asyncio.get_running_loop()
+                    running = self._threads.submit(behavior.run, request, exchange)
+                    running.add_done_callback(lambda _running: self._release_from_thread(loop))
+                    released = True
+                    response = await asyncio.wrap_future(running)
+                elif isinstance(behavior, Handler):
+                    response = await behavior.run(request, exchange)
                 else:
                     # A probe or a servicer base class's UNIMPLEMENTED: quick, on the loop.
                     response = behavior(request, context)
-            except errors.ServingError as exc:
-                raise _Refused(status_code(exc), details(exc)) from None
-            except (_Refused, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                code = context.code()
-                if code is not None:  # set by a base class's UNIMPLEMENTED
-                    raise _Refused(code, context.details()) from None
-                log.exception("unhandled error in %s", method)
-                raise _Refused(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}") from None
-            try:
-                return serialize(response) if serialize is not None else response
-            except Exception as exc:
-                log.exception("the answer of %s cannot be serialized", method)
-                raise _Refused(grpc.StatusCode.INTERNAL, f"the answer cannot be serialized: {type(exc).__name__}") \
-                    from None
+            except Exception as exc:  # noqa: BLE001 - each becomes its status
+                raise _refusal(method, exc, context) from None
+            return _serialized(method, serialize, response)
         finally:
             if not released:
                 self._release()
+
+    def _check_restriction(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        if self._restricted is not None:
+            try:
+                self._restricted(method, context.invocation_metadata())
+            except errors.Forbidden as exc:
+                raise _Refused(grpc.StatusCode.UNAVAILABLE, exc.message) from None
+
+    def _trace(self, method: str, exchange: GrpcExchange) -> None:
+        if self._tracing is not None:
+            exchange.trace = self._tracing.grpc_span(method, exchange.metadata)
+
+    def _wrap_stream(self, method: str, handler: Any) -> Any:
+        streamed, parse, serialize = handler.stream_stream, handler.request_deserializer, handler.response_serializer
+
+        async def serve(_messages: Any, context: grpc.aio.ServicerContext) -> None:
+            try:
+                self._check_restriction(method, context)
+            except _Refused as refused:
+                # Recorded as any refused call: an exchange closed with the status sent.
+                self._exchanges.open(GrpcExchange(self._exchanges, method, context, timeout_s=self._timeout_s))
+                await context.abort(refused.code, refused.message)
+            ending = await _Stream(self, method, streamed, parse, serialize, context).serve()
+            if ending is not None:
+                await context.abort(ending.code, ending.message)
+
+        return grpc.stream_stream_rpc_method_handler(serve)
+
+    def admit(self) -> None:
+        """A place in the call limit, or RESOURCE_EXHAUSTED at once."""
+        if self.active >= self._max_calls:
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, CONCURRENCY_EXCEEDED)
+        self.active += 1
 
     def _release(self) -> None:
         self.active -= 1
@@ -229,6 +274,132 @@ class CallPath(grpc.aio.ServerInterceptor):
             loop.call_soon_threadsafe(self._release)
         except RuntimeError:
             pass  # the server stopped and its loop closed: nothing counts places any more
+
+
+def _refusal(method: str, exc: Exception, context: grpc.aio.ServicerContext) -> _Refused:
+    """A handler's exception as the status its call ends with."""
+    if isinstance(exc, _Refused):
+        return exc
+    if isinstance(exc, errors.ServingError):
+        return _Refused(status_code(exc), details(exc))
+    code = context.code()
+    if code is not None:  # set by a base class's UNIMPLEMENTED
+        return _Refused(code, context.details() or "")
+    log.error("unhandled error in %s", method, exc_info=exc)
+    return _Refused(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+def _serialized(method: str, serialize: Callable[[Any], bytes] | None, response: Any) -> bytes:
+    try:
+        return serialize(response) if serialize is not None else response
+    except Exception as exc:
+        log.exception("the answer of %s cannot be serialized", method)
+        raise _Refused(grpc.StatusCode.INTERNAL, f"the answer cannot be serialized: {type(exc).__name__}") \
+            from None
+
+
+class _Stream:
+    """One stream of a `Streamed` method (the module docstring): requests read as they come, each
+    served on a task of its own, answers written in the order the requests came."""
+
+    def __init__(self, path: CallPath, method: str, streamed: Streamed, parse: Any, serialize: Any,
+                 context: grpc.aio.ServicerContext) -> None:
+        self.path, self.method, self.streamed, self.context = path, method, streamed, context
+        self.parse, self.serialize = parse, serialize
+        # Each request's task, in the order they came; None once the client half-closed.
+        self.order: asyncio.Queue[asyncio.Task[_Answered] | None] = asyncio.Queue()
+        self.tasks: set[asyncio.Task[_Answered]] = set()
+        metadata = dict(context.invocation_metadata() or ())
+        self.error_ends = str(metadata.get(STREAM_ERROR_KEY, "")).lower() == "true"
+
+    async def serve(self) -> _Refused | None:
+        """Until every answer was written; the failure that ends the stream (triton_grpc_error), if one did."""
+        reader = asyncio.create_task(self._read())
+        try:
+            return await self._write()
+        except asyncio.CancelledError:
+            # grpc cancelled the stream (its client cancelled or left, its deadline passed): its code
+            # says so to each request's client-gone check, whose rows are then dropped unrun.
+            self.context.set_code(ended_code(self.context))
+            raise
+        finally:
+            reader.cancel()
+            for task in self.tasks:
+                if not task.done():
+                    task.cancel()  # its request ends CANCELLED (or DEADLINE_EXCEEDED), its place given back
+                elif not task.cancelled() and task.exception() is None:
+                    task.result().done(self.path, grpc.StatusCode.CANCELLED)  # answered, never written
+
+    async def _read(self) -> None:
+        try:
+            while (raw := await self.context.read()) is not grpc.aio.EOF:
+                task = asyncio.create_task(self._one(raw))
+                self.tasks.add(task)
+                self.order.put_nowait(task)
+        except Exception as exc:  # noqa: BLE001 - the call broke: its end cancels the stream
+            log.debug("stream %s: read failed: %r", self.method, exc)
+        finally:
+            self.order.put_nowait(None)
+
+    async def _write(self) -> _Refused | None:
+        while (task := await self.order.get()) is not None:
+            answered = await task
+            self.tasks.discard(task)
+            try:
+                if answered.refused is not None and self.error_ends:
+                    return answered.refused
+                await self.context.write(answered.message)
+            finally:
+                answered.done(self.path)
+        return None
+
+    async def _one(self, raw: bytes) -> _Answered:
+        """One request served as a unary call: its exchange, a place, its trace, its handler."""
+        path = self.path
+        exchange = path._exchanges.open(GrpcExchange(path._exchanges, self.method, self.context,
+                                                     timeout_s=path._timeout_s, streamed=True))
+        request, placed = None, False
+        try:
+            request = _parsed(self.parse, raw)
+            path.admit()
+            placed = True
+            path._trace(self.method, exchange)
+            message = self.streamed.answered(await self.streamed.run(request, exchange))
+            return _Answered(_serialized(self.method, self.serialize, message), exchange, placed)
+        except asyncio.CancelledError:
+            # The stream ended (its client cancelled or left, its deadline passed) while this ran.
+            if placed:
+                path._release()
+            exchange.finish(ended_code(self.context))
+            raise
+        except Exception as exc:  # noqa: BLE001 - answered in the stream, which goes on
+            refused = _refusal(self.method, exc, self.context)
+            failed = self.streamed.failed(request, refused.message)
+            return _Answered(_serialized(self.method, self.serialize, failed), exchange, placed, refused)
+
+
+class _Answered(NamedTuple):
+    """A streamed request's message to write, and what writing it ends."""
+
+    message: bytes
+    exchange: GrpcExchange
+    placed: bool
+    refused: _Refused | None = None
+
+    def done(self, path: CallPath, code: grpc.StatusCode | None = None) -> None:
+        """Written (or, with `code`, dropped): its place given back, its exchange closed."""
+        if self.placed:
+            path._release()
+        if code is None:
+            code = grpc.StatusCode.OK if self.refused is None else self.refused.code
+        self.exchange.finish(code)
+
+
+def _parsed(parse: Callable[[bytes], Any] | None, raw: bytes) -> Any:
+    try:
+        return parse(raw) if parse is not None else raw
+    except Exception:
+        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the request message does not parse") from None
 
 
 async def _receive(context: grpc.aio.ServicerContext, timeout_s: float, parse: Callable[[bytes], Any] | None) -> Any:
@@ -254,7 +425,4 @@ async def _receive(context: grpc.aio.ServicerContext, timeout_s: float, parse: C
         timer.cancel()
     if raw is grpc.aio.EOF:
         raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
-    try:
-        return parse(raw) if parse is not None else raw
-    except Exception:
-        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "the request message does not parse") from None
+    return _parsed(parse, raw)

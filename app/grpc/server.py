@@ -56,6 +56,8 @@ class GrpcServer:
         self._lock = threading.Lock()
         self._threads = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc")
         self._loop = asyncio.new_event_loop()
+        # Where a call on the loop runs what must not block it (a model handler's stages, app/core/serving.py).
+        self._loop.set_default_executor(self._threads)
         self._loop_thread = threading.Thread(target=self._run_loop, name="grpc-loop", daemon=True)
         self._loop_thread.start()
         try:
@@ -70,7 +72,7 @@ class GrpcServer:
         path = grpc_calls.CallPath(
             services.exchanges, max_calls=threads, receive_timeout_s=settings.grpc_receive_timeout_ms / 1000.0,
             timeout_s=layer.timeout_s, threads=self._threads, tracing=services.tracing,
-            restricted=v2_grpc.restriction(services.repository))
+            restricted=v2_grpc.restriction(settings))
         # Connections, streams, metadata and messages (app/grpc/limits.py); calls and their
         # message's wait, the exchange, the trace, errors to codes (app/grpc/calls.py).
         server = grpc_limits.build_server(settings, max_bytes=max_bytes, threads=self._threads, path=path)

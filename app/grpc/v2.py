@@ -1,9 +1,10 @@
 """The Open Inference Protocol (KServe v2) over gRPC: `inference.GRPCInferenceService`, on the
 gRPC port TF Serving's services use (kserve/open-inference-protocol, inference_grpc.md).
 
-ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer, ModelStatistics,
-and the model repository extension (app/core/repository.py); shared memory and streaming stay
-the base class's UNIMPLEMENTED. The messages are tritonclient's generated ones (tritonclient.grpc's
+ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer, ModelStreamInfer,
+ModelStatistics, Triton's model configuration (ModelConfig, app/wire/v2_config.py) and model
+repository (app/core/repository.py) extensions; shared memory, trace and log settings stay the
+base class's UNIMPLEMENTED. The messages are tritonclient's generated ones (tritonclient.grpc's
 service_pb2, package `inference`), the ones its client sends. KServe's own copy of the same
 protos declares the same `inference` package under another file name, so one process can load
 one of the two, never both (kserve issue 3099): this server loads tritonclient's.
@@ -12,10 +13,13 @@ ModelInfer reads each input from `raw_input_contents` (in the order of `inputs`,
 elements length-prefixed, as tritonclient always sends) or from its typed `contents`, and
 answers every output in `raw_output_contents`. A version of digits names a version, any other
 a version label; the parameter `signature_name` picks the signature; the call's deadline, and
-the parameter `timeout` (microseconds) if given, cap the server's own.
+the parameter `timeout` (microseconds) if given, cap the server's own. ModelStreamInfer serves
+each request of a stream as a ModelInfer call (app/grpc/calls.py, `Streamed`), answered in order,
+a failure as the stream's `error_message` with the request's id.
 
 Only translation lives here: app/core/serving.py resolves, limits, times and records each call,
-app/wire/v2_tensors.py checks each tensor, and app/grpc/calls.py maps errors to codes.
+app/wire/v2_tensors.py checks each tensor, and app/grpc/calls.py maps errors to codes. Each
+method has its category of Triton's restricted protocols (GRPC_RESTRICTED_PROTOCOL, `CATEGORIES`).
 """
 
 from __future__ import annotations
@@ -27,12 +31,15 @@ import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from app.core.errors import BadRequest, NotFound
+from app.core.errors import BadRequest, NotFound, ServingError
+from app.core.registry import Servable
 from app.core.repository import Repository, expected_parameter
 from app.core.serving import Answer, RequestLayer
-from app.grpc.calls import handler
+from app.grpc.calls import Streamed, handler
 from app.grpc.exchange import GrpcExchange
-from app.wire import priority, v2_tensors
+from app.ops.settings import Settings
+from app.wire import priority, v2_config, v2_tensors
+from app.wire.restricted import MODEL_REPOSITORY, grpc_restrictions, metadata_values
 from app.wire.v2_statistics import statistics
 
 SERVICE = "/inference.GRPCInferenceService"
@@ -54,6 +61,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.ServerMetadata = handler(self._server_metadata)
         self.ModelMetadata = handler(self._model_metadata)
         self.ModelInfer = handler(self._infer)
+        self.ModelStreamInfer = Streamed(self._infer, _stream_answer, _stream_failure)
+        self.ModelConfig = handler(self._model_config)
         self.ModelStatistics = handler(self._statistics)
         self.RepositoryIndex = handler(self._repository_index)
         self.RepositoryModelLoad = handler(self._repository_load)
@@ -72,12 +81,25 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             return service_pb2.ModelReadyResponse(ready=False)
         return service_pb2.ModelReadyResponse(ready=self._layer.servable_ready(servable))
 
+    def _model(self, name: str, version: str, exchange: GrpcExchange) -> Servable:
+        spec = v2_tensors.model_spec(name, version)
+        try:
+            return self._layer.model(spec, exchange)
+        except ServingError as exc:
+            raise v2_tensors.in_triton_words(exc, spec) from None
+
+    def _model_config(self, request: Any, exchange: GrpcExchange) -> Any:
+        """Triton's model configuration extension (app/wire/v2_config.py)."""
+        servable = self._model(request.name, request.version, exchange)
+        config = v2_config.model_config(servable, self._layer.registry.config_entry(servable.model.name))
+        return service_pb2.ModelConfigResponse(config=v2_config.config_message(config))
+
     def _server_metadata(self, request: Any, exchange: GrpcExchange) -> Any:
         return service_pb2.ServerMetadataResponse(name=v2_tensors.SERVER_NAME, version=v2_tensors.SERVER_VERSION,
                                               extensions=v2_tensors.EXTENSIONS)
 
     def _model_metadata(self, request: Any, exchange: GrpcExchange) -> Any:
-        servable = self._layer.model(v2_tensors.model_spec(request.name, request.version), exchange)
+        servable = self._model(request.name, request.version, exchange)
         metadata = v2_tensors.model_metadata(servable.model, self._layer.predict_signature(servable, ""),
                                              self._layer.versions(servable))
         return service_pb2.ModelMetadataResponse(
@@ -89,11 +111,16 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         parameters = request.parameters
         spec = v2_tensors.model_spec(request.model_name, request.model_version)
         timeout_s = _timeout_s(parameters)
+        outputs = tuple(output.name for output in request.outputs)
+        v2_tensors.check_outputs(outputs)
         call = exchange.call(spec, signature=_signature_name(parameters), client_timeout_s=timeout_s,
-                             outputs=tuple(output.name for output in request.outputs),
-                             priority=priority.from_v2_grpc(parameters))
-        answer = await self._layer.start(call, lambda signature, max_rows: v2_tensors.decode_inputs(
-            _tensors(request), signature, max_rows=max_rows))
+                             outputs=outputs, priority=priority.from_v2_grpc(parameters),
+                             parameters=_values(parameters))
+        try:
+            answer = await self._layer.start(call, lambda signature, max_rows: v2_tensors.decode_inputs(
+                _tensors(request), signature, max_rows=max_rows))
+        except ServingError as exc:
+            raise v2_tensors.in_triton_words(exc, spec) from None
         return _infer_response(request, answer)
 
     def _statistics(self, request: Any, exchange: GrpcExchange) -> Any:
@@ -134,6 +161,12 @@ def _infer_response(request: Any, answer: Answer) -> Any:
     return response
 
 
+def _values(parameters: Any) -> dict[str, Any]:
+    """The request's InferParameters as JSON values, as REST's `parameters` reads (a model's handler's)."""
+    return {name: getattr(parameter, choice) for name, parameter in parameters.items()
+            if (choice := parameter.WhichOneof("parameter_choice"))}
+
+
 def _signature_name(parameters: Any) -> str:
     if "signature_name" not in parameters:
         return ""
@@ -157,15 +190,18 @@ def _timeout_s(parameters: Any) -> float | None:
 
 def _tensors(request: Any) -> list[v2_tensors.Tensor]:
     raw = request.raw_input_contents
+    for tensor in request.inputs if raw else ():
+        if tensor.HasField("contents"):
+            # Triton refuses both too, in these words (infer_handler.cc, InferGRPCToInput), before it
+            # counts them: reading one would silently drop the other's values.
+            raise BadRequest(f"contents field must not be specified when using raw_input_contents for "
+                             f"'{tensor.name}' for model '{request.model_name}'")
     if raw and len(raw) != len(request.inputs):
         raise BadRequest(f"raw_input_contents holds {len(raw)} tensors; the request has {len(request.inputs)} "
                          "inputs (one each, in order)")
     tensors = []
     for index, tensor in enumerate(request.inputs):
         shape = tuple(tensor.shape)
-        if raw and tensor.HasField("contents"):
-            # Triton refuses both too: reading one would silently drop the other's values.
-            raise BadRequest(f"input '{tensor.name}': contents must not be given with raw_input_contents")
         if raw:
             tensors.append(v2_tensors.Tensor(tensor.name, tensor.datatype, shape, raw=raw[index]))
             continue
@@ -175,26 +211,57 @@ def _tensors(request: Any) -> list[v2_tensors.Tensor]:
     return tensors
 
 
+def _stream_answer(response: Any) -> Any:
+    """A streamed request's answer, final as every answer of a model that is not decoupled."""
+    message = service_pb2.ModelStreamInferResponse(infer_response=response)
+    message.infer_response.parameters["triton_final_response"].bool_param = True
+    return message
+
+
+def _stream_failure(request: Any, message: str) -> Any:
+    """A streamed request's failure, as Triton writes it: the message, and the request's id."""
+    return service_pb2.ModelStreamInferResponse(error_message=message, infer_response=service_pb2.ModelInferResponse(
+        id=request.id if request is not None else ""))
+
+
 def add_to_server(server: grpc.aio.Server, layer: RequestLayer, repository: Repository) -> None:
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(layer, repository), server)
 
 
-# The calls RESTRICTED_MODEL_CONTROL guards on gRPC (REST: the repository's routes).
-RESTRICTED_METHODS = frozenset({f"{SERVICE}/RepositoryIndex", f"{SERVICE}/RepositoryModelLoad",
-                                f"{SERVICE}/RepositoryModelUnload",
-                                "/tensorflow.serving.ModelService/HandleReloadConfigRequest"})
+_HEALTH = "/grpc.health.v1.Health/"
+# Each method's category of Triton's restricted protocols (grpc_server.cc); TF Serving's
+# HandleReloadConfigRequest changes the models served, as the repository's calls do.
+CATEGORIES = {
+    **{f"{SERVICE}/{name}": "health" for name in ("ServerLive", "ServerReady", "ModelReady")},
+    f"{_HEALTH}Check": "health", f"{_HEALTH}Watch": "health",
+    **{f"{SERVICE}/{name}": "metadata" for name in ("ServerMetadata", "ModelMetadata")},
+    **{f"{SERVICE}/{name}": "inference" for name in ("ModelInfer", "ModelStreamInfer")},
+    f"{SERVICE}/ModelConfig": "model-config",
+    f"{SERVICE}/ModelStatistics": "statistics",
+    **{f"{SERVICE}/{name}": MODEL_REPOSITORY
+       for name in ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")},
+    "/tensorflow.serving.ModelService/HandleReloadConfigRequest": MODEL_REPOSITORY,
+    **{f"{SERVICE}/{name}": "shared-memory" for name in (
+        "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+        "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister")},
+    f"{SERVICE}/TraceSetting": "trace",
+    f"{SERVICE}/LogSettings": "logging",
+}
 
 
-def restriction(repository: Repository) -> Callable[[str, Any], None]:
-    """RESTRICTED_MODEL_CONTROL on gRPC: check(method, metadata) raises Forbidden for a restricted
-    method called without the key; app/grpc/calls.py answers it PERMISSION_DENIED before its
-    handler runs."""
+def restriction(settings: Settings) -> Callable[[str, Any], None] | None:
+    """Triton's restricted protocols on gRPC: check(method, metadata) raises Forbidden for a method
+    of a restricted category called without its key (app/grpc/calls.py answers it UNAVAILABLE
+    before its handler runs); None where nothing is restricted."""
+    restrictions = grpc_restrictions(settings)
+    if not restrictions:
+        return None
+
     def check(method: str, metadata: Any) -> None:
-        if method not in RESTRICTED_METHODS or not repository.key:
-            return
-        # Every value of the key, as gRPC hands a repeated key over: one entry each.
-        sent = [value if isinstance(value, str) else "" for key, value in metadata or () if key == repository.key]
-        repository.check(method, sent, where="metadata key")
+        category = CATEGORIES.get(method)
+        found = restrictions.get(category) if category is not None else None
+        if found is not None:
+            found.check(method, metadata_values(found, metadata), noun="protocol")
 
     return check
 

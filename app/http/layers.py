@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import select
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from app.core.call import ANY_MODEL, Call, ClientGonePredicate, Exchange, ModelSpec
+from app.core.call import ANY_MODEL, NO_PARAMETERS, Call, ClientGonePredicate, Exchange, ModelSpec
 from app.core.errors import ServingError
 from app.core.exchange import Exchanges
 from app.http import patches
@@ -64,12 +64,13 @@ class HttpExchange(Exchange):
         return self._probes or self.path not in PROBE_PATHS
 
     def call(self, model: ModelSpec = ANY_MODEL, *, signature: str = "", outputs: tuple[str, ...] = (),
-             client_timeout_s: float | None = None, priority: int = 0) -> Call:
+             client_timeout_s: float | None = None, priority: int = 0,
+             parameters: Mapping[str, Any] = NO_PARAMETERS) -> Call:
         # Made for a call only: a GET never needs it. Gunicorn hands the app the client's socket;
         # Flask's test client has none.
         self.client_gone = socket_client_gone(self.environ.get("gunicorn.socket"))
         return super().call(model, signature=signature, outputs=outputs, client_timeout_s=client_timeout_s,
-                            priority=priority)
+                            priority=priority, parameters=parameters)
 
 
 class ExchangeLayer:

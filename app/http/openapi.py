@@ -4,17 +4,22 @@ Werkzeug's '/v1/models/<model_name:name>:predict' is the literal OpenAPI path
 '/v1/models/{name}:predict': the name pattern stops at ':'. Every error answers
 {"error": "..."} with one of the statuses listed for its route (the README's error table);
 init_app checks the document against the routes the app serves; tests/test_fuzz.py holds a live
-server to it.
+server to it. `x-model-signatures` shows each model's serving signature as served now (a model
+with a handler: the handler's), by name: per-row shapes (null: any size) and dtypes ("bytes" for
+strings), as a handler declares them.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, cast
 
 import orjson
-from flask import Flask, Response
+from flask import Flask, Response, current_app
 
+from app.core.models import STRING, Signature, TensorInfo
+from app.core.registry import ModelRegistry
+from app.http.routes import HttpApp
 from app.ops.settings import MODEL_NAME_PATTERN
 
 OPENAPI_VERSION = "3.0.3"
@@ -25,6 +30,7 @@ _ERRORS = {
          "a path under /v1/ that is not one of TensorFlow Serving's URLs ('Malformed request: ...'); "
          "model outputs that are not one row per input row; an unknown version label or signature_name; "
          "classify/regress with a signature of another method.",
+    403: "A restricted API category (HTTP_RESTRICTED_API, RESTRICTED_MODEL_CONTROL) called without its header.",
     404: "Unknown route, model or version.",
     405: "Wrong method for this path; 'Allow' lists the right ones.",
     413: "Body over MAX_REQUEST_BYTES, or more rows in one request than MAX_REQUEST_ROWS.",
@@ -156,7 +162,8 @@ def _v2_paths() -> dict[str, Any]:
     }
     header_length = {
         "name": "Inference-Header-Content-Length", "in": "header", "required": False,
-        "description": "Binary tensor data: the length of the JSON request at the body's start.",
+        "description": "Binary tensor data: the length of the JSON request at the body's start; 0: the "
+                       "body is the one input's raw data.",
         "schema": {"type": "integer", "minimum": 0},
     }
     signature = {"name": "signature_name", "in": "query", "required": False,
@@ -182,17 +189,23 @@ def _v2_paths() -> dict[str, Any]:
                                            parameters=(*parameters, signature))}
         paths[f"{prefix}/ready"] = {"get": _operation("Whether a model can serve.", ready_ok, (*_GET_ERRORS, 503),
                                                       parameters=parameters)}
+        paths[f"{prefix}/config"] = {"get": _operation(
+            "Triton's model configuration extension: the model as Triton's ModelConfig describes it.",
+            _json_ok("Triton's ModelConfig, every field written.", {"type": "object", "required": ["name"]}),
+            _GET_ERRORS, parameters=parameters)}
         infer = _operation("Run the model on named tensors (Open Inference Protocol).", infer_ok, _PREDICT_ERRORS,
                            parameters=(*parameters, header_length), body=True)
         infer["requestBody"]["content"]["application/json"]["schema"] = {"$ref": "#/components/schemas/V2InferRequest"}
+        infer["requestBody"]["content"]["application/octet-stream"] = {"schema": {"type": "string", "format": "binary"}}
         paths[f"{prefix}/infer"] = {"post": infer}
+    for operations in paths.values():  # every route has a category HTTP_RESTRICTED_API may restrict
+        for operation in operations.values():
+            operation["responses"]["403"] = _error(403)
     return {**paths, **_repository_paths()}
 
 
 def _repository_paths() -> dict[str, Any]:
     """Triton's model repository extension (app/core/repository.py)."""
-    forbidden = {"description": "RESTRICTED_MODEL_CONTROL is set and the request lacks its header and value.",
-                 "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     body = {"required": False, "content": {"application/json": {"schema": {"type": "object"}}}}
     index = _operation("Every model of MODEL_REPOSITORY and every model served, with each version's state.",
                        _json_ok("name, version, state, reason per model version.",
@@ -204,7 +217,7 @@ def _repository_paths() -> dict[str, Any]:
                                parameters=(_NAME,))
         paths[f"/v2/repository/models/{{name}}/{action}"] = {"post": operation}
     for path in paths.values():
-        path["post"]["responses"]["403"] = forbidden
+        path["post"]["responses"]["403"] = _error(403)
         path["post"]["requestBody"] = body
     return paths
 
@@ -384,7 +397,9 @@ def init_app(app: Flask) -> None:
 
     @app.get("/openapi.json")
     def openapi_json() -> Response:
-        return Response(served, mimetype="application/json")
+        # Models change live (reloads, versions): their signatures are read at each request.
+        signatures = orjson.dumps(model_signatures(cast(HttpApp, current_app).services.registry))
+        return Response(served[:-1] + b',"x-model-signatures":' + signatures + b"}", mimetype="application/json")
 
     described = {(path, method) for path, methods in document["paths"].items() for method in methods}
     served_routes = operations(app)
@@ -393,3 +408,24 @@ def init_app(app: Flask) -> None:
                            f"{sorted(served_routes - described)}, described but not served "
                            f"{sorted(described - served_routes)}")
     served = orjson.dumps(document)
+
+
+def model_signatures(registry: ModelRegistry) -> dict[str, Any]:
+    """Each model's serving signature (its newest version's), as clients send and get it."""
+    shown = {}
+    for name, servable in registry.items():
+        model = servable.model
+        signature = model.signatures.get(model.default_signature)
+        if signature is not None:
+            shown[name] = _signature(signature)
+    return shown
+
+
+def _signature(signature: Signature) -> dict[str, Any]:
+    return {"inputs": {spec.name: _tensor(spec) for spec in signature.inputs},
+            "outputs": {spec.name: _tensor(spec) for spec in signature.outputs}}
+
+
+def _tensor(spec: TensorInfo) -> dict[str, Any]:
+    return {"dtype": "bytes" if spec.dtype == STRING else spec.dtype.name,
+            "shape": None if spec.unknown_rank else list(spec.shape)}

@@ -14,6 +14,9 @@ which keeps every rule: the other methods get its 405 with Allow, and /openapi.j
 tests/test_direct.py checks the expressions against Werkzeug's own matching, and both paths'
 answers.
 
+A route's `category` is its category of Triton's restricted APIs: where HTTP_RESTRICTED_API (or
+RESTRICTED_MODEL_CONTROL) restricts it, both paths call its handler behind the check (`guarded`).
+
 An error is answered by app/http/errors.py's handlers, the same body, status and headers on
 either path; the access line, the request metrics (under the rule's text) and the trace are
 the exchange's, as for any request.
@@ -33,10 +36,11 @@ from app.core.errors import unreadable_version
 from app.core.services import Services
 from app.http import bodies, errors
 from app.http.bodies import BodyLimits
-from app.http.layers import exchange_of
+from app.http.layers import HttpExchange, exchange_of
 from app.http.patches import CachedEnsureSync
 from app.ops.numerals import INT64_MAX, whole_number
 from app.ops.settings import MODEL_NAME_PATTERN
+from app.wire.restricted import Restriction, http_restrictions
 
 
 class HttpApp(CachedEnsureSync):
@@ -72,6 +76,8 @@ class Route(NamedTuple):
     handler: Handler
     # Also answered below Flask (DirectRoutes): the predictions, taken thousands of times a second.
     direct: bool = False
+    # Triton's restricted API category (app/wire/restricted.py); '' for a route no setting restricts.
+    category: str = ""
 
 
 class ModelNameConverter(BaseConverter):
@@ -118,12 +124,31 @@ def init_app(app: Flask) -> None:
 def register(app: Flask, services: Services, name: str, routes: Sequence[Route]) -> None:
     """Flask's rules for a door's table: one view per handler, which hands it the request's exchange."""
     views: dict[Handler, Callable[..., Response]] = {}
+    restrictions = http_restrictions(services.settings)
     for route in routes:
         view = views.get(route.handler)
         if view is None:
-            view = views[route.handler] = _view(services, route.handler, post=route.method == "POST")
+            view = views[route.handler] = _view(services, guarded(route, restrictions), post=route.method == "POST")
             view.__name__ = route.handler.__name__.lstrip("_")
         app.add_url_rule(route.rule, f"{name}.{view.__name__}", view, methods=[route.method])
+
+
+def guarded(route: Route, restrictions: dict[str, Restriction]) -> Handler:
+    """The route's handler, behind its category's restriction where a setting restricts it (403
+    without the header, in Triton's words)."""
+    restriction = restrictions.get(route.category) if route.category else None
+    if restriction is None:
+        return route.handler
+    handler = route.handler
+    # The header as request.headers reads it from the environ.
+    environ_key = "HTTP_" + restriction.header.upper().replace("-", "_")
+
+    def restricted(services: Services, exchange: HttpExchange, **values: Any) -> Reply:
+        sent = restriction.header_values(exchange.environ.get(environ_key))
+        restriction.check(exchange.path, sent, noun="API")
+        return handler(services, exchange, **values)
+
+    return restricted
 
 
 def _view(services: Services, handler: Handler, *, post: bool) -> Callable[..., Response]:
@@ -156,10 +181,11 @@ class DirectRoutes:
         self.services = services
         self.routes = []
         self._names: dict[str, tuple[list[str], list[Callable[[str], Any]]]] = {}
+        restrictions = http_restrictions(services.settings)
         for route in routes:
             if route.direct and route.method == "POST":
                 pattern, converts = _pattern(route.rule)
-                self.routes.append((pattern, route.rule, route.handler))
+                self.routes.append((pattern, route.rule, guarded(route, restrictions)))
                 self._names[route.rule] = ([found.group(2) for found in _PART.finditer(route.rule)], converts)
 
     def match(self, environ: dict[str, Any]) -> tuple[str, Handler, Sequence[str]] | None:

@@ -1,4 +1,4 @@
-"""The Open Inference Protocol (KServe v2) over HTTP, with Triton's binary tensor data extension.
+"""The Open Inference Protocol (KServe v2) over HTTP, with Triton's extensions.
 
 Routes (kserve/open-inference-protocol, specification/protocol/inference_rest.md):
 
@@ -6,26 +6,32 @@ Routes (kserve/open-inference-protocol, specification/protocol/inference_rest.md
     GET  /v2/health/live, /v2/health/ready
     GET  /v2/models/{m}[/versions/{v}]           model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready
+    GET  /v2/models/{m}[/versions/{v}]/config   Triton's model configuration (app/wire/v2_config.py)
     POST /v2/models/{m}[/versions/{v}]/infer
     GET  /v2/models[/{m}[/versions/{v}]]/stats  Triton's statistics (app/core/model_stats.py)
 
 A version of digits names a version, any other a version label ("stable"). The signature is
 the request parameter `signature_name` (serving_default without it); the request parameter
-`timeout` (microseconds, as tritonclient sends it) caps the server's deadline.
+`timeout` (microseconds, as tritonclient sends it) caps the server's deadline. Each route has
+its category of Triton's restricted APIs (HTTP_RESTRICTED_API, app/wire/restricted.py).
 
 Binary tensor data: with an `Inference-Header-Content-Length: N` header, the body's first N
 bytes are the JSON request and the rest the inputs whose parameters carry `binary_data_size`,
-in the order listed. An output asked for with `binary_data: true` (or every output, with the
-request parameter `binary_data_output: true`, which tritonclient sends when it names none)
-comes back the same way, after a JSON header whose length the answer's
-Inference-Header-Content-Length gives.
+in the order listed. An output asked for with `binary_data: true` comes back the same way,
+after a JSON header whose length the answer's Inference-Header-Content-Length gives; the
+request parameter `binary_data_output: true` (which tritonclient sends when it names no
+output) does so for the outputs not listed, as in Triton. `Inference-Header-Content-Length: 0`
+(or an empty body without it) is a raw binary request: the whole body is the one input's
+data, its shape deduced from the signature (v2_tensors.raw_input), every output binary.
 
 This module only translates: app/core/serving.py resolves, limits, times and records the request,
-and app/wire/v2_tensors.py checks each tensor against the signature.
+and app/wire/v2_tensors.py checks each tensor against the signature. Where Triton's clients
+read the words of a refusal, they are Triton's (v2_tensors.in_triton_words).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,14 +39,15 @@ import orjson
 import simdjson
 from flask import request
 
-from app.core.errors import BadRequest, Unavailable
+from app.core.errors import BadRequest, ServingError, Unavailable
+from app.core.registry import Servable
 from app.core.services import Services
 from app.core.serving import Answer
 from app.http import bodies
 from app.http.layers import HttpExchange
 from app.http.routes import Reply, Route
 from app.ops.numerals import whole_number
-from app.wire import codec, priority, v2_tensors
+from app.wire import codec, priority, v2_config, v2_tensors
 from app.wire.v2_statistics import statistics
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -64,17 +71,31 @@ def ready(services: Services, exchange: HttpExchange) -> Reply:
 
 def model_metadata(services: Services, exchange: HttpExchange, name: str, version: str | None = None) -> Reply:
     layer = services.layer
-    servable = layer.model(v2_tensors.model_spec(name, version))
+    servable = _model(services, name, version)
     signature = layer.predict_signature(servable, request.args.get("signature_name", ""))
     return _json(v2_tensors.model_metadata(servable.model, signature, layer.versions(servable)))
 
 
 def model_ready(services: Services, exchange: HttpExchange, name: str, version: str | None = None) -> Reply:
-    layer = services.layer
-    servable = layer.model(v2_tensors.model_spec(name, version))
-    if not layer.servable_ready(servable):
+    servable = _model(services, name, version)
+    if not services.layer.servable_ready(servable):
         raise Unavailable(f"model '{servable.model.name}' v{servable.model.version} cannot serve")
     return _json({"name": servable.model.name, "ready": True})
+
+
+def model_config(services: Services, exchange: HttpExchange, name: str, version: str | None = None) -> Reply:
+    """Triton's model configuration extension (app/wire/v2_config.py)."""
+    servable = _model(services, name, version)
+    config = v2_config.model_config(servable, services.registry.config_entry(servable.model.name))
+    return _json(v2_config.config_json(config))
+
+
+def _model(services: Services, name: str, version: str | None) -> Servable:
+    spec = v2_tensors.model_spec(name, version)
+    try:
+        return services.layer.model(spec)
+    except ServingError as exc:
+        raise v2_tensors.in_triton_words(exc, spec) from None
 
 
 def model_statistics(services: Services, exchange: HttpExchange, name: str = "", version: str = "") -> Reply:
@@ -87,7 +108,11 @@ def _json(value: Any) -> Reply:
 
 
 def infer(services: Services, exchange: HttpExchange, name: str, version: str | None = None) -> Reply:
-    body, tensors, json_text = _split(bodies.body(exchange), exchange.environ.get(_HEADER_LENGTH_KEY))
+    data = bodies.body(exchange)
+    length = _header_length(data, exchange.environ.get(_HEADER_LENGTH_KEY))
+    if length == 0:
+        return _infer_raw(services, exchange, name, version, data)
+    body, tensors, json_text = _split(data, length)
     parameters = _parameters(body, "the request")
     request_id = _text(body["id"], "id") if "id" in body else None
     every_binary = _flag(parameters.get("binary_data_output", False), "the parameter 'binary_data_output'")
@@ -95,12 +120,36 @@ def infer(services: Services, exchange: HttpExchange, name: str, version: str | 
     if not isinstance(signature_name, str):
         raise BadRequest(v2_tensors.SIGNATURE_NAME_ERROR)
     wanted = _requested_outputs(body)
-    call = exchange.call(v2_tensors.model_spec(name, version), signature=signature_name,
-                         outputs=tuple(output for output, _ in wanted), client_timeout_s=_timeout_s(parameters),
-                         priority=priority.from_v2_rest(parameters))
-    answer = services.layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
-        _inputs(body, tensors, json_text), signature, max_rows=max_rows))
-    binary = {output_name: every_binary if choice is None else choice for output_name, choice in wanted}
+    names = tuple(output for output, _ in wanted)
+    v2_tensors.check_outputs(names)
+    spec = v2_tensors.model_spec(name, version)
+    call = exchange.call(spec, signature=signature_name, outputs=names, client_timeout_s=_timeout_s(parameters),
+                         priority=priority.from_v2_rest(parameters), parameters=parameters)
+    try:
+        answer = services.layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
+            _inputs(body, tensors, json_text), signature, max_rows=max_rows))
+    except ServingError as exc:
+        raise v2_tensors.in_triton_words(exc, spec) from None
+    # As Triton: an output asked for is binary only if its own binary_data says so; the request's
+    # binary_data_output is the form of the outputs it does not list (all, when it lists none).
+    binary = {output_name: bool(choice) for output_name, choice in wanted}
+    return _encode(answer, request_id, lambda output_name: binary.get(output_name, every_binary))
+
+
+def _infer_raw(services: Services, exchange: HttpExchange, name: str, version: str | None, data: bytes) -> Reply:
+    """Triton's raw binary request: the body is the one input's bytes (v2_tensors.raw_input); every
+    output answers binary."""
+    spec = v2_tensors.model_spec(name, version)
+    call = exchange.call(spec)
+    try:
+        answer = services.layer.infer(call, lambda signature, max_rows: v2_tensors.decode_inputs(
+            [v2_tensors.raw_input(data, signature, name)], signature, max_rows=max_rows))
+    except ServingError as exc:
+        raise v2_tensors.in_triton_words(exc, spec) from None
+    return _encode(answer, None, lambda _name: True)
+
+
+def _encode(answer: Answer, request_id: str | None, binary: Callable[[str], bool]) -> Reply:
     header: dict[str, Any] = {"model_name": answer.servable.model.name,
                               "model_version": str(answer.servable.model.version)}
     if request_id is not None:
@@ -110,7 +159,7 @@ def infer(services: Services, exchange: HttpExchange, name: str, version: str | 
         array = v2_tensors.output_array(answer.outputs[output.name], output)
         entry: dict[str, Any] = {"name": output.name, "datatype": v2_tensors.datatype(output),
                                  "shape": list(array.shape)}
-        if binary.get(output.name, every_binary):
+        if binary(output.name):
             chunks.append(v2_tensors.to_bytes(array))
             entry["parameters"] = {"binary_data_size": len(chunks[-1])}
         else:
@@ -130,30 +179,36 @@ def _answer(answer: Answer, header: bytes, chunks: list[bytes]) -> Reply:
 _MODEL = "/v2/models/<model_name:name>"
 _MODELS = (_MODEL, f"{_MODEL}/versions/<version>")
 # The door's one table (app/http/routes.py): Flask's rules and the direct router's come from it.
+# Each route with its category of Triton's restricted APIs (app/wire/restricted.py).
 ROUTES = [
-    Route("GET", "/v2", server_metadata),
-    Route("GET", "/v2/health/live", live),
-    Route("GET", "/v2/health/ready", ready),
-    *(Route("GET", prefix, model_metadata) for prefix in _MODELS),
-    *(Route("GET", f"{prefix}/ready", model_ready) for prefix in _MODELS),
+    Route("GET", "/v2", server_metadata, category="metadata"),
+    Route("GET", "/v2/health/live", live, category="health"),
+    Route("GET", "/v2/health/ready", ready, category="health"),
+    *(Route("GET", prefix, model_metadata, category="metadata") for prefix in _MODELS),
+    *(Route("GET", f"{prefix}/ready", model_ready, category="health") for prefix in _MODELS),
+    *(Route("GET", f"{prefix}/config", model_config, category="model-config") for prefix in _MODELS),
     # A static rule wins over a model name "stats".
-    Route("GET", "/v2/models/stats", model_statistics),
-    *(Route("GET", f"{prefix}/stats", model_statistics) for prefix in _MODELS),
-    *(Route("POST", f"{prefix}/infer", infer, direct=True) for prefix in _MODELS),
+    Route("GET", "/v2/models/stats", model_statistics, category="statistics"),
+    *(Route("GET", f"{prefix}/stats", model_statistics, category="statistics") for prefix in _MODELS),
+    *(Route("POST", f"{prefix}/infer", infer, direct=True, category="inference") for prefix in _MODELS),
 ]
 
 
-def _split(data: bytes, header_length: str | None) -> tuple[dict[str, Any], memoryview, bytes]:
+def _header_length(data: bytes, header_length: str | None) -> int:
+    """How many of the body's bytes are the JSON request: Inference-Header-Content-Length, else all.
+    0 is Triton's raw binary request, as is an empty body without the header."""
+    if header_length is None:
+        return len(data)
+    found = whole_number(header_length.strip(), len(data))
+    if found is None:
+        raise BadRequest(f"{HEADER_LENGTH} must be a number of bytes within the body's {len(data)}; "
+                         f"got {header_length!r}")
+    return found
+
+
+def _split(data: bytes, length: int) -> tuple[dict[str, Any], memoryview, bytes]:
     """The JSON request read, the binary data after it (none without Inference-Header-Content-Length),
     and the JSON text."""
-    if header_length is None:
-        length = len(data)
-    else:
-        found = whole_number(header_length.strip(), len(data))
-        if found is None:
-            raise BadRequest(f"{HEADER_LENGTH} must be a number of bytes within the body's {len(data)}; "
-                             f"got {header_length!r}")
-        length = found
     json_text = data if length == len(data) else data[:length]
     body = _numbers_read_whole(json_text)
     if body is None:
@@ -183,13 +238,15 @@ def _numbers_read_whole(text: bytes) -> dict[str, Any] | None:
         inputs = document.get("inputs")
         if not isinstance(inputs, simdjson.Array):
             return {**body, "inputs": _python(inputs)} if "inputs" in document else body
-        body["inputs"] = [_input(tensor) for tensor in inputs]
+        # Only a text with that many '[' can hold data nested too deep (v2_tensors.MAX_JSON_DEPTH).
+        deep = text.count(b"[") >= v2_tensors.MAX_JSON_DEPTH
+        body["inputs"] = [_input(tensor, deep) for tensor in inputs]
     except (ValueError, TypeError, RuntimeError):  # not JSON to simdjson, or data not all numbers
         return None
     return body
 
 
-def _input(tensor: Any) -> Any:
+def _input(tensor: Any, deep: bool) -> Any:
     if not isinstance(tensor, simdjson.Object):
         return _python(tensor)
     if not codec.unique_keys(tensor):
@@ -197,7 +254,11 @@ def _input(tensor: Any) -> Any:
     value = {key: _python(tensor[key]) for key in _keys(tensor) if key != "data"}
     data = tensor.get("data")
     if isinstance(data, simdjson.Array) and value.get("datatype") in _FLOAT_DATATYPES:
-        value["data"] = np.frombuffer(data.as_buffer(of_type="d"), dtype=np.float64)
+        flat = np.frombuffer(data.as_buffer(of_type="d"), dtype=np.float64)
+        # as_buffer flattens any nesting: Triton's depth limit is checked on the data's text.
+        if deep and v2_tensors.nesting_depth(data.mini) >= v2_tensors.MAX_JSON_DEPTH:
+            raise v2_tensors.depth_error(bytes_data=False)
+        value["data"] = flat
     elif "data" in tensor:
         value["data"] = _python(data)
     return value

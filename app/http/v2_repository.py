@@ -4,57 +4,58 @@
     POST /v2/repository/models/{m}/load       serve MODEL_REPOSITORY/m
     POST /v2/repository/models/{m}/unload     stop serving m
 
-RESTRICTED_MODEL_CONTROL's header is checked before each of them.
+Their category is Triton's `model-repository` (RESTRICTED_MODEL_CONTROL, HTTP_RESTRICTED_API).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
 
 from app.core.errors import BadRequest
-from app.core.repository import Repository, expected_parameter
+from app.core.repository import expected_parameter
 from app.core.services import Services
 from app.http.layers import HttpExchange
 from app.http.routes import Reply, Route
 from app.wire import codec
+from app.wire.restricted import MODEL_REPOSITORY
+
+# Triton's words (http_server.cc, HandleRepositoryIndex).
+NOT_A_BOOLEAN = "Invalid value for 'ready': expected a boolean"
+# A body whose 'ready' is an array: refused as not a boolean however deep it nests (orjson stops
+# at 1024 levels; Triton's parser reads any depth, then refuses the value).
+_READY_ARRAY = re.compile(rb'\s*\{\s*"ready"\s*:\s*\[')
 
 
 def index(services: Services, exchange: HttpExchange) -> Reply:
-    repository = _restricted(services.repository, exchange)
-    ready = _body(exchange).get("ready", False)
+    try:
+        ready = _body(exchange).get("ready", False)
+    except BadRequest:
+        if _READY_ARRAY.match(exchange.body or b""):
+            raise BadRequest(NOT_A_BOOLEAN) from None
+        raise
     if not isinstance(ready, bool):
-        raise BadRequest("'ready' must be true or false")
-    return Reply(orjson.dumps(repository.index(ready=ready)))
+        raise BadRequest(NOT_A_BOOLEAN)
+    return Reply(orjson.dumps(services.repository.index(ready=ready)))
 
 
 def load(services: Services, exchange: HttpExchange, name: str) -> Reply:
-    _restricted(services.repository, exchange).load(name, _parameters(exchange, "load"),
-                                                    timeout_s=services.layer.deadline_s())
+    services.repository.load(name, _parameters(exchange, "load"), timeout_s=services.layer.deadline_s())
     return Reply(b"")
 
 
 def unload(services: Services, exchange: HttpExchange, name: str) -> Reply:
-    _restricted(services.repository, exchange).unload(name, _parameters(exchange, "unload"),
-                                                      timeout_s=services.layer.deadline_s())
+    services.repository.unload(name, _parameters(exchange, "unload"), timeout_s=services.layer.deadline_s())
     return Reply(b"")
 
 
 ROUTES = [
-    Route("POST", "/v2/repository/index", index),
-    Route("POST", "/v2/repository/models/<model_name:name>/load", load),
-    Route("POST", "/v2/repository/models/<model_name:name>/unload", unload),
+    Route("POST", "/v2/repository/index", index, category=MODEL_REPOSITORY),
+    Route("POST", "/v2/repository/models/<model_name:name>/load", load, category=MODEL_REPOSITORY),
+    Route("POST", "/v2/repository/models/<model_name:name>/unload", unload, category=MODEL_REPOSITORY),
 ]
-
-
-def _restricted(repository: Repository, exchange: HttpExchange) -> Repository:
-    """The repository, once the call came with RESTRICTED_MODEL_CONTROL's header (Forbidden if not)."""
-    if repository.key:
-        # The header as request.headers reads it from the environ.
-        sent = exchange.environ.get("HTTP_" + repository.key.upper().replace("-", "_"))
-        repository.check(exchange.path, repository.header_values(sent), where="header")
-    return repository
 
 
 def _body(exchange: HttpExchange) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from app.core.batching import BatchResult, Engine, EngineInfo, Tensors
 from app.core.batching.batcher import given_ms
 from app.core.call import Call
 from app.core.errors import DeadlineExceeded
-from app.core.registry import ConfigEdit, ModelRegistry, Servable
+from app.core.models import ModelLoadError
+from app.core.registry import END, ConfigEdit, ModelRegistry, Servable
 from app.model_process import meta, protos
 from app.model_process.link import ModelProcessLink, batch_result
 from app.model_process.supervisor import FOLDER_VARIABLE, socket_path
@@ -37,6 +38,14 @@ class RemoteRegistry(ModelRegistry):
     repository load and unload) is the model processes' to apply."""
 
     link: ModelProcessLink | None = None
+
+    def __init__(self, default_name: str) -> None:
+        super().__init__(default_name)
+        # Each model's MODEL_CONFIG entry, as its model process last described it.
+        self.entries: dict[str, dict[str, Any]] = {}
+
+    def config_entry(self, name: str) -> dict[str, Any] | None:
+        return self.entries.get(name)
 
     def flush(self, *, later_too: bool = False) -> None:
         """A stop was asked (the worker's when_stopping): this worker's rows wait out no batch window."""
@@ -218,6 +227,9 @@ class RemoteModels:
         self.link = link
         self.hang_ups = HangUps(link)
         self._lock = threading.Lock()
+        # Versions this worker could not serve, though the model process does: their handler
+        # cannot be imported here. At start they stop the worker (connect).
+        self.load_errors: list[str] = []
 
     def apply(self, description: dict[str, Any]) -> Callable[[], None]:
         """Serve what the description says; returns a wait until the versions it drops are gone."""
@@ -248,8 +260,15 @@ class RemoteModels:
         wanted = {version["version"]: version for version in entry["versions"]}
         for number, version in wanted.items():
             if number not in served:
-                self.registry.add(self._servable(name, version))
+                try:
+                    self.registry.add(self._servable(name, version))
+                except ModelLoadError as exc:
+                    log.error("model '%s' v%d is not served by this worker: %s", name, number, exc)
+                    self.load_errors.append(f"model '{name}' v{number}: {exc}")
+                    self.registry.set_state(name, number, END, str(exc)[:1000])
         self.registry.set_labels(name, {label: int(version) for label, version in entry["labels"].items()})
+        if isinstance(self.registry, RemoteRegistry) and entry.get("config") is not None:
+            self.registry.entries[name] = entry["config"]
         for state in entry["states"]:
             number = int(state["version"])
             if number not in served and number not in wanted:
@@ -260,7 +279,7 @@ class RemoteModels:
         batchers: dict[str, Engine] = {
             key: RemoteBatcher(self.link, name, version["version"], key, EngineInfo(**info), self.hang_ups)
             for key, info in version["batchers"].items()}
-        return Servable(meta.loaded_model(name, version), batchers)
+        return Servable(meta.loaded_model(name, version), batchers, meta.handled(version, name))
 
 
 def connect(settings: Settings) -> RemoteRegistry:
@@ -277,5 +296,8 @@ def connect(settings: Settings) -> RemoteRegistry:
     remote = RemoteModels(registry, link)
     holder.append(remote)
     remote.apply(link.connect())
+    if remote.load_errors:
+        link.close()
+        raise ModelLoadError("; ".join(remote.load_errors))
     registry.link = link
     return registry

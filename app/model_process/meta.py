@@ -1,15 +1,19 @@
 """What a model process tells its workers about the models it serves, as plain JSON values.
 
 Workers need a model's signatures (to parse and validate requests), its versions, labels
-and states (to resolve them), and its batchers' limits (to refuse early); never the model.
+and states (to resolve them), its batchers' limits (to refuse early) and its MODEL_CONFIG
+entry (v2's model configuration); never the model. A model's handler runs in the workers: they
+import it by the reference given here, and check what its preprocess makes against the model's
+own signatures, sent beside the ones clients see.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from app.core import handlers
 from app.core.models import LoadedModel, Signature, TensorInfo
-from app.core.registry import ModelRegistry
+from app.core.registry import ModelRegistry, Servable
 from app.model_process.wire import dtype_from_text, dtype_text
 
 
@@ -20,7 +24,7 @@ def describe(registry: ModelRegistry) -> dict[str, Any]:
     for name in registry.names():
         versions = [_servable(registry.get(name, version)) for version in registry.versions(name)]
         models.append({"name": name, "labels": _labels(registry, name), "versions": versions,
-                       "states": registry.model_status(name)})
+                       "states": registry.model_status(name), "config": registry.config_entry(name)})
     return {"default": registry.default_name, "models": models}
 
 
@@ -40,8 +44,9 @@ def _labels(registry: ModelRegistry, name: str) -> dict[str, int]:
     return dict(config.version_labels) if config is not None else {}
 
 
-def _servable(servable: Any) -> dict[str, Any]:
+def _servable(servable: Servable) -> dict[str, Any]:
     model = servable.model
+    handled = servable.handler
     return {
         "version": model.version,
         "source": model.source,
@@ -50,6 +55,9 @@ def _servable(servable: Any) -> dict[str, Any]:
         "default_signature": model.default_signature,
         "signatures": [_signature(signature) for signature in model.signatures.values()],
         "batchers": {key: batcher.info.as_json() for key, batcher in servable.batchers.items()},
+        "handler": None if handled is None else {
+            "reference": handled.handler.reference,
+            "model_signatures": {key: _signature(signature) for key, signature in handled.model_signatures.items()}},
     }
 
 
@@ -67,13 +75,26 @@ def _tensor(info: TensorInfo) -> dict[str, Any]:
 
 def loaded_model(name: str, version: dict[str, Any]) -> LoadedModel:
     """A model as a worker sees it: its signatures, and predict functions that must never run here."""
-    signatures = {entry["name"]: Signature(entry["name"], entry["method_name"],
-                                           [_info(item) for item in entry["inputs"]],
-                                           [_info(item) for item in entry["outputs"]], _not_here(name))
-                  for entry in version["signatures"]}
+    signatures = {entry["name"]: _signature_from(entry, name) for entry in version["signatures"]}
     main = signatures[version["default_signature"]]
     return LoadedModel(name, version["version"], version["source"], main.inputs, main.outputs, main.predict,
                        load_s=version["load_s"], warmup_s=version["warmup_s"], signatures=signatures)
+
+
+def handled(version: dict[str, Any], name: str) -> handlers.Handled | None:
+    """The version's handler, imported in this worker (ModelLoadError if it cannot be, or if it
+    imports Keras: a worker has no TensorFlow), bound to the model's signatures."""
+    entry = version.get("handler")
+    if entry is None:
+        return None
+    handler = handlers.load(entry["reference"], without_keras=True)
+    return handlers.Handled(handler, {key: _signature_from(item, name)
+                                      for key, item in entry["model_signatures"].items()})
+
+
+def _signature_from(entry: dict[str, Any], name: str) -> Signature:
+    return Signature(entry["name"], entry["method_name"], [_info(item) for item in entry["inputs"]],
+                     [_info(item) for item in entry["outputs"]], _not_here(name))
 
 
 def _info(item: dict[str, Any]) -> TensorInfo:

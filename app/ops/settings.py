@@ -109,6 +109,52 @@ def _shown_restriction(raw: str) -> str:
 validate_restriction.shown = _shown_restriction  # type: ignore[attr-defined]
 
 
+# Triton's restricted API categories (src/restricted_features.h), in its spelling.
+RESTRICTED_CATEGORIES = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
+                         "statistics", "trace", "logging")
+# One group of a restricted-API setting: the categories it restricts, the header and its value.
+RestrictedGroup = tuple[tuple[str, ...], str, str]
+
+
+def _restricted_groups(noun: str) -> Callable[[str], tuple[RestrictedGroup, ...]]:
+    """A validator of Triton's `--http-restricted-api` / `--grpc-restricted-protocol` values, one
+    `<category>[,<category>...]:<key>=<value>` group each, groups separated by ';'. As Triton
+    refuses them: an unknown category, or one named in two groups (the words are its own)."""
+
+    def validate(value: str) -> tuple[RestrictedGroup, ...]:
+        groups: list[RestrictedGroup] = []
+        seen: set[str] = set()
+        for text in value.split(";") if value else []:
+            names, colon, restriction = text.strip().partition(":")
+            categories = tuple(name.strip() for name in names.split(","))
+            if not colon or not all(categories):
+                raise ValueError
+            for category in categories:
+                if category not in RESTRICTED_CATEGORIES:
+                    raise SettingsError(f"unknown restricted {noun} '{category}'")
+                if category in seen:
+                    raise SettingsError(f"restricted {noun} '{category}' can not be specified in multiple "
+                                        "config groups")
+                seen.add(category)
+            key, _, secret = validate_restriction(restriction).partition("=")
+            groups.append((categories, key, secret))
+        return tuple(groups)
+
+    validate.shown = _shown_groups  # type: ignore[attr-defined]
+    return validate
+
+
+def _shown_groups(raw: str) -> str:
+    # Categories and keys are shown, never a value.
+    return repr(";".join(f"{names}:{key}=<hidden>" if equals else "<hidden>"
+                         for names, _, rest in (group.partition(":") for group in raw.split(";"))
+                         for key, equals, _ in [rest.partition("=")]))
+
+
+validate_restricted_api = _restricted_groups("api")
+validate_restricted_protocol = _restricted_groups("protocol")
+
+
 # Matched with fullmatch: "$" would also match before a final newline ("abc\n").
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -125,6 +171,19 @@ def validate_optional_path(value: str) -> str | None:
 
 def validate_optional_text(value: str) -> str:
     return value
+
+
+# A handler: `package.module`, `package.module:object` (a dotted attribute path) or a `.py` file.
+_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+_HANDLER_MODULE = re.compile(f"{_DOTTED}(:{_DOTTED})?")
+
+
+def validate_handler(value: str) -> str | None:
+    if not value:
+        return None
+    if value.endswith(".py") or _HANDLER_MODULE.fullmatch(value):
+        return value
+    raise ValueError
 
 
 def validate_log_level(value: str) -> str:
@@ -206,6 +265,7 @@ _ALLOWED: dict[Callable[[str], Any], str] = {
     validate_bool: "true or false (1/0, yes/no, on/off)",
     validate_model_name: "letters, digits, '_', '.' or '-', starting with a letter or digit, at most 64",
     validate_optional_path: "a path",
+    validate_handler: "`package.module`, `package.module:object` or a path to a `.py` file, or empty",
     validate_optional_text: "text",
     validate_log_level: "DEBUG, INFO, WARNING, ERROR or CRITICAL",
     validate_grpc_channel_arguments: "TF Serving's `key=value,key=value` (a 32-bit integer value passes as one, "
@@ -215,6 +275,10 @@ _ALLOWED: dict[Callable[[str], Any], str] = {
     validate_restriction: "`key=value`: a header name (lowercase letters, digits, '-', '_' or '.'; not `grpc-...` "
                           "nor `...-bin`) and a value; or empty",
     validate_socket_path: f"a path of at most {MAX_SOCKET_PATH} bytes once absolute, or empty",
+    validate_restricted_api: "Triton's `<category>[,<category>...]:<key>=<value>` groups, separated by ';', "
+                             f"each category one of {', '.join(RESTRICTED_CATEGORIES)}; or empty",
+    validate_restricted_protocol: "Triton's `<category>[,<category>...]:<key>=<value>` groups, separated by ';', "
+                                  f"each category one of {', '.join(RESTRICTED_CATEGORIES)}; or empty",
 }
 
 
@@ -264,10 +328,28 @@ class Settings:
         "process; `none` refuses them (503). Needs `MODEL_REPOSITORY`.", section="Models")
     restricted_model_control: str = _env(
         "RESTRICTED_MODEL_CONTROL", validate_restriction, "",
-        "`key=value`: v2's repository calls and TF Serving's HandleReloadConfigRequest are refused (403, "
-        "PERMISSION_DENIED) without header (REST) or metadata key (gRPC) `key` equal to `value` (each time, if "
-        "sent twice), as Triton's `--http-restricted-api=model-repository:key=value`. Empty: not restricted.",
+        "`key=value`: the `model-repository` category of `HTTP_RESTRICTED_API` and `GRPC_RESTRICTED_PROTOCOL` "
+        "at once, TF Serving's HandleReloadConfigRequest included; gRPC also takes the bare metadata key `key`. "
+        "Empty: not restricted.", section="Models")
+    http_restricted_api: tuple[RestrictedGroup, ...] = _env(
+        "HTTP_RESTRICTED_API", validate_restricted_api, (),
+        "Triton's `--http-restricted-api`: v2 REST routes of these categories answer 403 without header "
+        "`key: value` (`inference,metadata:infer-key=s3cret;model-repository:admin-key=...`) "
+        "([restricted APIs](api-v2.md#restricted-apis)).", section="Models")
+    grpc_restricted_protocol: tuple[RestrictedGroup, ...] = _env(
+        "GRPC_RESTRICTED_PROTOCOL", validate_restricted_protocol, (),
+        "Triton's `--grpc-restricted-protocol`: v2 gRPC methods of these categories answer UNAVAILABLE "
+        "without metadata `triton-grpc-protocol-<key>: <value>`; same syntax as `HTTP_RESTRICTED_API`.",
         section="Models")
+    model_handler: str | None = _env(
+        "MODEL_HANDLER", validate_handler, None,
+        "The handler of `MODEL_PATH`'s model: Python code the server runs around it, per request "
+        "([handlers](handlers.md)). With `MODEL_CONFIG`, a model's `\"handler\"` names it instead.",
+        section="Models")
+    model_repository_handlers: bool = _env(
+        "MODEL_REPOSITORY_HANDLERS", validate_bool, False,
+        "true: v2's repository load imports `MODEL_REPOSITORY/<name>/handler.py` as that model's handler; "
+        "false refuses to load a folder that holds one ([handlers](handlers.md#security)).", section="Models")
     max_batch_size: int = _env(
         "MAX_BATCH_SIZE", validate_pos_int, 32,
         "Most rows in one predict call. Batches are padded to a bucket: the powers of two below it, and itself.",
@@ -469,6 +551,18 @@ class Settings:
             # As Triton, which refuses explicit control with polling: the file would undo a load at its next read.
             raise SettingsError("MODEL_CONTROL_MODE='explicit' and MODEL_CONFIG_POLL_SECONDS="
                                 f"{self.model_config_poll_seconds:g} both change the models served: set one of them")
+        if self.restricted_model_control:
+            for name, groups in (("HTTP_RESTRICTED_API", self.http_restricted_api),
+                                 ("GRPC_RESTRICTED_PROTOCOL", self.grpc_restricted_protocol)):
+                if any("model-repository" in categories for categories, _, _ in groups):
+                    raise SettingsError(f"RESTRICTED_MODEL_CONTROL and {name} both restrict 'model-repository': "
+                                        "set one of them")
+        if self.model_handler and self.model_config:
+            raise SettingsError(f"MODEL_HANDLER={self.model_handler!r} names the handler of MODEL_PATH's model; with "
+                                "MODEL_CONFIG, name it in the model's entry (\"handler\")")
+        if self.model_repository_handlers and not self.model_repository:
+            raise SettingsError("MODEL_REPOSITORY_HANDLERS=true imports handler.py from MODEL_REPOSITORY's folders: "
+                                "set MODEL_REPOSITORY")
         if self.gpu_memory_limit_mb and self.gpu_memory_fraction:
             raise SettingsError(
                 f"GPU_MEMORY_LIMIT_MB={self.gpu_memory_limit_mb} and GPU_MEMORY_FRACTION={self.gpu_memory_fraction:g} "
@@ -507,6 +601,9 @@ class ModelConfig:
     length_buckets: tuple[int, ...] = ()
     payload_log_sampling_rate: float = 0.0
     priorities: queue_policy.Priorities = queue_policy.ONE_LEVEL
+    # The operator's handler (app/core/handlers.py): MODEL_HANDLER, the file's "handler", or a
+    # repository folder's handler.py with MODEL_REPOSITORY_HANDLERS. Never a reload's.
+    handler: str | None = None
 
     def __post_init__(self) -> None:
         # 0 derives the limit: a request may span a few batches, never more than the queue holds.
@@ -540,7 +637,7 @@ def model_configs(settings: Settings) -> list[ModelConfig]:
     """
     if settings.model_config is None:
         defaults = {key: getattr(settings, key) for key in _MODEL_KEYS}
-        return [ModelConfig(settings.model_name, settings.model_path, **defaults)]
+        return [ModelConfig(settings.model_name, settings.model_path, handler=settings.model_handler, **defaults)]
     where = f"MODEL_CONFIG={settings.model_config!r}"
     try:
         with open(settings.model_config, "rb") as config_file:
@@ -565,6 +662,8 @@ def configs_from_document(document: Any, settings: Settings, where: str) -> list
     if not isinstance(entries, list) or not entries:
         raise SettingsError(f"{where}: expected an object with a non-empty 'models' list")
     configs = [_model_config(entry, index, defaults, where) for index, entry in enumerate(entries)]
+    if where == RELOAD:
+        configs = _operators_handlers(configs, settings)
     names = [config.name for config in configs]
     if len(set(names)) != len(names):
         raise SettingsError(f"{where}: model names must be unique; got {names}")
@@ -574,13 +673,22 @@ def configs_from_document(document: Any, settings: Settings, where: str) -> list
     return sorted(configs, key=lambda config: config.name != default)
 
 
+# Where a reloaded config came from, as its errors name it: TF Serving's HandleReloadConfigRequest,
+# and v2's repository load and unload, which edit the config served (app/core/registry.py).
+RELOAD = "ReloadConfigRequest"
+
+
 def _model_config(entry: Any, index: int, defaults: dict[str, Any], where: str) -> ModelConfig:
     if not isinstance(entry, dict):
         raise SettingsError(f"{where}: models[{index}] must be an object")
-    unknown = set(entry) - {"name", "path", *_VERSION_KEYS, *_MODEL_KEYS, *queue_policy.KEYS}
+    if "handler" in entry and where == RELOAD:
+        # A handler is code: only the operator's settings and file name one, never a reload.
+        raise SettingsError(f"{where}: models[{index}].handler: a handler is named only by MODEL_HANDLER or the "
+                            "MODEL_CONFIG file")
+    unknown = set(entry) - {"name", "path", "handler", *_VERSION_KEYS, *_MODEL_KEYS, *queue_policy.KEYS}
     if unknown:
         raise SettingsError(f"{where}: models[{index}] has unknown key(s) {sorted(unknown)}; "
-                            f"allowed: name, path, {', '.join(_VERSION_KEYS)}, {', '.join(_MODEL_KEYS)}, "
+                            f"allowed: name, path, handler, {', '.join(_VERSION_KEYS)}, {', '.join(_MODEL_KEYS)}, "
                             f"{', '.join(queue_policy.KEYS)}")
     values = dict(defaults)
     try:
@@ -593,6 +701,11 @@ def _model_config(entry: Any, index: int, defaults: dict[str, Any], where: str) 
     path = entry.get("path")
     if path is not None and not isinstance(path, str):
         raise SettingsError(f"{where}: models[{index}].path must be a string")
+    handler = entry.get("handler")
+    if handler is not None:
+        if not isinstance(handler, str):
+            raise SettingsError(f"{where}: models[{index}].handler must be a string")
+        values["handler"] = parse(f"{where}: models[{index}].handler", handler, validate_handler)
     try:
         policy = _version_policy(entry.get("model_version_policy", {"latest": {}}))
         labels = _version_labels(entry.get("version_labels", {}))
@@ -604,6 +717,31 @@ def _model_config(entry: Any, index: int, defaults: dict[str, Any], where: str) 
 
 
 _VERSION_KEYS = ("model_version_policy", "version_labels")
+
+
+def _operators_handlers(configs: list[ModelConfig], settings: Settings) -> list[ModelConfig]:
+    """A reload's models, each with the handler the operator gave a model of its name and path:
+    MODEL_HANDLER, the MODEL_CONFIG file, or with MODEL_REPOSITORY_HANDLERS its repository folder's
+    handler.py. A model no operator source names is served without one."""
+    given = {(config.name, _real(config.path)): config.handler for config in model_configs(settings)
+             if config.handler}
+    bound = []
+    for config in configs:
+        handler = given.get((config.name, _real(config.path))) or _repository_handler(config, settings)
+        bound.append(dataclasses.replace(config, handler=handler) if handler else config)
+    return bound
+
+
+def _repository_handler(config: ModelConfig, settings: Settings) -> str | None:
+    if not (settings.model_repository_handlers and settings.model_repository and config.path):
+        return None
+    folder = os.path.join(settings.model_repository, config.name)
+    handler = os.path.join(folder, "handler.py")
+    return handler if _real(config.path) == _real(folder) and os.path.isfile(handler) else None
+
+
+def _real(path: str | None) -> str | None:
+    return None if path is None else os.path.realpath(path)
 
 
 def _version_policy(value: Any) -> tuple[str, int | tuple[int, ...]]:
@@ -641,6 +779,8 @@ def _version_labels(value: Any) -> tuple[tuple[str, int], ...]:
 def parse(name: str, raw: str, validator: Callable[[str], Any]) -> Any:
     try:
         return validator(raw.strip())
+    except SettingsError as exc:  # the validator's own words (Triton's, for its settings)
+        raise SettingsError(f"{name}: {exc}") from None
     except (ValueError, TypeError):
         shown = getattr(validator, "shown", repr)(raw)
         raise SettingsError(f"{name}={shown} is not valid: expected {allowed(validator)}") from None
@@ -722,6 +862,8 @@ _SHORT_ALLOWED = {
     allowed(validate_length_buckets): "increasing, ≥ 1 (`16,32,64`), or empty",
     allowed(validate_grpc_channel_arguments): "`key=value,...`, or empty",
     allowed(validate_restriction): "`key=value`, or empty",
+    allowed(validate_restricted_api): "`<category>,...:<key>=<value>;...`, or empty",
+    allowed(validate_restricted_protocol): "`<category>,...:<key>=<value>;...`, or empty",
 }
 
 

@@ -3,8 +3,10 @@
 Spans (docs/tracing.md is the manual):
 
     request (SERVER: REST "POST /v1/models/<model_name:name>:predict", gRPC its full method)
-      ├─ decode      from the request's start to the queueing of its rows: body, parse, lookup, tensors
+      ├─ decode      from the request's start to its tensors decoded: body, parse, lookup, tensors
+      ├─ preprocess  a model's handler making the rows it queues (app/core/handlers.py)
       ├─ queue wait  from the queueing to the start of the predict call that runs the first rows
+      ├─ postprocess the handler making the answer of the request's rows
       └─ encode      from the answer to the end of the front door: shaping and the response body
     predict         one per predict call (a trace of its own), LINKED to each request it served
 
@@ -21,7 +23,7 @@ cannot be the child of one: its span starts a trace of its own with a link to ea
 Nothing here runs unless TRACING is on: the services then hold a `Tracing`, whose spans each
 transport's outermost layer opens into the request's exchange (`http_span`, `grpc_span`);
 the exchange's call carries the trace, on which the request layer marks `decoded`,
-`answered` and `waited`, and the exchange's close `finish`es it with the status its client
+`handled`, `answered` and `waited`, and the exchange's close `finish`es it with the status its client
 got. app/core/loading.py wraps each batcher's observer in a `BatchTracer`. Off, no module of
 tracing is imported and a request's path holds no call of it. This module knows no request
 layer and no model: what it reads of an answer it reads by name.
@@ -88,6 +90,14 @@ class RequestTrace:
         self._queued_ns = time.time_ns()
         self._tracer.start_span("decode", context=self.context,
                                 start_time=cast(ReadableSpan, self.span).start_time).end(self._queued_ns)
+
+    def handled(self, stage: str, started_ns: int) -> None:
+        """A handler's span, `preprocess` or `postprocess`: from `started_ns` to now. The queue wait
+        starts once preprocess has made the rows it queues."""
+        now = time.time_ns()
+        self._tracer.start_span(stage, context=self.context, start_time=started_ns).end(now)
+        if stage == "preprocess" and self._queued_ns is not None:
+            self._queued_ns = now
 
     def waited(self) -> None:
         """The queue-wait span, once decoded: it ends where the first predict call serving the

@@ -301,6 +301,7 @@ def regress(layer: RequestLayer, call: Call, decode: Decode) -> tuple[Answer, np
 
 def _examples(layer: RequestLayer, call: Call, method: str, decode: Decode) -> Answer:
     servable = layer.model(call.model, call.exchange)
+    layer.predict_only(servable)
     signature, _input_name = example_signature(servable.model, call.signature, method,
                                                check_method_name=layer.check_method_name)
     return layer.run(call, servable, signature, decode)
@@ -315,6 +316,7 @@ def multi_inference(layer: RequestLayer, call: Call, tasks: list[Task], decode: 
     tasks go to the version that answered the first, so every result names one version.
     """
     servable = layer.model(call.model, call.exchange)
+    layer.predict_only(servable)
     plan = multi_inference_plan(servable.model, tasks, check_method_name=layer.check_method_name)
     results = []
     for method, signature in plan:

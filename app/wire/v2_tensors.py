@@ -27,7 +27,7 @@ import orjson
 
 from app.core.batching import check_rows
 from app.core.call import ModelSpec
-from app.core.errors import BadRequest, InvalidInput
+from app.core.errors import BadRequest, InvalidInput, NotFound, ServingError
 from app.core.models import STRING, LoadedModel, Signature, TensorInfo
 from app.core.serving import braced
 from app.ops.numerals import INT64_MAX, whole_number
@@ -36,7 +36,7 @@ from app.wire import codec
 SERVER_NAME = "tensorflow-model-server"
 # The project ships no release numbers; this names the API generation a client may expect.
 SERVER_VERSION = "1"
-EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository"]
+EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration"]
 BYTES = "BYTES"
 DATATYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
@@ -63,6 +63,58 @@ def model_spec(name: str, version: str | None) -> ModelSpec:
     if not (version.isascii() and version.isdigit()):
         return ModelSpec(name, label=version)
     return ModelSpec(name, version_number(version))
+
+
+# Triton's limit on how deep an input's JSON `data` may nest (common.h, HTTP_MAX_JSON_NESTING_DEPTH):
+# a value under this many arrays, `data`'s own included, is refused.
+MAX_JSON_DEPTH = 100
+DEPTH_ERROR = f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DEPTH})"
+_UNKNOWN_LABEL = "Unrecognized servable version label"
+
+
+def in_triton_words(exc: ServingError, spec: ModelSpec) -> ServingError:
+    """The request layer's refusal as Triton words it, where Triton's clients read the words: an
+    unknown model or version (model_repository_manager.cc), a version string that names nothing
+    (common.cc, GetModelVersionFromString: here, an unknown label). The status stays ours."""
+    if isinstance(exc, NotFound):
+        version = "" if spec.version is None else f" version {spec.version}"
+        return NotFound(f"Request for unknown model: '{spec.name}'{version} is not found")
+    if spec.label is not None and exc.message.startswith(_UNKNOWN_LABEL):
+        return BadRequest(f"failed to get model version from specified version string '{spec.label}': it is "
+                          f"neither a version number nor a version label of model '{spec.name}'")
+    return exc
+
+
+def check_outputs(names: Sequence[str]) -> None:
+    """Each output asked for once, in Triton's words (infer_request.cc, AddOriginalRequestedOutput)."""
+    if len(set(names)) != len(names):
+        seen: set[str] = set()
+        duplicate = next(name for name in names if name in seen or seen.add(name))  # type: ignore[func-returns-value]
+        raise InvalidInput(f"output '{duplicate}' already exists in request")
+
+
+def raw_input(data: bytes | memoryview, signature: Signature, model: str) -> Tensor:
+    """Triton's raw binary request (Inference-Header-Content-Length: 0): the whole body is the data
+    of the signature's one input, one row, its shape deduced as Triton's core does
+    (infer_request.cc, Normalize): at most one variable dimension, sized from the body; a BYTES
+    input must take one element, the body. Triton's words for what cannot be deduced."""
+    if len(signature.inputs) != 1:
+        raise InvalidInput(f"Raw request must only have 1 input (found 1) to be deduced but got "
+                           f"{len(signature.inputs)} inputs in '{model}' model configuration")
+    spec = signature.inputs[0]
+    dims: list[int | None] = [None] if spec.unknown_rank else list(spec.shape)
+    variable = [index for index, size in enumerate(dims) if size is None]
+    if len(variable) > 1:
+        raise InvalidInput(f"The shape of the raw input '{spec.name}' can not be deduced because there are more "
+                           "than one variable-sized dimension")
+    if spec.dtype == STRING:
+        if variable or math.prod(size or 0 for size in dims) != 1:
+            raise InvalidInput(f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]")
+        return Tensor(spec.name, BYTES, (1, *(1 for _ in dims)), values=[bytes(data)])
+    if variable:
+        fixed = math.prod(size or 1 for size in dims) * spec.dtype.itemsize
+        dims[variable[0]] = len(data) // fixed if fixed else 0
+    return Tensor(spec.name, datatype(spec), (1, *(size or 0 for size in dims)), raw=data)
 
 
 def version_number(version: str) -> int:
@@ -113,13 +165,17 @@ def decode_inputs(tensors: list[Tensor], signature: Signature, *, max_rows: int)
     """The request's inputs as arrays, each checked against the signature; every input once, no other."""
     given = [tensor.name for tensor in tensors]
     wanted = {spec.name: spec for spec in signature.inputs}
+    known = [tensor for tensor in tensors if tensor.name in wanted]
+    # Every shape checked before any array is built: a request over the row limit costs nothing.
+    for tensor in known:
+        _check(tensor, wanted[tensor.name], max_rows)
+    # Each input's data read before the inputs are counted, as Triton reads them (its words for a
+    # count that is not the shape's come first).
+    arrays = {tensor.name: _array(tensor, wanted[tensor.name]) for tensor in known}
     if len(set(given)) != len(given) or set(given) != set(wanted):
         raise InvalidInput(f"the model's signature '{signature.name}' takes the inputs {braced(wanted)}, "
                            f"each once; the request gave {given}")
-    # Every shape checked before any array is built: a request over the row limit costs nothing.
-    for tensor in tensors:
-        _check(tensor, wanted[tensor.name], max_rows)
-    return {tensor.name: _array(tensor, wanted[tensor.name]) for tensor in tensors}
+    return arrays
 
 
 def _check(tensor: Tensor, spec: TensorInfo, max_rows: int) -> None:
@@ -127,6 +183,7 @@ def _check(tensor: Tensor, spec: TensorInfo, max_rows: int) -> None:
     if tensor.datatype != want:
         raise InvalidInput(f"input '{tensor.name}' takes datatype {want}; the request sent {tensor.datatype}")
     shape = tensor.shape
+    _check_size(tensor, spec)
     if not shape or not spec.accepts_row_shape(shape[1:]) or any(size < 0 for size in shape):
         wanted = [-1, *(-1 if d is None else d for d in spec.shape)]
         raise InvalidInput(f"input '{tensor.name}' takes shape {wanted}; the request sent {list(shape)}")
@@ -135,6 +192,20 @@ def _check(tensor: Tensor, spec: TensorInfo, max_rows: int) -> None:
 
 def _count(shape: Sequence[int]) -> int:
     return math.prod(shape)  # Python ints: exact, however large
+
+
+def _check_size(tensor: Tensor, spec: TensorInfo) -> None:
+    """Triton's refusals of a shape whose element count or byte size passes int64 (common.cc,
+    GetElementCount; http_server.cc), in its words, before the data is read."""
+    if all(size >= 0 for size in tensor.shape):
+        count = _count(tensor.shape)
+        if count > INT64_MAX:
+            shape = ",".join(str(size) for size in tensor.shape)
+            raise InvalidInput(f"invalid shape for input '{tensor.name}': shape [{shape}] causes total element "
+                               f"count to exceed maximum size of {INT64_MAX}")
+        if spec.dtype != STRING and count * spec.dtype.itemsize > INT64_MAX:
+            raise InvalidInput(f"byte size overflow for input '{tensor.name}': element count ({count}) * data type "
+                               f"size ({spec.dtype.itemsize}) exceeds maximum allowed size ({INT64_MAX})")
 
 
 def _array(tensor: Tensor, spec: TensorInfo) -> np.ndarray:
@@ -192,7 +263,7 @@ def _deserialize_bytes(raw: bytes | memoryview, count: int, where: str) -> np.nd
     return values
 
 
-def _flatten(data: Any, where: str) -> list[Any]:
+def _flatten(data: Any, where: str, *, bytes_data: bool = False) -> list[Any]:
     if not isinstance(data, list):
         raise InvalidInput(f"{where}: 'data' must be a JSON array")
     flat: list[Any] = []
@@ -200,6 +271,8 @@ def _flatten(data: Any, where: str) -> list[Any]:
     while stack:
         for item in stack[-1]:
             if isinstance(item, list):
+                if len(stack) + 1 >= MAX_JSON_DEPTH:  # this array the 100th: its values under 100
+                    raise depth_error(bytes_data=bytes_data)
                 stack.append(iter(item))
                 break
             flat.append(item)
@@ -208,10 +281,25 @@ def _flatten(data: Any, where: str) -> list[Any]:
     return flat
 
 
+def depth_error(*, bytes_data: bool) -> InvalidInput:
+    """Triton's refusal of `data` nested MAX_JSON_DEPTH deep (http_server.cc: BYTES while sized, others
+    while read)."""
+    return InvalidInput(DEPTH_ERROR if bytes_data else f"Unable to parse 'data': {DEPTH_ERROR}")
+
+
+def nesting_depth(text: bytes | str) -> int:
+    """How deep arrays nest in JSON text holding numbers and arrays only (simdjson's minified `data`)."""
+    if not text:
+        return 0
+    view = np.frombuffer(text.encode() if isinstance(text, str) else text, dtype=np.uint8)
+    steps = (view == ord("[")).astype(np.int32) - (view == ord("]"))
+    return int(np.cumsum(steps).max())
+
+
 def _from_json(data: Any, dtype: np.dtype, count: int, where: str, *, booleans: bool = True) -> np.ndarray:
     if isinstance(data, np.ndarray):  # numbers read flat, as doubles (app/http/v2.py, _numbers_read_whole)
         if data.size != count:
-            raise InvalidInput(f"{where}: 'data' holds {data.size} values; its shape holds {count}")
+            raise _count_error(data.size, count)
         if dtype.itemsize >= data.dtype.itemsize:
             return codec.astype_keeping_gil(data, dtype)
         # simdjson reads no NaN or infinity: a value past the datatype's range is all that can overflow.
@@ -252,7 +340,7 @@ def _read_whole(data: Any, dtype: np.dtype, count: int, where: str) -> np.ndarra
     if inferred.dtype.kind not in _INFERRED_KINDS[dtype.kind]:
         return None  # a string, null, object or a value of the wrong type: the walk words it
     if inferred.size != count:
-        raise InvalidInput(f"{where}: 'data' holds {inferred.size} values; its shape holds {count}")
+        raise _count_error(inferred.size, count)
     flat = inferred.reshape(-1)
     if dtype.kind in "iu":
         # numpy's cast wraps where np.array(values, dtype) refuses; the range is checked first.
@@ -267,9 +355,9 @@ def _read_whole(data: Any, dtype: np.dtype, count: int, where: str) -> np.ndarra
 
 
 def _from_json_by_item(data: Any, dtype: np.dtype, count: int, where: str) -> np.ndarray:
-    flat = _flatten(data, where)
+    flat = _flatten(data, where, bytes_data=dtype == STRING)
     if len(flat) != count:
-        raise InvalidInput(f"{where}: 'data' holds {len(flat)} values; its shape holds {count}")
+        raise _count_error(len(flat), count)
     if dtype == STRING:
         if not all(isinstance(item, str) for item in flat):
             raise InvalidInput(f"{where}: BYTES data in JSON is strings")
@@ -289,6 +377,14 @@ def _from_json_by_item(data: Any, dtype: np.dtype, count: int, where: str) -> np
         return np.array(flat, dtype=dtype)
     except OverflowError:
         raise _past_range(dtype, where) from None
+
+
+def _count_error(found: int, count: int) -> InvalidInput:
+    """JSON `data` not as many values as its shape holds, in Triton's exact words (http_server.cc,
+    ReadDataFromJson), which its test.sh matches whole."""
+    if found < count:
+        return InvalidInput("Failed to parse 'data' field: shape does not match true shape")
+    return InvalidInput("Unable to parse 'data': Shape does not match true shape of 'data' field")
 
 
 def _floats(wide: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:

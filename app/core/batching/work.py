@@ -38,7 +38,9 @@ class Pending(concurrent.futures.Future[BatchResult]):
         self.call = call
         self.inputs = inputs
         self.rows = rows
-        self.key: Hashable = batch_key(inputs, padding)
+        key = batch_key(inputs, padding)
+        # A handler's batch key: rows of another group never share the call (app/core/handlers.py).
+        self.key: Hashable = key if call.group is None else (call.group, key)
         self.enqueued_at = enqueued_at
         # The call's, as fields: the row queue and the fill read them for every request they look at.
         self.deadline = call.deadline
