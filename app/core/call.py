@@ -161,9 +161,11 @@ class Exchange:
         # A trace sampled out is not linked to by any predict span.
         if trace is not None and not trace.recording:
             trace = None
-        return Call.within(deadline_s(self.timeout_s, client_timeout_s), model=model, signature=signature,
-                           outputs=outputs, client_gone=self.client_gone, priority=priority, exchange=self,
-                           trace=trace, parameters=parameters)
+        timeout_s = deadline_s(self.timeout_s, client_timeout_s)
+        # Call.within's deadline, made here: its **fields would pass every keyword twice, per request.
+        return Call(model, signature, outputs, deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+                    client_gone=self.client_gone, priority=priority, exchange=self, trace=trace, timeout_s=timeout_s,
+                    parameters=parameters)
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started

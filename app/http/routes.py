@@ -110,6 +110,8 @@ def _url_version(text: str) -> int:
 CONVERTERS: dict[str, type[BaseConverter]] = {"model_name": ModelNameConverter, "int": AsciiIntConverter}
 _VALUES: dict[str, Callable[[str], Any]] = {"int": _url_version}
 _PART = re.compile(r"<(?:(\w+):)?(\w+)>")
+# Each status's line ("200 OK"), made once: http.HTTPStatus(status) is an Enum call per request.
+STATUS_LINES = {status.value: f"{status.value} {status.phrase}" for status in http.HTTPStatus}
 
 
 def init_app(app: Flask) -> None:
@@ -204,14 +206,17 @@ class DirectRoutes:
         rule, handler, groups = matched
         exchange = exchange_of(environ)
         exchange.route = rule
-        names, converts = self._names[rule]
         try:
             bodies.raise_refusal(exchange)
-            values = {name: convert(group) for name, convert, group in zip(names, converts, groups, strict=True)}
-            reply = handler(self.services, exchange, **values)
+            if groups:
+                names, converts = self._names[rule]
+                reply = handler(self.services, exchange, **{name: convert(group) for name, convert, group
+                                                           in zip(names, converts, groups, strict=True)})
+            else:
+                reply = handler(self.services, exchange)
         except Exception as exc:  # noqa: BLE001 - answered as Flask's error handlers answer it
             return errors.answer_for(exc, exchange.request_id or None)(environ, start_response)
         body = reply.body
-        start_response(f"{reply.status} {http.HTTPStatus(reply.status).phrase}",
+        start_response(STATUS_LINES[reply.status],
                        [*reply.headers, ("Content-Type", reply.content_type), ("Content-Length", str(len(body)))])
         return [body]
