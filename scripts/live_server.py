@@ -41,7 +41,10 @@ class LiveServer:
 
     `env` is laid over this process's environment less `drop_env`. Every server gets its own gRPC port
     unless `env` names one: with SO_REUSEPORT, two servers on one port would share it. `python` is
-    the interpreter (another venv's: tests/test_jax.py)."""
+    the interpreter (another venv's: tests/test_jax.py). A subclass whose processes must be signalled
+    together sets `own_group`: the server then leads a process group (and session) of its own."""
+
+    own_group = False
 
     def __init__(self, log_dir: Path, env: Mapping[str, str] | None = None, *, args: Sequence[str] = (),
                  app: Sequence[str] = SERVER_COMMAND[-1:], cwd: Path = REPO,
@@ -68,7 +71,7 @@ class LiveServer:
     def start(self, *, workers: int = 1, ready_within_s: float = 180) -> LiveServer:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.command(workers=workers), cwd=self.cwd, env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, start_new_session=self.own_group)
         self.wait_ready(workers=workers, within_s=ready_within_s)
         return self
 

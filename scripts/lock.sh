@@ -12,6 +12,7 @@
 #   requirements-loadtest.lock  Locust and what locustfile.py imports    (Dockerfile loadtest)
 #   requirements-kserve.lock    the KServe SDK's v2 client, its own venv  (.ci/run)
 #   requirements-pytriton.lock  PyTriton, its own venv (python -m scripts.benchmark.peers; not CI)
+#   requirements-litserve.lock  LitServe, its own venv (python -m scripts.benchmark handler; not CI)
 # requirements-nodeps.txt is not locked: tensorflow-serving-api declares the full `tensorflow`
 # as a dependency, which would shadow tensorflow-cpu, so it is installed with --no-deps after
 # a lock; what it imports (grpcio, protobuf) is in the locks. requirements-tensorflow-cuda.txt
@@ -30,6 +31,7 @@ compile requirements.txt -o requirements-cpu.lock
 compile requirements-dev.txt -o requirements-dev.lock
 compile requirements-loadtest.txt -o requirements-loadtest.lock
 compile requirements-kserve.txt -o requirements-kserve.lock
+compile requirements-litserve.txt -o requirements-litserve.lock
 # PyTriton's wheels (a tritonserver binary inside) are manylinux_2_35: glibc 2.35 or newer.
 "$uv" pip compile --quiet --python-version 3.11 --python-platform x86_64-manylinux_2_35 \
     --no-header --annotation-style split requirements-pytriton.txt -o requirements-pytriton.lock

@@ -367,7 +367,7 @@ def test_the_command_names_every_scenario():
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: python -m scripts.benchmark")
     assert re.findall(r"^    (\S+)", done.stdout, re.M) == [
-        "experiment", "peers", "model-processes", "variable-length", "floor", "profile", "gpu"]
+        "experiment", "peers", "model-processes", "variable-length", "floor", "profile", "gpu", "handler"]
 
 
 # ---------------------------------------------------------------- one quick run, end to end

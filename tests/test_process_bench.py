@@ -103,6 +103,26 @@ def test_wrk_posts_the_lines_of_the_body_file_in_turn(tmp_path: Path):
     assert all(bodies.index(after) == (bodies.index(before) + 1) % 3 for before, after in itertools.pairwise(sent))
 
 
+def test_wrk_posts_each_listed_body_with_its_own_headers_in_turn(tmp_path: Path):
+    """The handler scenario's v2 binary bodies: each JSON header has its own length, sent in its own header."""
+    bodies = [(b'{"a": 1}\n\x00\xff tail', {"Inference-Header-Content-Length": "8"}),
+              (b'{"bb": 22}\r\n\x01', {"Inference-Header-Content-Length": "10", "Content-Type": "application/x"})]
+    listed = load.write_listing(tmp_path / "bodies", "v2", bodies)
+    seen: list[tuple[bytes, str | None, str | None]] = []
+
+    def answer(handler: BaseHTTPRequestHandler, body: bytes) -> None:
+        seen.append((body, handler.headers["Inference-Header-Content-Length"], handler.headers["Content-Type"]))
+        reply(200)(handler, body)
+    with local_server(answer) as (url, _):
+        result, _ = load.run_wrk(url, listed, duration_s=1, threads=1, connections=1, listing=True)
+        sent = list(seen)
+    assert result.errors is None and len(sent) >= 2
+    # Newlines and NULs inside a body stay in it; the default Content-Type unless the listing names one. One
+    # connection: the bodies alternate (wrk may build a request it never sends, so either may come first).
+    assert set(sent) == {(bodies[0][0], "8", "application/json"), (bodies[1][0], "10", "application/x")}
+    assert all(before != after for before, after in itertools.pairwise(sent))
+
+
 def test_non_2xx_answers_are_counted_and_make_the_load_unfit(body: Path):
     with local_server(reply(503)) as (url, received):
         result, _ = load.run_wrk(url, body, duration_s=1, threads=1, connections=2)

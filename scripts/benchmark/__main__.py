@@ -7,7 +7,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from scripts.benchmark import experiment, gpu, layouts, profile, variable_length
+from scripts.benchmark import experiment, gpu, handler, layouts, profile, variable_length
 from scripts.benchmark.common import COMMAND, DOCS
 
 # name: (one line of help, add the scenario's arguments, run it)
@@ -27,6 +27,8 @@ SCENARIOS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Calla
     "profile": ("where one worker's time goes: py-spy per stage and per thread", profile.add_arguments, profile.run),
     "gpu": ("the wide model on Keras's JAX backend on one GPU, alone and served (needs no TensorFlow)",
             gpu.add_arguments, gpu.run),
+    "handler": ("the image example's handler on camera photos beside LitServe and PyTriton, under wrk, and the "
+                "physical limit", handler.add_arguments, handler.run),
 }
 
 

@@ -40,7 +40,7 @@ WIDE_MODEL_NAME = "1,024 floats in, 4 × 4,096 hidden, 1,000 out dense, ~235 MB 
 DEFAULT_MODEL_NAME = "the built-in default model (4 → 4096 ×5 → 3 dense, ~268 MB of float32)"
 FLOOR_APP = ("--pythonpath", "scripts", "floor_app:app")
 # Folders of the machine a run was made on: a page shows its command without them.
-LOCAL_FLAGS = ("--out", "--work-dir", "--model-path", "--pytriton-python")
+LOCAL_FLAGS = ("--out", "--work-dir", "--model-path", "--pytriton-python", "--litserve-python")
 
 
 def log(message: str) -> None:
@@ -218,6 +218,12 @@ class Server(LiveServer):
         except subprocess.TimeoutExpired:
             log(f"{self.config.name}: killed after it did not stop within {within_s:g} s; see {self.log_path.name}")
             return -signal.SIGKILL
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot, over all its cores (a hypervisor's steal left out)."""
+    times = psutil.cpu_times()
+    return times.user + times.nice + times.system + getattr(times, "irq", 0.0) + getattr(times, "softirq", 0.0)
 
 
 def failure(exc: Exception, server: LiveServer) -> str:

@@ -17,7 +17,7 @@ import dataclasses
 import json
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from app.ops.settings import Settings
 
 from . import common
 from .common import DOCS, FLOOR_APP, REPO, WIDE_MODEL, Config, Server, fmt, log, markdown_table, mean, ratio
-from .load import run_h2load, run_wrk
+from .load import WrkResult, run_h2load, run_wrk
 
 PYTRITON_PYTHON = REPO / ".venv-pytriton" / "bin" / "python"
 PYTRITON_SCRIPT = REPO / "scripts" / "pytriton_server.py"
@@ -73,35 +73,43 @@ SCENARIOS = {
 }
 
 
-class PyTritonServer(Server):
-    """scripts/pytriton_server.py on free loopback ports; ready once its model answers ready over v2."""
+class PeerServer(Server):
+    """A peer's server (not Gunicorn) on a free loopback port; ready once GET `ready_path` answers 200."""
 
-    def __init__(self, *, python: Path, model_path: str, log_path: Path) -> None:
-        super().__init__(Config(PYTRITON, 1, {}, "PyTriton"), model_path=model_path, log_path=log_path)
-        self.python, self.model_path = python, model_path
-
-    def command(self, *, workers: int = 1) -> list[str]:
-        return [str(self.python), str(PYTRITON_SCRIPT), "--model-path", self.model_path, "--model-name", MODEL,
-                "--http-port", str(self.port), "--grpc-port", self.grpc_target.rsplit(":", 1)[1],
-                "--max-batch-size", str(Settings().max_batch_size)]
+    ready_path = "/"
 
     def wait_ready(self, *, workers: int = 1, within_s: float = 300) -> set[int]:
         assert self.proc is not None
-        deadline = time.monotonic() + within_s
+        name, deadline = self.config.what, time.monotonic() + within_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"PyTriton exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"PyTriton not ready within {within_s} s:\n{self.log()[-3000:]}")
+                raise TimeoutError(f"{name} not ready within {within_s} s:\n{self.log()[-3000:]}")
             try:
-                if requests.get(f"{self.url}/v2/models/{MODEL}/ready", timeout=10).status_code == 200:
+                if requests.get(self.url + self.ready_path, timeout=10).status_code == 200:
                     return {self.proc.pid}
             except requests.ConnectionError:
                 pass
             time.sleep(0.5)  # nothing listens yet, or the model still loads: there is no event to wait on
 
     def metrics(self) -> None:
-        return None  # Triton's batch figures are not this server's /metrics
+        return None  # a peer's batch figures are not this server's /metrics
+
+
+class PyTritonServer(PeerServer):
+    """scripts/pytriton_server.py on free loopback ports; ready once its model answers ready over v2."""
+
+    ready_path = f"/v2/models/{MODEL}/ready"
+
+    def __init__(self, *, python: Path, model_path: str, log_path: Path, name: str = PYTRITON) -> None:
+        super().__init__(Config(name, 1, {}, "PyTriton"), model_path=model_path, log_path=log_path)
+        self.python, self.model_path = python, model_path
+
+    def command(self, *, workers: int = 1) -> list[str]:
+        return [str(self.python), str(PYTRITON_SCRIPT), "--model-path", self.model_path, "--model-name", MODEL,
+                "--http-port", str(self.port), "--grpc-port", self.grpc_target.rsplit(":", 1)[1],
+                "--max-batch-size", str(Settings().max_batch_size)]
 
 
 def layout_server(layout: Layout, args: argparse.Namespace, model_path: str, log_path: Path) -> Server:
@@ -129,6 +137,7 @@ class Measured:
     rss_mib: float | None = None
     batch_rows: float | None = None
     wrk_cores: float | None = None
+    other_cores: float | None = None  # CPU of processes other than the server's and wrk's
     error: str | None = None
 
 
@@ -220,6 +229,38 @@ def build_models(folder: str, names: list[str]) -> None:
         np.save(Path(folder) / f"{name}-expected.npy", model(tf.constant(row), training=False).numpy())
 
 
+LoadIt = Callable[[float, Path | None], tuple[WrkResult, float]]  # (seconds, log file) -> result, its CPU s
+Snapshot = common.MetricSnapshot | None
+
+
+def closed_loop(server: Server, result: Measured, load_it: LoadIt, *, warmup_s: float, duration_s: float, tag: str,
+                work_dir: Path, quiet: bool = True) -> tuple[WrkResult, Snapshot, Snapshot]:
+    """Warm a started server, wait until it is idle (unless `quiet` is false: a server that never idles), then one
+    measured load; `result` gets its figures, and the caller refuses a load with errors. Returns the load and the
+    /metrics snapshots around it."""
+    if warmup_s > 0:
+        load_it(warmup_s, None)
+    if quiet:
+        server.wait_quiet(within_s=60)
+    metrics_before = server.metrics()  # outside the CPU window: the scrape is not part of the load
+    cpu_before, busy_before = server.cpu_seconds(), common.busy_cpu_seconds()
+    load, wrk_cpu_s = load_it(duration_s, work_dir / f"{tag}-load.txt")
+    cpu_s = server.cpu_seconds() - cpu_before
+    # What the rest of the machine took meanwhile: another tenant's tests make the figures lower.
+    result.other_cores = max(0.0, common.busy_cpu_seconds() - busy_before - cpu_s - wrk_cpu_s) / load.duration_s
+    result.rss_mib = server.rss_bytes() / 2**20
+    metrics_after = server.metrics()
+    result.requests, result.rps, result.p50_ms, result.p99_ms = load.requests, load.rps, load.p50_ms, load.p99_ms
+    result.cpu_ms_per_request = cpu_s / load.requests * 1000 if load.requests else None
+    result.wrk_cores = wrk_cpu_s / load.duration_s
+    if metrics_before and metrics_after and metrics_after.calls > metrics_before.calls:
+        result.batch_rows = (metrics_after.rows - metrics_before.rows) / (metrics_after.calls - metrics_before.calls)
+    log(f"{tag}: {load.requests} requests, {load.rps:.0f} req/s, p50 {fmt(load.p50_ms)} ms, "
+        f"{fmt(result.cpu_ms_per_request, 2)} ms CPU/request, {result.rss_mib:.0f} MiB, "
+        f"other processes {result.other_cores:.2f} of a core")
+    return load, metrics_before, metrics_after
+
+
 def measure(server: Server, result: Measured, *, work_dir: Path, expected: np.ndarray, args: argparse.Namespace,
             tag: str) -> Measured:
     """Start, check, warm, load and stop one server."""
@@ -240,28 +281,14 @@ def measure(server: Server, result: Measured, *, work_dir: Path, expected: np.nd
         server.start(workers=server.config.workers, ready_within_s=args.server_start_timeout)
         if result.layout not in (FLASK, FLOOR_BATCHER):  # the floors answer a fixed row
             result.check_difference = check_answer(layout, url, body.read_bytes(), headers, expected)
-        if args.warmup > 0:
-            load_it(args.warmup)
-        server.wait_quiet(within_s=60)
-        metrics_before = server.metrics()  # outside the CPU window: the scrape is not part of the load
-        cpu_before = server.cpu_seconds()
-        load, wrk_cpu_s = load_it(args.duration, work_dir / f"{tag}-load.txt")
-        cpu_s = server.cpu_seconds() - cpu_before
-        result.rss_mib = server.rss_bytes() / 2**20
-        metrics_after = server.metrics()
-        if layout.protocol == "grpc" and (metrics_after.rows - metrics_before.rows) < load.requests:
-            raise RuntimeError(f"refused: {metrics_after.rows - metrics_before.rows:.0f} rows served for "
-                               f"{load.requests} gRPC calls h2load saw end (a status trailer it cannot read)")
+        load, metrics_before, metrics_after = closed_loop(server, result, load_it, warmup_s=args.warmup,
+                                                          duration_s=args.duration, tag=tag, work_dir=work_dir)
+        served = metrics_after.rows - metrics_before.rows if metrics_before and metrics_after else 0.0
+        if layout.protocol == "grpc" and served < load.requests:
+            raise RuntimeError(f"refused: {served:.0f} rows served for {load.requests} gRPC calls h2load saw end (a "
+                               "status trailer it cannot read)")
         if load.errors:
             raise RuntimeError(f"refused: {load.errors} in {load.requests} requests")
-        result.requests, result.rps, result.p50_ms, result.p99_ms = load.requests, load.rps, load.p50_ms, load.p99_ms
-        result.cpu_ms_per_request = cpu_s / load.requests * 1000 if load.requests else None
-        result.wrk_cores = wrk_cpu_s / load.duration_s
-        if metrics_before and metrics_after and metrics_after.calls > metrics_before.calls:
-            before, after = metrics_before, metrics_after
-            result.batch_rows = (after.rows - before.rows) / (after.calls - before.calls)
-        log(f"{tag}: {load.requests} requests, {load.rps:.0f} req/s, p50 {fmt(load.p50_ms)} ms, "
-            f"{fmt(result.cpu_ms_per_request, 2)} ms CPU/request, {result.rss_mib:.0f} MiB")
     except Exception as exc:  # one layout failing should not lose the others' numbers
         result.error = common.failure(exc, server)
         log(f"{tag}: {result.error}")
@@ -297,6 +324,8 @@ def model_tables(results: Sequence[Measured], model: str, layouts: Sequence[Layo
     lines += [f"- `{r.layout}`, round {r.round}: {r.error}" for r in mine if r.error]
     if wrk_cores := [r.wrk_cores for r in mine if r.wrk_cores is not None]:
         lines += ["", f"wrk itself used {min(wrk_cores):.2f} to {max(wrk_cores):.2f} of a core over these loads."]
+    if others := [r.other_cores for r in mine if r.other_cores is not None]:
+        lines += [f"Other processes on the machine used {min(others):.2f} to {max(others):.2f} of a core meanwhile."]
     if differences := [r.check_difference for r in mine if r.check_difference is not None]:
         lines += [f"Before each load, the server's answer to the very request wrk sends was checked against the Keras "
                   f"model's own output: largest difference {max(differences):g} over {len(differences)} servers."]

@@ -11,6 +11,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,24 +154,36 @@ def measure_load(server: Server, load: Load, *, duration_s: float, prefix: Path,
     return stats
 
 
-# wrk's Lua hooks: POST the body file's lines (one JSON body each) in turn, or with headers the whole file as
-# one body (v2 binary); at the end one JSON line
-# with the counts and percentiles (microseconds) from wrk's own histogram.
+# wrk's Lua hooks: POST the body file's lines (one JSON body each) in turn; with headers the whole file as one
+# body (v2 binary); or, from a listing (write_listing), each listed file as one body with its own headers (v2
+# binary bodies whose JSON headers differ in length). At the end one JSON line with the counts and
+# percentiles (microseconds) from wrk's own histogram.
 WRK_SUMMARY = "WRK_SUMMARY "
 WRK_SCRIPT = """\
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 %(headers)s
-local bodies, sent = {}, 0
-if %(whole)s then
+local bodies, own_headers, sent, mode = {}, {}, 0, "%(mode)s"
+if mode == "whole" then
   local file = io.open("%(body)s", "rb"); bodies[1] = file:read("*a"); file:close()
-else
+elseif mode == "lines" then
   for line in io.lines("%(body)s") do bodies[#bodies + 1] = line end
+else
+  for line in io.lines("%(body)s") do
+    local fields, headers = {}, {}
+    for field in line:gmatch("[^\\t]+") do fields[#fields + 1] = field end
+    local file = io.open(fields[1], "rb"); bodies[#bodies + 1] = file:read("*a"); file:close()
+    for name, value in pairs(wrk.headers) do headers[name] = value end
+    for index = 2, #fields do
+      local name, value = fields[index]:match("^(.-): (.*)$"); headers[name] = value
+    end
+    own_headers[#bodies] = headers
+  end
 end
 
 function request()
   sent = sent %% #bodies + 1
-  return wrk.format(nil, nil, nil, bodies[sent])
+  return wrk.format(nil, nil, own_headers[sent], bodies[sent])
 end
 
 function done(summary, latency, requests)
@@ -181,6 +194,20 @@ function done(summary, latency, requests)
     summary.errors.write, summary.errors.timeout, latency:percentile(50), latency:percentile(99), latency.mean))
 end
 """
+
+
+def write_listing(folder: Path, name: str, bodies: Sequence[tuple[bytes, Mapping[str, str]]]) -> Path:
+    """Each body in a file of its own, and their listing for run_wrk(..., listing=True): a line per body, its
+    file's path and then each of its own headers as "Name: value", separated by tabs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for number, (body, headers) in enumerate(bodies):
+        path = (folder / f"{name}-{number:03d}.body").resolve()
+        path.write_bytes(body)
+        lines.append("\t".join([str(path), *(f"{header}: {value}" for header, value in headers.items())]))
+    listing = folder / f"{name}.listing"
+    listing.write_text("\n".join(lines) + "\n")
+    return listing
 
 
 @dataclasses.dataclass
@@ -221,12 +248,14 @@ def parse_wrk(output: str) -> WrkResult:
 
 
 def run_wrk(url: str, body: Path, *, duration_s: float, threads: int, connections: int,
-            log_path: Path | None = None, headers: dict[str, str] | None = None) -> tuple[WrkResult, float]:
-    """One closed-loop wrk run POSTing the lines of `body` in turn to `url`; its result and wrk's own CPU seconds."""
+            log_path: Path | None = None, headers: dict[str, str] | None = None,
+            listing: bool = False) -> tuple[WrkResult, float]:
+    """One closed-loop wrk run POSTing the lines of `body` in turn to `url` (with `headers`: the whole file as one
+    body; with `listing`: the bodies write_listing listed there); its result and wrk's own CPU seconds."""
     script = body.with_suffix(".lua")
     lines = "\n".join(f'wrk.headers["{name}"] = "{value}"' for name, value in (headers or {}).items())
-    script.write_text(WRK_SCRIPT % {"body": body.resolve(), "marker": WRK_SUMMARY, "whole": str(bool(headers)).lower(),
-                                    "headers": lines})
+    mode = "listing" if listing else "whole" if headers else "lines"
+    script.write_text(WRK_SCRIPT % {"body": body.resolve(), "marker": WRK_SUMMARY, "mode": mode, "headers": lines})
     command = ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration_s:g}s", "--latency",
                "--timeout", "30s", "-s", str(script), url]
     output, cpu_s = run_generator(command, duration_s, log_path)
