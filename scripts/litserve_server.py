@@ -34,8 +34,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the examples package
 
 import litserve as ls  # noqa: E402
-from examples.image_classifier import handler  # noqa: E402
 from fastapi import HTTPException  # noqa: E402
+
+from examples.image_classifier import handler  # noqa: E402
 
 
 class PhotoAPI(ls.LitAPI):
