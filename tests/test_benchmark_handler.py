@@ -109,11 +109,12 @@ def test_every_photo_is_sent_as_the_load_sends_it_and_a_score_off_by_more_than_1
 
 
 # A master that leaves on SIGTERM, with a child that stops on it and says so, and a child that ignores it (what
-# LitServe's tree did); each child prints its pid first.
+# LitServe's tree did); each child writes its pid first, in one write: with PYTHONUNBUFFERED, print's text and
+# newline are two, and the two children's lines could interleave.
 GRACEFUL = "import os, signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(print('graceful', " \
-           "flush=True))); print(os.getpid(), flush=True); time.sleep(120)"
-STUBBORN = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(os.getpid(), flush=True); " \
-           "time.sleep(120)"
+           "flush=True))); os.write(1, b'%d\\n' % os.getpid()); time.sleep(120)"
+STUBBORN = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
+           "os.write(1, b'%d\\n' % os.getpid()); time.sleep(120)"
 MASTER = "import subprocess, sys; children = [subprocess.Popen([sys.executable, '-c', code]) for code in " \
          f"({GRACEFUL!r}, {STUBBORN!r})]; [child.wait() for child in children]"
 
