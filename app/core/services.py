@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from app.core import limits, loading
+from app.core import loading
 from app.core import registry as registries
 from app.core.batching import Batcher
 from app.core.exchange import Exchanges
@@ -71,9 +71,7 @@ def start(settings: Settings, *, warm_up: registries.WarmUp | None = None,
     if registry is None:
         registry = registries.start(settings, metrics, loading=loading.steps(settings, warm_up=warm_up),
                                     on_broken=batch_thread_died)
-    layer = RequestLayer(registry, timeout_s=settings.request_timeout_ms / 1000.0,
-                         max_request_bytes=limits.max_request_bytes(settings, registry),
-                         check_method_name=settings.enable_signature_method_name_check)
+    layer = RequestLayer.from_settings(settings, registry)
     sampled = payload_logs.start(settings, metrics, to_record) if to_record is not None else None
     layer.payload_log = sampled
     services = Services(settings, metrics, registry, layer, Exchanges(metrics, writer=logs.start_access_writer()),

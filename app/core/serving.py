@@ -44,7 +44,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from app.core import handlers
+from app.core import handlers, limits
 from app.core.batching import BatchResult, Engine, Tensors, awaited, wait
 from app.core.call import Call, Exchange, ModelSpec
 from app.core.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidInput
@@ -54,6 +54,7 @@ from app.core.models import (
 )
 from app.core.registry import ModelRegistry, Servable
 from app.ops.payload_log import PayloadLog
+from app.ops.settings import Settings
 
 # A front door's decoding of its request's inputs against the signature the call resolved to,
 # refusing more than `max_rows` rows before it builds any array: decode(signature, max_rows).
@@ -76,6 +77,13 @@ class Answer:
 
 class RequestLayer:
     """Resolution, limits, deadline and shaping over one app's registry and settings."""
+
+    @classmethod
+    def from_settings(cls, settings: Settings, registry: ModelRegistry) -> RequestLayer:
+        """The layer the settings describe: the server's, and warm-up's for one model."""
+        return cls(registry, timeout_s=settings.request_timeout_ms / 1000.0,
+                   max_request_bytes=limits.max_request_bytes(settings, registry),
+                   check_method_name=settings.enable_signature_method_name_check)
 
     def __init__(self, registry: ModelRegistry, *, timeout_s: float, max_request_bytes: int,
                  check_method_name: bool = False) -> None:

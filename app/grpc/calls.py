@@ -188,7 +188,7 @@ class CallPath(grpc.aio.ServerInterceptor):
             return grpc.stream_unary_rpc_method_handler(probe)
 
         async def serve(_messages: Any, context: grpc.aio.ServicerContext) -> bytes:
-            exchange = self._exchanges.open(GrpcExchange(self._exchanges, method, context, timeout_s=self._timeout_s))
+            exchange = self.open_exchange(method, context)
             try:
                 await exchange.echo_id()
                 return await self._serve(method, behavior, parse, serialize, exchange, context)
@@ -233,6 +233,12 @@ class CallPath(grpc.aio.ServerInterceptor):
             if not released:
                 self._release()
 
+    def open_exchange(self, method: str, context: grpc.aio.ServicerContext, *, streamed: bool = False,
+                      ) -> GrpcExchange:
+        """A call's exchange, opened: a unary call's, or one streamed request's."""
+        return self._exchanges.open(GrpcExchange(self._exchanges, method, context, timeout_s=self._timeout_s,
+                                                 streamed=streamed))
+
     def _check_restriction(self, method: str, context: grpc.aio.ServicerContext) -> None:
         if self._restricted is not None:
             try:
@@ -252,7 +258,7 @@ class CallPath(grpc.aio.ServerInterceptor):
                 self._check_restriction(method, context)
             except _Refused as refused:
                 # Recorded as any refused call: an exchange closed with the status sent.
-                self._exchanges.open(GrpcExchange(self._exchanges, method, context, timeout_s=self._timeout_s))
+                self.open_exchange(method, context)
                 await context.abort(refused.code, refused.message)
             ending = await _Stream(self, method, streamed, parse, serialize, context).serve()
             if ending is not None:
@@ -356,8 +362,7 @@ class _Stream:
     async def _one(self, raw: bytes) -> _Answered:
         """One request served as a unary call: its exchange, a place, its trace, its handler."""
         path = self.path
-        exchange = path._exchanges.open(GrpcExchange(path._exchanges, self.method, self.context,
-                                                     timeout_s=path._timeout_s, streamed=True))
+        exchange = path.open_exchange(self.method, self.context, streamed=True)
         request, placed = None, False
         try:
             request = _parsed(self.parse, raw)

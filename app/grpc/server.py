@@ -77,7 +77,7 @@ class GrpcServer:
         # message's wait, the exchange, the trace, errors to codes (app/grpc/calls.py).
         server = grpc_limits.build_server(settings, max_bytes=max_bytes, threads=self._threads, path=path)
         prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
-            PredictionServicer(layer, max_bytes=max_bytes, tensor_content=settings.grpc_tensor_content), server)
+            PredictionServicer(layer, tensor_content=settings.grpc_tensor_content), server)
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(layer), server)
         v2_grpc.add_to_server(server, layer, services.repository)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

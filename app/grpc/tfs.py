@@ -34,26 +34,26 @@ from app.grpc.calls import handler
 from app.grpc.exchange import GrpcExchange
 from app.ops import tfs_config
 from app.wire import classify, metadata, tensor_proto, tfs_proto
-from app.wire.classify import Classes, Task
+from app.wire.classify import Classes
 from app.wire.tfs_proto import model_spec, set_model_spec
 
 _PREDICTION = "/tensorflow.serving.PredictionService"
 
 
 class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
-    def __init__(self, layer: RequestLayer, *, max_bytes: int, tensor_content: bool = False) -> None:
+    def __init__(self, layer: RequestLayer, *, tensor_content: bool = False) -> None:
         self.Predict = handler(self._predict)
         self.Classify = handler(self._classify)
         self.Regress = handler(self._regress)
         self.GetModelMetadata = handler(self._metadata)
         self.MultiInference = handler(self._multi_inference)
         self._layer = layer
-        self._max_bytes = max_bytes
         self._tensor_content = tensor_content
 
     async def _predict(self, request: Any, exchange: GrpcExchange) -> Any:
         call = tfs_proto.predict_call(exchange, request)
-        answer = await self._layer.start(call, tfs_proto.predict_decode(request, max_bytes=self._max_bytes))
+        decode = tfs_proto.predict_decode(request, max_bytes=self._layer.max_request_bytes)
+        answer = await self._layer.start(call, decode)
         response = predict_pb2.PredictResponse()
         set_model_spec(response.model_spec, answer.servable.model, answer.signature.name)
         for output in answer.selected:
@@ -77,10 +77,9 @@ class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
         return response
 
     def _multi_inference(self, request: Any, exchange: GrpcExchange) -> Any:
-        tasks = [Task(task.model_spec.name, task.model_spec.signature_name, task.method_name)
-                 for task in request.tasks]
         call = tfs_proto.multi_inference_call(exchange, request)
-        servable, results = classify.multi_inference(self._layer, call, tasks, tfs_proto.examples(request))
+        servable, results = classify.multi_inference(self._layer, call, tfs_proto.tasks(request),
+                                                     tfs_proto.examples(request))
         response = inference_pb2.MultiInferenceResponse()
         for result in results:
             entry = response.results.add()

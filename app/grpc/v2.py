@@ -35,7 +35,7 @@ from app.core.errors import BadRequest, NotFound, ServingError
 from app.core.registry import Servable
 from app.core.repository import Repository, expected_parameter
 from app.core.serving import Answer, RequestLayer
-from app.grpc.calls import Streamed, handler
+from app.grpc.calls import HEALTH_PREFIX, Streamed, handler
 from app.grpc.exchange import GrpcExchange
 from app.ops.settings import Settings
 from app.wire import priority, v2_config, v2_tensors
@@ -228,12 +228,11 @@ def add_to_server(server: grpc.aio.Server, layer: RequestLayer, repository: Repo
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(layer, repository), server)
 
 
-_HEALTH = "/grpc.health.v1.Health/"
 # Each method's category of Triton's restricted protocols (grpc_server.cc); TF Serving's
 # HandleReloadConfigRequest changes the models served, as the repository's calls do.
 CATEGORIES = {
     **{f"{SERVICE}/{name}": "health" for name in ("ServerLive", "ServerReady", "ModelReady")},
-    f"{_HEALTH}Check": "health", f"{_HEALTH}Watch": "health",
+    f"{HEALTH_PREFIX}Check": "health", f"{HEALTH_PREFIX}Watch": "health",
     **{f"{SERVICE}/{name}": "metadata" for name in ("ServerMetadata", "ModelMetadata")},
     **{f"{SERVICE}/{name}": "inference" for name in ("ModelInfer", "ModelStreamInfer")},
     f"{SERVICE}/ModelConfig": "model-config",

@@ -72,7 +72,7 @@ def wsgi_layers(services: Services) -> list[Layer]:
                           probes=settings.access_log_probes, tracing=services.tracing),
         functools.partial(BodyLimits, max_bytes=services.layer.max_request_bytes,
                           large_bytes=settings.large_body_bytes, large_slots=settings.large_body_slots,
-                          wait_s=settings.request_timeout_ms / 1000.0),
+                          wait_s=services.layer.timeout_s),
         # Innermost, so the layers above wrap these routes as any other.
         functools.partial(DirectRoutes, services=services, routes=[route for _, table in DOORS for route in table]),
     ]

@@ -292,11 +292,6 @@ def start_access_writer() -> AccessWriter:
         return _writer
 
 
-def process_writer() -> AccessWriter | None:
-    """The access-log thread, if this process started one."""
-    return _writer
-
-
 def flush_access_log() -> None:
     if _writer is not None:
         _writer.flush()

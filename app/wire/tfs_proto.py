@@ -19,7 +19,7 @@ from app.core.call import Call, Exchange, ModelSpec
 from app.core.models import LoadedModel, Signature
 from app.core.serving import Decode, braced
 from app.wire import tensor_proto
-from app.wire.classify import examples_decode, multi_inference_spec
+from app.wire.classify import Task, examples_decode, multi_inference_spec
 
 
 def model_spec(proto: Any) -> ModelSpec:
@@ -43,6 +43,11 @@ def multi_inference_call(exchange: Exchange, request: Any) -> Call:
     """A MultiInference's call: the model of its first task; the default priority, whatever the metadata says."""
     spec = multi_inference_spec(model_spec(request.tasks[0].model_spec) if request.tasks else ModelSpec())
     return exchange.call(spec, priority=0)
+
+
+def tasks(request: Any) -> list[Task]:
+    """A MultiInferenceRequest's tasks, as app/wire/classify.py runs them."""
+    return [Task(task.model_spec.name, task.model_spec.signature_name, task.method_name) for task in request.tasks]
 
 
 def predict_decode(request: Any, *, max_bytes: int) -> Decode:

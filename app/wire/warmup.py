@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from app.core import limits, serving
+from app.core import serving
 from app.core.call import Exchange
 from app.core.errors import ServingError
 from app.core.models import ModelLoadError
@@ -34,7 +34,6 @@ from app.core.registry import ModelRegistry
 from app.ops.metrics import Metrics
 from app.ops.settings import Settings
 from app.wire import classify
-from app.wire.classify import Task
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +61,7 @@ def replay(servable: Any, settings: Settings, metrics: Metrics) -> int:
     model = servable.model
     registry = ModelRegistry(model.name)
     registry.add(servable)
-    layer = serving.RequestLayer(registry, timeout_s=settings.request_timeout_ms / 1000.0,
-                                 max_request_bytes=limits.max_request_bytes(settings, registry),
-                                 check_method_name=settings.enable_signature_method_name_check)
+    layer = serving.RequestLayer.from_settings(settings, registry)
     handlers = _handlers(layer)
     started = time.perf_counter()
     sent = 0
@@ -97,9 +94,8 @@ def _handlers(layer: serving.RequestLayer) -> dict[str, Callable[[Any, Exchange]
     from app.wire import tfs_proto
 
     def multi_inference(request: Any, exchange: Exchange) -> Any:
-        tasks = [Task(task.model_spec.name, task.model_spec.signature_name, task.method_name) for task in request.tasks]
-        return classify.multi_inference(layer, tfs_proto.multi_inference_call(exchange, request), tasks,
-                                        tfs_proto.examples(request))
+        return classify.multi_inference(layer, tfs_proto.multi_inference_call(exchange, request),
+                                        tfs_proto.tasks(request), tfs_proto.examples(request))
 
     return {
         "predict_log": lambda request, exchange: layer.infer(
