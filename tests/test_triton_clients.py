@@ -97,10 +97,10 @@ class TestHttpAioClient:
             self.run(l0_http, lambda client: client.load_model("simple"))
 
     def test_unload_model(self, l0_http):
-        # As Triton's, which calls load_model too.
+        # Triton's calls load_model here, a copy of test_load_model; the unload is what its name asks.
         with pytest.raises(InferenceServerException,
                            match="explicit model load / unload is not allowed if polling is enabled"):
-            self.run(l0_http, lambda client: client.load_model("simple"))
+            self.run(l0_http, lambda client: client.unload_model("simple"))
 
     def test_get_inference_statistics(self, l0_http):
         assert self.run(l0_http, lambda client: client.get_inference_statistics())["model_stats"]
@@ -148,9 +148,9 @@ class TestGrpcAioClient:
             self.run(l0_grpc, lambda client: client.load_model("simple"))
 
     def test_unload_model(self, l0_grpc):
-        # As Triton's, which calls load_model too.
+        # Triton's calls load_model here, a copy of test_load_model; the unload is what its name asks.
         with pytest.raises(InferenceServerException, match=self.REFUSED):
-            self.run(l0_grpc, lambda client: client.load_model("simple"))
+            self.run(l0_grpc, lambda client: client.unload_model("simple"))
 
     def test_get_inference_statistics(self, l0_grpc):
         assert self.run(l0_grpc, lambda client: client.get_inference_statistics()).model_stats

@@ -309,8 +309,8 @@ class TestRestrictedProtocol:
     """qa/L0_grpc/python_unit_test.py, RestrictedProtocolTest."""
 
     def test_sanity(self, grpc_restricted):
-        grpc_restricted.get_inference_statistics("simple")
-        grpc_restricted.get_inference_statistics("simple", headers={PREFIX + "infer-key": "infer-value"})
+        for headers in (None, {PREFIX + "infer-key": "infer-value"}):
+            assert grpc_restricted.get_inference_statistics("simple", headers=headers).model_stats[0].name == "simple"
 
     def test_model_repository(self, grpc_restricted):
         with pytest.raises(InferenceServerException, match="This protocol is restricted"):
@@ -357,8 +357,8 @@ class TestRestrictedApi:
 
     def test_sanity(self, restricted):
         with http_client(restricted) as client:
-            client.get_inference_statistics("simple")
-            client.get_inference_statistics("simple", headers={"infer-key": "infer-value"})
+            for headers in (None, {"infer-key": "infer-value"}):
+                assert client.get_inference_statistics("simple", headers=headers)["model_stats"][0]["name"] == "simple"
 
     def test_model_repository(self, restricted):
         with http_client(restricted) as client:
