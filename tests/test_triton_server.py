@@ -641,7 +641,10 @@ def test_a_streamed_requests_deadline_is_its_timeout_or_the_streams(explicit):
     client.async_stream_infer("held_deadline", [tensor], request_id="x")
     error = completed.get(timeout=TIMEOUT_S)
     client.stop_stream()
-    assert isinstance(error, InferenceServerException) and error.status() == "StatusCode.DEADLINE_EXCEEDED"
+    # The request's deadline is the stream's: its in-stream answer and the stream's end race to the client.
+    assert isinstance(error, InferenceServerException) and (
+        error.status() == "StatusCode.DEADLINE_EXCEEDED"
+        or (error.status() is None and error.message().startswith("no result from model 'held_deadline' within")))
     wait_for(lambda: explicit.metric("model_server_requests_total", route=route,
                                      status="DEADLINE_EXCEEDED") == expired + 1,
              within_s=TIMEOUT_S, what="the streamed request recorded DEADLINE_EXCEEDED")
